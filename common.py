@@ -1,0 +1,745 @@
+"""Shared plumbing for the method files (msn.py, cmae.py, conmim.py, siammae.py, can.py).
+
+Nothing in here is specific to one method: a ViT trunk, masking helpers, EMA and schedules,
+data (ImageFolder-style directories and the built-in `synthetic` dataset), distributed helpers
+whose collectives autograd sees, CLI parsing from a dataclass, logging, checkpoints and a k-NN
+monitor. Read top to bottom; every method file imports it as `import common as C`.
+"""
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from PIL import Image
+
+
+class UserError(Exception):
+    """Bad input (data dir, checkpoint, flags): printed as one line by `main`, no traceback."""
+
+
+# ----------------------------------------------------------------------------------------------
+# ViT
+# ----------------------------------------------------------------------------------------------
+# name: (width, depth, heads). nano/micro are CPU sizes for tests and `--data synthetic`.
+SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small": (384, 12, 6),
+         "base": (768, 12, 12), "large": (1024, 24, 16)}
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, qkv_bias=True):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):                                            # (B, N, D)
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        x = F.scaled_dot_product_attention(q, k, v)                  # (B, h, N, D/h)
+        return self.proj(x.transpose(1, 2).reshape(B, N, D))
+
+
+class Mlp(nn.Sequential):
+    def __init__(self, dim, hidden):
+        super().__init__(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+
+def drop_path(x, p, training):
+    """Stochastic depth: zero a sample's residual branch with probability p (rescaled)."""
+    if p == 0.0 or not training:
+        return x
+    keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1 - p)
+    return x * keep / (1 - p)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + DP(Attn(LN(x))); x + DP(MLP(LN(x)))."""
+
+    def __init__(self, dim, heads, mlp_ratio=4.0, drop_path=0.0):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
+        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, int(dim * mlp_ratio))
+        self.drop_path = drop_path
+
+    def forward(self, x):
+        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
+        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, patch_size, dim, in_chans=3):
+        super().__init__()
+        self.patch_size = patch_size
+        self.proj = nn.Conv2d(in_chans, dim, patch_size, patch_size)
+
+    def forward(self, x):                                            # (B, 3, H, W) -> (B, N, D)
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+def sincos_pos_embed(dim, grid):
+    """Fixed 2-D sin-cos position embedding (MAE): (grid*grid, dim), half the channels per axis."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
+    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64),
+                            torch.arange(grid, dtype=torch.float64), indexing="ij")
+    parts = []
+    for pos in (xs.flatten(), ys.flatten()):                         # MAE: w first, then h
+        out = pos[:, None] * omega[None]
+        parts += [out.sin(), out.cos()]
+    return torch.cat(parts, dim=1).float()                          # [x sin, x cos, y sin, y cos]
+
+
+def init_weights(module):
+    """trunc-normal(0.02) Linear, unit LayerNorm, xavier patch projection (MAE / DeiT)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm) and m.elementwise_affine:
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Conv2d):
+            nn.init.xavier_uniform_(m.weight.view(m.weight.shape[0], -1))
+            nn.init.zeros_(m.bias)
+
+
+class ViT(nn.Module):
+    """Vision Transformer trunk (CLS token + patch tokens), MAE/DeiT style.
+
+    pos_embed: "learned" (trunc-normal, DeiT/MSN) or "sincos" (fixed, MAE). The table is
+    interpolated bicubically for inputs of another resolution (MSN's 96 px focal views).
+    forward(x, ids_keep=None, mask=None, norm=True) -> (B, 1 + n, D), CLS first:
+      ids_keep (B, n): indices of the patches to keep (MAE-style dropping, see random_masking);
+      mask (B, N), 1 = masked: those patch embeddings are replaced by the learned mask token
+      (SimMIM/BEiT style; needs mask_token=True).
+    """
+
+    def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, mlp_ratio=4.0,
+                 drop_path=0.0, pos_embed="learned", mask_token=False):
+        super().__init__()
+        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
+                           mlp_ratio=mlp_ratio, pos_embed=pos_embed, mask_token=mask_token)
+        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
+        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        n = self.grid ** 2
+        if pos_embed == "sincos":
+            table = torch.cat([torch.zeros(1, dim), sincos_pos_embed(dim, self.grid)])[None]
+            self.register_buffer("pos_embed", table)
+        else:
+            self.pos_embed = nn.Parameter(torch.zeros(1, 1 + n, dim))
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dim)) if mask_token else None
+        dpr = torch.linspace(0, drop_path, depth).tolist()           # stochastic depth decay rule
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, p) for p in dpr)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        init_weights(self)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        if self.mask_token is not None:
+            nn.init.trunc_normal_(self.mask_token, std=0.02)
+
+    def patch_pos_embed(self, gh, gw):                               # (1, gh*gw, D)
+        pe = self.pos_embed[:, 1:]
+        if (gh, gw) == (self.grid, self.grid):
+            return pe
+        pe = pe.reshape(1, self.grid, self.grid, self.dim).permute(0, 3, 1, 2)
+        pe = F.interpolate(pe.float(), size=(gh, gw), mode="bicubic", align_corners=False)
+        return pe.permute(0, 2, 3, 1).reshape(1, gh * gw, self.dim).to(self.pos_embed.dtype)
+
+    def forward(self, x, ids_keep=None, mask=None, norm=True):
+        gh, gw = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
+        x = self.patch_embed(x)                                      # (B, N, D)
+        if mask is not None:                                         # replace masked embeddings
+            w = mask.unsqueeze(-1).to(x.dtype)
+            x = x * (1 - w) + self.mask_token.to(x.dtype) * w
+        x = x + self.patch_pos_embed(gh, gw)
+        if ids_keep is not None:                                     # keep a subset of patches
+            x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        cls = (self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1)
+        x = torch.cat([cls, x], dim=1)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.norm(x) if norm else x
+
+
+def make_vit(model, img_size, patch_size, **kw):
+    if model not in SIZES:
+        raise UserError(f"--model must be one of {', '.join(SIZES)}, got {model!r}")
+    if img_size % patch_size:
+        raise UserError(f"--img-size {img_size} is not a multiple of --patch-size {patch_size}")
+    dim, depth, heads = SIZES[model]
+    return ViT(img_size, patch_size, dim, depth, heads, **kw)
+
+
+def pool(tokens, how):
+    """(B, 1+N, D) -> (B, D): the CLS token or the mean of the patch tokens."""
+    return tokens[:, 0] if how == "cls" else tokens[:, 1:].mean(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masking and patches
+# ----------------------------------------------------------------------------------------------
+def random_masking(batch, grid, ratio, unit=1, device=None):
+    """MAE-style random masking on a grid x grid patch map, in unit x unit blocks of patches.
+
+    Returns ids_keep (B, n_keep) kept patch indices (ascending), ids_restore (B, N) such that
+    gathering cat([kept, masked]) with it restores raster order, mask (B, N) float, 1 = masked.
+    Exactly int(n_blocks * (1 - ratio)) blocks are kept in every image.
+    """
+    if grid % unit:
+        raise UserError(f"patch grid {grid} is not divisible by the mask unit {unit}")
+    g = grid // unit
+    n_keep = int(g * g * (1 - ratio)) * unit * unit
+    noise = torch.rand(batch, g * g, device=device)                 # argsort of noise (MAE)
+    block_masked = noise.argsort(1).argsort(1) >= int(g * g * (1 - ratio))
+    mask = block_masked.view(batch, g, 1, g, 1).expand(-1, -1, unit, -1, unit).reshape(batch, -1)
+    ids_shuffle = mask.to(torch.uint8).argsort(dim=1, stable=True)     # kept first, then masked
+    ids_restore = ids_shuffle.argsort(1)
+    return ids_shuffle[:, :n_keep], ids_restore, mask.float()
+
+
+def restore_tokens(x, mask_token, ids_restore):
+    """(B, 1+n_keep, D) encoder output -> (B, 1+N, D): append mask tokens, unshuffle (MAE)."""
+    B, N = ids_restore.shape
+    fill = mask_token.to(x.dtype).expand(B, N + 1 - x.shape[1], -1)
+    patches = torch.cat([x[:, 1:], fill], dim=1)
+    patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    return torch.cat([x[:, :1], patches], dim=1)
+
+
+def patchify(imgs, p):
+    """(B, C, H, W) -> (B, N, p*p*C), row-major patches, (p, p, C) inside each patch (MAE)."""
+    B, C, H, W = imgs.shape
+    x = imgs.reshape(B, C, H // p, p, W // p, p)
+    return torch.einsum("bchpwq->bhwpqc", x).reshape(B, (H // p) * (W // p), p * p * C)
+
+
+def unpatchify(x, p, h=None, c=3):
+    """Inverse of patchify: (B, N, p*p*C) -> (B, C, h*p, w*p); square unless h given."""
+    B, N, _ = x.shape
+    h = h or int(round(math.sqrt(N)))
+    w = N // h
+    x = x.reshape(B, h, w, p, p, c)
+    return torch.einsum("bhwpqc->bchpwq", x).reshape(B, c, h * p, w * p)
+
+
+def norm_pix(target, eps=1e-6):
+    """Per-patch normalised pixels (MAE norm_pix_loss): (x - mean) / sqrt(var + eps) over a patch."""
+    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
+    return (target - mean) / (var + eps) ** 0.5
+
+
+# ----------------------------------------------------------------------------------------------
+# EMA, schedules, optimiser
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def ema_update(target, online, m):
+    """theta_t <- m * theta_t + (1 - m) * theta_o for every parameter (buffers are not touched)."""
+    tp = list(target.parameters())
+    op = [p.detach() for p in online.parameters()]
+    assert len(tp) == len(op), "target and online modules differ"
+    torch._foreach_lerp_(tp, op, 1.0 - m)
+
+
+def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
+    """Linear warm-up start -> base over `warmup` steps, then half-cosine base -> final at `total`."""
+    if step < warmup:
+        return start + (base - start) * step / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return final + 0.5 * (base - final) * (1 + math.cos(math.pi * t))
+
+
+def linear_schedule(step, total, start, end):
+    return start + (end - start) * min(1.0, step / max(1, total))
+
+
+NO_DECAY = ("pos_embed", "cls_token", "mask_token", "prototypes")
+
+
+def make_optimizer(model, lr, weight_decay, betas, device, eps=1e-8):
+    """AdamW with no weight decay on biases, norms (1-d tensors), pos-embeds and special tokens."""
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim <= 1 or any(k in n for k in NO_DECAY) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "apply_wd": True},
+              {"params": no_decay, "weight_decay": 0.0, "apply_wd": False}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device.type == "cuda")
+
+
+def set_hparams(optimizer, lr, weight_decay=None):
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+        if weight_decay is not None and g["apply_wd"]:
+            g["weight_decay"] = weight_decay
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
+
+
+def normalize(x):
+    """uint8 (..., 3, H, W) on any device -> float, ImageNet mean/std (done on the GPU)."""
+    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=x.device).view(3, 1, 1)
+    return (x.float() / 255 - mean) / std
+
+
+def to_uint8(img):
+    """PIL image -> uint8 tensor (3, H, W); workers ship uint8, 4x less than float."""
+    return torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1)
+
+
+def color_augment(img_size, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5,
+                  p_solarize=0.0):
+    """SimCLR/BYOL photometric augmentation on PIL images; blur kernel ~10% of the image."""
+    from torchvision import transforms as T
+    k = max(3, int(0.1 * img_size) // 2 * 2 + 1)
+    ops = [T.RandomApply([T.ColorJitter(*jitter)], p=p_jitter), T.RandomGrayscale(p=p_gray)]
+    if p_blur > 0:
+        ops.append(T.RandomApply([T.GaussianBlur(k, sigma=(0.1, 2.0))], p=p_blur))
+    if p_solarize > 0:
+        ops.append(T.RandomSolarize(128, p=p_solarize))
+    return T.Compose(ops)
+
+
+def eval_transform(img_size, synthetic=False):
+    """Resize (img*256/224) + centre crop, as uint8; synthetic images are simply resized."""
+    from torchvision import transforms as T
+    if synthetic:
+        return T.Compose([T.Resize(img_size), to_uint8])
+    return T.Compose([T.Resize(int(img_size * 256 / 224), interpolation=T.InterpolationMode.BICUBIC),
+                      T.CenterCrop(img_size), to_uint8])
+
+
+SHAPES = ("disc", "square", "triangle", "plus", "ring", "star", "crescent", "bar", "ell", "dots")
+
+
+def synthetic_image(idx, seed=0, split="train", size=64):
+    """Procedural image of one of 10 shape classes (label = idx % 10), deterministic per index.
+
+    Random shape colour, scale, position and rotation over a random low-contrast background
+    (colour gradient, faint grating, noise): only the outline identifies the class.
+    """
+    rng = np.random.default_rng([seed, {"train": 0, "val": 1}[split], idx])
+    label = idx % len(SHAPES)
+    yy, xx = np.mgrid[-1:1:size * 1j, -1:1:size * 1j]
+    # background: a low-contrast colour gradient with a faint random grating and pixel noise
+    c1 = rng.uniform(0.1, 0.9, 3)
+    c2 = np.clip(c1 + rng.uniform(-0.15, 0.15, 3), 0, 1)
+    th = rng.uniform(0, 2 * np.pi)
+    t = 0.5 + 0.5 * (xx * np.cos(th) + yy * np.sin(th)) / np.sqrt(2)
+    t = t + 0.1 * np.sin(rng.uniform(3, 9) * np.pi * (xx * np.sin(th) - yy * np.cos(th)))
+    img = c1 * t[..., None] + c2 * (1 - t[..., None]) + rng.normal(0, 0.03, (size, size, 3))
+    # shape in its own frame (u, v): scaled, rotated, translated; colour far from the background
+    s, rot = rng.uniform(0.45, 0.7), rng.uniform(0, 2 * np.pi)
+    cx, cy = rng.uniform(-0.3, 0.3, 2)
+    x0, y0 = (xx - cx) / s, (yy - cy) / s
+    u, v = x0 * np.cos(rot) + y0 * np.sin(rot), -x0 * np.sin(rot) + y0 * np.cos(rot)
+    r, a = np.hypot(u, v), np.arctan2(v, u)
+    m = {
+        "disc": r < 0.9,
+        "square": np.maximum(abs(u), abs(v)) < 0.75,
+        "triangle": (v > -0.5) & (v < 1 - 1.732 * abs(u) - 0.0) & (v < 1.0),
+        "plus": ((abs(u) < 0.3) & (abs(v) < 1)) | ((abs(v) < 0.3) & (abs(u) < 1)),
+        "ring": (r < 0.95) & (r > 0.6),
+        "star": r < 0.55 + 0.4 * np.cos(5 * a),
+        "crescent": (r < 0.95) & (np.hypot(u - 0.45, v) > 0.75),
+        "bar": (abs(u) < 1.0) & (abs(v) < 0.3),
+        "ell": ((abs(u + 0.35) < 0.25) & (abs(v) < 0.9)) | ((abs(v - 0.65) < 0.25) & (abs(u) < 0.6)),
+        "dots": (np.hypot(u - 0.5, v) < 0.38) | (np.hypot(u + 0.5, v) < 0.38),
+    }[SHAPES[label]]
+    fg = (c1 + 0.5 * rng.choice([-1, 1], 3) * rng.uniform(0.6, 1.0, 3)) % 1.0  # >= 0.3 from c1 per channel
+    fg = fg * (1 + 0.1 * np.sin(6 * u)[..., None])                            # faintly textured fill
+    img = np.where(m[..., None], fg, img)
+    return Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)), label
+
+
+class SyntheticImages(torch.utils.data.Dataset):
+    """The built-in `--data synthetic` dataset: generated on the fly, nothing on disk."""
+
+    def __init__(self, split="train", n=None, seed=0, size=64):
+        self.split, self.seed, self.size = split, seed, size
+        self.n = n or (8000 if split == "train" else 1000)
+        self.classes = list(SHAPES)
+
+    def __len__(self):
+        return self.n
+
+    def load(self, i):
+        return synthetic_image(i, self.seed, self.split, self.size)
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """Images under a directory: class = first-level sub-folder (ImageFolder), or one class if flat."""
+
+    def __init__(self, root):
+        if not os.path.isdir(root):
+            raise UserError(f"--data {root}: no such directory (give an image folder or 'synthetic')")
+        classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
+        self.samples = []
+        for ci, c in enumerate(classes or [""]):
+            for dirpath, _, files in sorted(os.walk(os.path.join(root, c), followlinks=True)):
+                self.samples += [(os.path.join(dirpath, f), ci) for f in sorted(files)
+                                 if f.lower().endswith(IMG_EXTS)]
+            if not classes:
+                break
+        if not self.samples:
+            raise UserError(f"--data {root}: no images found ({'/'.join(IMG_EXTS)}) in it or its "
+                            "sub-folders")
+        self.classes = classes or ["all"]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def load(self, i):
+        path, label = self.samples[i]
+        try:
+            with Image.open(path) as img:
+                return img.convert("RGB"), label
+        except Exception as e:
+            raise UserError(f"cannot read image {path}: {e}; remove or replace the file") from None
+
+
+def image_dataset(data, split="train"):
+    """`synthetic`, or DIR (DIR/train or DIR/val when present, else DIR itself for training)."""
+    if data == "synthetic":
+        return SyntheticImages(split)
+    root = os.path.join(data, split) if os.path.isdir(os.path.join(data, split)) else None
+    if root is None and split == "train":
+        root = data
+    return ImageFiles(root) if root else None
+
+
+class Views(torch.utils.data.Dataset):
+    """Applies `transform` to dataset.load(i) with RNG seeded by (seed, epoch, i).
+
+    The sampler (EpochSampler) hands out (index, epoch) pairs, so every augmentation is a pure
+    function of (seed, epoch, index): identical for any number of workers and across resumes.
+    """
+
+    def __init__(self, dataset, transform, seed=0):
+        self.dataset, self.transform, self.seed = dataset, transform, seed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        i, epoch = key if isinstance(key, tuple) else (key, 0)
+        img, label = self.dataset.load(i)
+        with torch.random.fork_rng(devices=[]):                      # leave the caller's RNG alone
+            torch.manual_seed(int(np.random.SeedSequence([self.seed, epoch, i]).generate_state(1)[0]))
+            return self.transform(img), label
+
+
+class EpochSampler(torch.utils.data.DistributedSampler):
+    """DistributedSampler (also for one process) yielding (index, epoch) for `Views`."""
+
+    def __iter__(self):
+        return ((i, self.epoch) for i in super().__iter__())
+
+
+def make_loader(dataset, batch_size, workers, seed, train=True, drop_last=True):
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    sampler = EpochSampler(dataset, world, rank, shuffle=train, seed=seed, drop_last=train)
+    if train and len(sampler) < batch_size:
+        raise UserError(f"dataset has {len(dataset)} images: too few for --batch-size {batch_size} "
+                        f"x {world} process(es); lower --batch-size")
+    return torch.utils.data.DataLoader(
+        dataset, batch_size, sampler=sampler, num_workers=workers, pin_memory=torch.cuda.is_available(),
+        drop_last=drop_last, persistent_workers=workers > 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed (torchrun) helpers
+# ----------------------------------------------------------------------------------------------
+def world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def init_distributed(device):
+    """Init from torchrun's env (nccl on CUDA, gloo on CPU); returns (rank, world, device)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        cuda = device.startswith("cuda")
+        if cuda:
+            device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+        return dist.get_rank(), dist.get_world_size(), torch.device(device)
+    return 0, 1, torch.device(device)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, x.contiguous())
+        return torch.cat(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # d(sum of every rank's loss)/d(my rows) = sum over ranks of their grads on my rows
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        n = grad.shape[0] // dist.get_world_size()
+        return grad[dist.get_rank() * n:(dist.get_rank() + 1) * n]
+
+
+def all_gather(x, grad=True):
+    """Concatenate x (equal shapes) from all ranks along dim 0, rank order; autograd-aware."""
+    if world_size() == 1:
+        return x
+    if grad:
+        return _AllGather.apply(x)
+    out = [torch.empty_like(x) for _ in range(world_size())]
+    dist.all_gather(out, x.contiguous())
+    return torch.cat(out)
+
+
+def all_reduce_mean(x):
+    """Mean of x over ranks, autograd-aware (backward: mean of the incoming grads' sum)."""
+    if world_size() == 1:
+        return x
+    return all_gather(x[None]).mean(0)
+
+
+def all_reduce_sum_(x):
+    """In-place sum over ranks, no autograd (for statistics under no_grad)."""
+    if world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def print0(*a, **kw):
+    if is_main():
+        print(*a, **kw, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Run plumbing: CLI, setup, logging, checkpoints
+# ----------------------------------------------------------------------------------------------
+def parse_args(cls, argv=None):
+    """Build `cls` (a dataclass) from the command line: `--field-name value` for each field.
+
+    With `--data synthetic`, fields the user did not give take the values in cls.SYNTHETIC (a
+    CPU-sized config); the resulting config is printed by `setup`.
+    """
+    p = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().split("\n")[0])
+    for f in dataclasses.fields(cls):
+        flag, kw = "--" + f.name.replace("_", "-"), dict(default=argparse.SUPPRESS, help=f.metadata.get("help"))
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            if isinstance(f.default, tuple):
+                p.add_argument(flag, type=type(f.default[0]), nargs=len(f.default), **kw)
+            else:
+                p.add_argument(flag, type=typ, **kw)
+    given = vars(p.parse_args(argv))
+    if given.get("data", getattr(cls, "data", None)) == "synthetic":
+        given = {**getattr(cls, "SYNTHETIC", {}), **given}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+
+
+def main(train, cls):
+    """`python method.py ...`: parse, train, and turn UserError into a one-line message."""
+    try:
+        train(parse_args(cls))
+    except UserError as e:
+        msg = str(e).strip().splitlines()[-1]          # DataLoader workers wrap the message
+        print(f"error: {msg.removeprefix('common.UserError: ').removeprefix('UserError: ')}",
+              file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def setup(args, method):
+    """Distributed init, seed, device, precision, output dir. Returns a namespace used by train()."""
+    rank, world, device = init_distributed(args.device)
+    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise UserError(f"--precision must be bf16, fp16 or fp32, got {precision!r}")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+    if not args.data:
+        raise UserError("--data is required: an image folder (ImageFolder layout) or 'synthetic'")
+    torch.manual_seed(args.seed)                        # same initial weights on every rank
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    out = args.output_dir or os.path.join("runs", method)
+    if is_main():
+        os.makedirs(out, exist_ok=True)
+        print(f"{method}: {world} process(es) on {device}, precision {precision}, output {out}")
+        print(json.dumps(dataclasses.asdict(args)))
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
+    return argparse.Namespace(rank=rank, world=world, device=device, precision=precision,
+                              autocast=autocast, out=out, ckpt=os.path.join(out, "checkpoint.pth"))
+
+
+def seed_epoch(seed, epoch, rank):
+    """Reseed at every epoch start: masking/drop-path draws depend only on (seed, epoch, rank)."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, epoch, rank, 7]).generate_state(1)[0]))
+
+
+def unwrap(model):
+    """Strip DistributedDataParallel and torch.compile wrappers (for saving / EMA)."""
+    model = getattr(model, "_orig_mod", model)
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def save_checkpoint(path, state):
+    """Atomic write: save to a temp file in the same dir, then rename over the target."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, method=None):
+    """Load a checkpoint of the common format; clear errors for missing / foreign / other-method files."""
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"{path} is not a readable checkpoint ({type(e).__name__}); was it written "
+                        "by one of these scripts?") from None
+    if not isinstance(ckpt, dict) or "method" not in ckpt or "encoder" not in ckpt:
+        raise UserError(f"{path} is not a checkpoint of this project (no 'method'/'encoder' keys)")
+    if method and ckpt["method"] != method:
+        raise UserError(f"{path} is a {ckpt['method']} checkpoint, not {method}: use another "
+                        "--output-dir or --resume a checkpoint of this method")
+    return ckpt
+
+
+class Logger:
+    """Every `every` steps: one host sync, a console line and a JSONL record (rank 0 only)."""
+
+    def __init__(self, out, total_steps, batch_size, every, start_step=0):
+        self.total, self.batch, self.every = total_steps, batch_size, every
+        self.path = os.path.join(out, "log.jsonl")
+        self.t, self.last = time.time(), start_step
+
+    def step(self, step, epoch, parts, **scalars):
+        """parts: dict of 0-d tensors (loss terms), kept on device until logged."""
+        if step % self.every and step != self.total:
+            return None
+        rec = {k: round(float(v), 5) for k, v in parts.items()}      # the one sync
+        dt = time.time() - self.t
+        ips = (step - self.last) * self.batch / max(dt, 1e-9)
+        eta = (self.total - step) * dt / max(1, step - self.last)
+        self.t, self.last = time.time(), step
+        rec = {"epoch": epoch, "step": step, **rec, **{k: float(v) for k, v in scalars.items()},
+               "img_s": round(ips, 1)}
+        if torch.cuda.is_available():
+            rec["mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if is_main():
+            kv = " ".join(f"{k} {v:.4g}" for k, v in rec.items() if k not in ("epoch", "step"))
+            print(f"ep {epoch} step {step}/{self.total} {kv} eta {eta / 60:.1f}m", flush=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        return rec
+
+    def write(self, rec):
+        if is_main():
+            print(json.dumps(rec), flush=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# k-NN monitor (weighted k-NN on L2-normalised features, InstDisc / DINO protocol)
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def extract_features(encoder, loader, device, how="cls", autocast=contextlib.nullcontext()):
+    encoder.eval()
+    feats, labels = [], []
+    for x, y in loader:
+        with autocast:
+            f = pool(encoder(normalize(x.to(device, non_blocking=True))), how)
+        feats.append(F.normalize(f.float(), dim=-1).cpu())
+        labels.append(y)
+    return torch.cat(feats), torch.cat(labels)
+
+
+@torch.no_grad()
+def knn_predict(train_f, train_y, test_f, num_classes, k=20, T=0.07, chunk=1024):
+    """Cosine similarity top-k, votes weighted by exp(sim / T); returns (n_test, C) class scores."""
+    out = []
+    for i in range(0, len(test_f), chunk):
+        sim = test_f[i:i + chunk] @ train_f.T                        # (b, n_train)
+        s, idx = sim.topk(min(k, train_f.shape[0]), dim=1)
+        votes = F.one_hot(train_y[idx], num_classes).float() * (s / T).exp().unsqueeze(-1)
+        out.append(votes.sum(1))
+    return torch.cat(out)
+
+
+def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, workers=0, k=20,
+                 autocast=contextlib.nullcontext()):
+    """Top-1 (%) of weighted k-NN: train split as memory bank, val split as queries."""
+    val = image_dataset(data, "val")
+    if val is None:
+        raise UserError(f"--data {data}: k-NN needs a val/ split next to train/")
+    train = image_dataset(data, "train")
+    tf = eval_transform(img_size, synthetic=data == "synthetic")
+    res = []
+    for ds in (train, val):
+        dl = torch.utils.data.DataLoader(Views(ds, tf), batch_size, num_workers=workers)
+        res.append(extract_features(encoder, dl, device, how, autocast))
+    (ftr, ytr), (fva, yva) = res
+    pred = knn_predict(ftr, ytr, fva, len(train.classes), k).argmax(1)
+    return 100.0 * (pred == yva).float().mean().item()
+
+
+def save_run(run, method, args, epoch, step, encoder, model, optimizer, scaler, target=None):
+    """Write the common checkpoint format (rank 0): `encoder` is the ViT the paper evaluates."""
+    if not is_main():
+        return
+    save_checkpoint(run.ckpt, {
+        "method": method, "args": dataclasses.asdict(args), "epoch": epoch, "step": step,
+        "vit": unwrap(encoder).config, "encoder": unwrap(encoder).state_dict(),
+        "model": unwrap(model).state_dict(), "target": target.state_dict() if target else None,
+        "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": torch.get_rng_state()})
+
+
+def resume_run(run, method, args, model, optimizer, scaler, target=None):
+    """Continue from <output-dir>/checkpoint.pth when it exists and --resume; returns start epoch."""
+    if not (args.resume and os.path.isfile(run.ckpt)):
+        return 0
+    ckpt = load_checkpoint(run.ckpt, method)
+    try:
+        unwrap(model).load_state_dict(ckpt["model"])
+        if target is not None:
+            target.load_state_dict(ckpt["target"])
+    except RuntimeError as e:
+        raise UserError(f"{run.ckpt} does not fit this model ({str(e).splitlines()[0]}); use the "
+                        "flags it was trained with or another --output-dir") from None
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scaler.load_state_dict(ckpt["scaler"])
+    torch.set_rng_state(ckpt["rng"])
+    print0(f"resumed from {run.ckpt}: epoch {ckpt['epoch']}, step {ckpt['step']}")
+    return ckpt["epoch"]
+
+
+def build_vit(config):
+    """Rebuild a ViT from a checkpoint's `vit` config."""
+    return ViT(**config)

@@ -1,0 +1,287 @@
+"""MSN: Masked Siamese Networks for Label-Efficient Learning.
+Assran, Caron, Misra, Bojanowski, Bordes, Vincent, Joulin, Rabbat, Ballas. ECCV 2022. arXiv:2204.07141.
+
+Idea. An image gives one unmasked target view and M anchor views (one 224 px view with a random
+15% of its patches dropped, and small "focal" crops). The anchor's [CLS] embedding, compared with
+learnable prototypes, must predict the prototype assignment of the target view made by an EMA
+copy of the network, sharpened and balanced with Sinkhorn. A mean-entropy-maximisation term
+(ME-MAX) keeps all prototypes in use. Only the online (anchor) branch receives gradients.
+
+Launch.
+  python msn.py --data synthetic                       # CPU quickstart, ~5 min, ends with k-NN
+  python msn.py --data /imagenet                       # ViT-S/16 official recipe, one GPU
+  torchrun --nproc_per_node=8 msn.py --data /imagenet  # 8 GPUs (batch 64 per GPU)
+
+Paper -> code.
+  Views x+ (target), x_1..x_M (anchors), Sec 3.1 .... MultiView (data section)
+  Random masking of anchor patches, Sec 3.2 ......... common.random_masking, MSN.forward(ids_keep)
+  Encoders f_theta / EMA f_theta_bar, Sec 3.3 ........ Net (ViT [CLS] + 3-layer head), ema_update
+  p = softmax(<z, q>/tau), Eq. (1) ................... msn_loss: log_p
+  p+ = sharpen(softmax(<z+, q>/tau)), tau+ < tau ..... msn_loss: p_plus (softmax at tau_plus)
+  Sinkhorn balancing of p+ (official code) ........... sinkhorn
+  H(p+, p) averaged over M*B, Eq. (2) ................ msn_loss: ce
+  ME-MAX  -lambda H(p_bar), Eq. (2) .................. msn_loss: me_max
+  Evaluated network: the target encoder .............. checkpoint["encoder"] = target encoder
+
+Where this file follows the official code (facebookresearch/msn) rather than the paper text, or
+differs from both, and why:
+  - Sinkhorn-Knopp (3 iterations, sums all-reduced across GPUs) on the sharpened targets, as in
+    the official ViT-S/16 config; the paper's equations only sharpen.
+  - Sharpening softmax(cos/0.1)^(1/0.25), normalised, is computed as the identical softmax(cos/0.025).
+  - Schedules (lr warm-up 2e-4 -> 1e-3 then cosine to 1e-6, weight decay cosine 0.04 -> 0.4,
+    EMA momentum linear 0.996 -> 1) span 1.25 x the training steps; training stops at 80% of them.
+  - The projection head is applied per resolution group (224 px views, then focal views), so its
+    BatchNorm statistics are per group, as the official forward does. SyncBN under multi-GPU CUDA;
+    with gloo on CPU BN statistics stay per process (SyncBN has no CPU kernel).
+  - Focal views are not patch-masked (official: patch_drop applies to the first group only).
+  - Masks are drawn per image (official: one permutation per GPU batch). Same ratio, same count.
+  - No weight decay on pos-embed / cls token (official decays them); prototypes not decayed (both).
+  - bf16 autocast on GPU (official: fp32). The loss itself runs in fp32.
+  - The official extra entropy term (weight 0 in every released config) is omitted.
+"""
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common as C
+
+
+@dataclass
+class Args:
+    """MSN pre-training (defaults: official ViT-S/16 ImageNet recipe)."""
+    data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
+    output_dir: str = field(default=None, metadata={"help": "default runs/msn"})
+    model: str = field(default="small", metadata={"help": "ViT size: " + "|".join(C.SIZES)})
+    patch_size: int = 16
+    img_size: int = field(default=224, metadata={"help": "target / random anchor view size"})
+    epochs: int = 800
+    batch_size: int = field(default=64, metadata={"help": "per process (official 64 x 16 GPUs)"})
+    lr: float = field(default=1e-3, metadata={"help": "peak lr (not scaled with batch size)"})
+    start_lr: float = field(default=2e-4, metadata={"help": "lr at the start of warm-up"})
+    min_lr: float = 1e-6
+    warmup_epochs: int = 15
+    weight_decay: float = field(default=0.04, metadata={"help": "start of the cosine wd schedule"})
+    final_weight_decay: float = 0.4
+    betas: tuple = (0.9, 0.999)
+    clip_grad: float = field(default=3.0, metadata={"help": "max grad norm of encoder+head (0 = off)"})
+    ema: tuple = field(default=(0.996, 1.0), metadata={"help": "EMA momentum start, end (linear)"})
+    ipe_scale: float = field(default=1.25, metadata={"help": "schedules span ipe_scale x the steps run"})
+    drop_path: float = 0.0
+    # views and masking
+    rand_views: int = field(default=1, metadata={"help": "masked anchor views at img-size"})
+    focal_views: int = 10
+    focal_size: int = 96
+    rand_scale: tuple = (0.3, 1.0)
+    focal_scale: tuple = (0.05, 0.3)
+    mask_ratio: float = field(default=0.15, metadata={"help": "patch drop ratio of the random anchors"})
+    # head, prototypes, loss
+    head_hidden: int = 2048
+    head_dim: int = 256
+    num_prototypes: int = 1024
+    tau: float = 0.1
+    tau_plus: float = field(default=0.025, metadata={"help": "target temperature (0.1 x sharpen 0.25)"})
+    me_max_weight: float = 1.0
+    sinkhorn_iters: int = 3
+    # run plumbing
+    workers: int = 10
+    seed: int = 0
+    resume: bool = field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
+    precision: str = field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
+    compile: bool = False
+    log_every: int = 50
+    device: str = None
+    steps_per_epoch: int = field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
+    stop_epoch: int = field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
+    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
+
+    # `--data synthetic` without explicit flags: a CPU-sized run (about 5 min on 2 cores)
+    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, focal_size=16, focal_views=4,
+                     epochs=8, batch_size=64, warmup_epochs=1, head_hidden=256, head_dim=64,
+                     num_prototypes=64, workers=2, log_every=20, steps_per_epoch=40)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------
+class Net(nn.Module):
+    """f_theta: ViT [CLS] (after the final norm) -> Linear-BN-GELU-Linear-BN-GELU-Linear head."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path)
+        d = self.encoder.dim
+        self.head = nn.Sequential(
+            nn.Linear(d, a.head_hidden), nn.BatchNorm1d(a.head_hidden), nn.GELU(),
+            nn.Linear(a.head_hidden, a.head_hidden), nn.BatchNorm1d(a.head_hidden), nn.GELU(),
+            nn.Linear(a.head_hidden, a.head_dim))
+        C.init_weights(self.head)
+
+    def forward(self, x, ids_keep=None):                             # (B, 3, H, W) -> (B, d)
+        return self.head(self.encoder(x, ids_keep)[:, 0])
+
+
+class MSN(nn.Module):
+    """Online branch: Net + prototypes q (K, d), init U(-1/sqrt(d), 1/sqrt(d)) as official."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.net = Net(a)
+        self.prototypes = nn.Parameter(torch.empty(a.num_prototypes, a.head_dim))
+        nn.init.uniform_(self.prototypes, -a.head_dim ** -0.5, a.head_dim ** -0.5)
+
+    def forward(self, rand_views, focal_views, ids_keep):
+        """rand_views (R*B, 3, S, S) masked by ids_keep, focal_views (F*B, 3, s, s) or None.
+        Returns anchor embeddings z (M*B, d), view-major, and the prototypes (so DDP sees them)."""
+        z = [self.net(rand_views, ids_keep)]                          # head per resolution group
+        if focal_views is not None:
+            z.append(self.net(focal_views))
+        return torch.cat(z), self.prototypes
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def sinkhorn(P, iters=3):
+    """Sinkhorn-Knopp on target probabilities P (B, K) over the GLOBAL batch (sums all-reduced).
+
+    Alternately rescales prototype (column) mass to 1/K and sample (row) mass to 1/B_global;
+    returns B_global * Q^T so every row sums to 1 (official msn.src.utils.distributed_sinkhorn).
+    """
+    Q = P.T.float()                                                  # (K, B)
+    K, B = Q.shape[0], Q.shape[1] * C.world_size()
+    Q = Q / C.all_reduce_sum_(Q.sum())
+    for _ in range(iters):
+        Q = Q / C.all_reduce_sum_(Q.sum(dim=1, keepdim=True)) / K   # each prototype: mass 1/K
+        Q = Q / Q.sum(dim=0, keepdim=True) / B                       # each sample: mass 1/B
+    return (Q * B).T                                                 # (B, K), rows sum to 1
+
+
+def msn_loss(anchor, target, prototypes, tau=0.1, tau_plus=0.025, me_max_weight=1.0, sinkhorn_iters=3):
+    """MSN objective, Eq. (2) with the official Sinkhorn targets. Returns (loss, parts).
+
+    anchor (M*B, d): projected anchor views z_{i,m}, view-major (row m*B + i);
+    target (B, d): projected target views z+_i (no gradient flows to it);
+    prototypes (K, d): q. All cosine similarities (z and q L2-normalised).
+      p_{i,m} = softmax(<z_{i,m}, q> / tau)                                          (M*B, K)
+      p+_i    = Sinkhorn(softmax(<z+_i, q> / tau_plus))            stop-gradient       (B, K)
+      CE      = (1 / MB) sum_{i,m} H(p+_i, p_{i,m}),  H(a, b) = -sum_k a_k log b_k     mean over rows
+      p_bar   = mean of p_{i,m} over all rows of all processes                         (K,)
+      ME-MAX  = sum_k p_bar_k log p_bar_k + log K  (= log K - H(p_bar) >= 0)
+      loss    = CE + me_max_weight * ME-MAX
+    """
+    K = prototypes.shape[0]
+    q = F.normalize(prototypes, dim=-1)
+    log_p = (F.normalize(anchor, dim=-1) @ q.T / tau).log_softmax(dim=-1)              # (M*B, K)
+    with torch.no_grad():
+        p_plus = (F.normalize(target, dim=-1) @ q.T / tau_plus).softmax(dim=-1)         # (B, K)
+        if sinkhorn_iters:
+            p_plus = sinkhorn(p_plus, sinkhorn_iters)
+        n_proto = torch.zeros(K, device=p_plus.device).scatter_(0, p_plus.argmax(-1), 1.0).sum()
+        p_plus = p_plus.repeat(anchor.shape[0] // target.shape[0], 1)                   # (M*B, K)
+    ce = -(p_plus * log_p).sum(dim=-1).mean()
+    p_bar = C.all_reduce_mean(log_p.exp().mean(dim=0))                                 # (K,)
+    me_max = (p_bar * torch.log(p_bar)).sum() + math.log(K)
+    loss = ce + me_max_weight * me_max
+    return loss, {"loss": loss.detach(), "ce": ce.detach(), "me_max": me_max.detach(),
+                  "n_proto": n_proto}
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: 1 target + R random anchors at img_size, F focal anchors at focal_size
+# ----------------------------------------------------------------------------------------------
+class MultiView:
+    """PIL image -> [target, rand_1..rand_R, focal_1..focal_F] uint8 tensors (official transforms)."""
+
+    def __init__(self, a):
+        from torchvision import transforms as T
+        def view(size, scale):
+            return T.Compose([T.RandomResizedCrop(size, scale=scale), T.RandomHorizontalFlip(),
+                              C.color_augment(size), C.to_uint8])
+        self.rand, self.focal = view(a.img_size, a.rand_scale), view(a.focal_size, a.focal_scale)
+        self.n_rand, self.n_focal = 1 + a.rand_views, a.focal_views
+
+    def __call__(self, img):
+        return [self.rand(img) for _ in range(self.n_rand)] + [self.focal(img) for _ in range(self.n_focal)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def train(args):
+    run = C.setup(args, "msn")
+    dev, R = run.device, args.rand_views
+    dataset = C.image_dataset(args.data, "train")
+    loader = C.make_loader(C.Views(dataset, MultiView(args), args.seed), args.batch_size, args.workers, args.seed)
+    ipe = min(len(loader), args.steps_per_epoch or len(loader))
+    total = args.epochs * ipe
+    sched = int(args.ipe_scale * total)                              # schedules over 1.25x, stop at 80%
+
+    model = MSN(args).to(dev)                                        # seeded in setup: same on all ranks
+    target = copy.deepcopy(model.net).requires_grad_(False)          # f_theta_bar: EMA of f_theta
+    if run.world > 1 and dev.type == "cuda":
+        model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
+    opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev)
+    scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
+    start_epoch = C.resume_run(run, "msn", args, model, opt, scaler, target)
+    online, target_fwd = model, target
+    if args.compile:
+        online, target_fwd = torch.compile(model), torch.compile(target)
+    if run.world > 1:
+        online = nn.parallel.DistributedDataParallel(online, device_ids=[dev] if dev.type == "cuda" else None)
+    log = C.Logger(run.out, total, args.batch_size * run.world, args.log_every, start_epoch * ipe)
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps "
+             f"({args.epochs} epochs; schedules span {sched}), {1 + R + args.focal_views} views/image")
+
+    for epoch in range(start_epoch, args.stop_epoch or args.epochs):
+        loader.sampler.set_epoch(epoch)
+        C.seed_epoch(args.seed, epoch, run.rank)
+        model.train(), target.train()                                # official target uses batch BN stats
+        for it, (views, _) in enumerate(loader):
+            if it == ipe:
+                break
+            step = epoch * ipe + it
+            lr = C.cosine_schedule(step, sched, args.lr, args.min_lr, args.warmup_epochs * ipe, args.start_lr)
+            wd = C.cosine_schedule(step, sched, args.weight_decay, args.final_weight_decay)
+            m = C.linear_schedule(step, sched, *args.ema)
+            C.set_hparams(opt, lr, wd)
+
+            views = [C.normalize(v.to(dev, non_blocking=True)) for v in views]
+            x_target, x_rand = views[0], torch.cat(views[1:1 + R])
+            x_focal = torch.cat(views[1 + R:]) if args.focal_views else None
+            ids_keep, _, _ = C.random_masking(x_rand.shape[0], model.net.encoder.grid, args.mask_ratio, device=dev)
+            with run.autocast:
+                z, prototypes = online(x_rand, x_focal, ids_keep)      # (M*B, d), (K, d)
+                with torch.no_grad():
+                    z_plus = target_fwd(x_target)                     # (B, d)
+            loss, parts = msn_loss(z.float(), z_plus.float(), prototypes.float(), args.tau,
+                                   args.tau_plus, args.me_max_weight, args.sinkhorn_iters)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if args.clip_grad:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.net.parameters(), args.clip_grad)
+            scaler.step(opt)
+            scaler.update()
+            C.ema_update(target, model.net, m)
+            log.step(step + 1, epoch, parts, lr=lr, wd=wd, mom=m)
+        C.save_run(run, "msn", args, epoch + 1, (epoch + 1) * ipe, target.encoder, model, opt, scaler, target)
+
+    if args.knn if args.knn is not None else args.data == "synthetic":
+        if C.is_main():
+            torch.manual_seed(args.seed)                             # the same draw as in setup
+            init = MSN(args).net.encoder.to(dev)
+            accs = [C.knn_accuracy(e, args.data, args.img_size, dev, "cls", autocast=run.autocast)
+                    for e in (target.encoder, init)]
+            C.print0(f"k-NN top-1 on {args.data} val (target encoder, CLS): learned {accs[0]:.1f}% "
+                     f"vs same architecture at initialisation {accs[1]:.1f}%")
+            log.write({"knn_learned": accs[0], "knn_init": accs[1]})
+
+
+if __name__ == "__main__":
+    C.main(train, Args)

@@ -1,0 +1,230 @@
+"""common.py: masking, patches, position embeddings, EMA, schedules, optimiser groups, data, CLI."""
+import math
+import os
+
+import pytest
+import torch
+
+import common as C
+from ddp import spawn
+
+
+@pytest.mark.parametrize("grid,ratio,unit", [(8, 0.15, 1), (8, 0.75, 1), (8, 0.65, 2), (14, 0.95, 1), (4, 0.5, 2)])
+def test_random_masking_invariants(grid, ratio, unit):
+    B, N = 5, grid * grid
+    ids_keep, ids_restore, mask = C.random_masking(B, grid, ratio, unit)
+    n_blocks = (grid // unit) ** 2
+    n_keep = int(n_blocks * (1 - ratio)) * unit * unit
+    assert ids_keep.shape == (B, n_keep) and mask.shape == (B, N)
+    assert (mask.sum(1) == N - n_keep).all()                                    # exact counts
+    for b in range(B):
+        kept = set(ids_keep[b].tolist())
+        assert kept == set((mask[b] == 0).nonzero().flatten().tolist())         # kept = unmasked
+        assert (ids_keep[b].diff() > 0).all()                                   # ascending
+        assert sorted(ids_restore[b].tolist()) == list(range(N))               # a permutation
+    # mask is constant over each unit x unit block
+    g = grid // unit
+    m = mask.view(B, g, unit, g, unit)
+    assert (m == m[:, :, :1, :, :1]).all()
+    # unshuffling [kept, masked] with ids_restore gives raster order back
+    assert torch.equal(ids_restore.argsort(1)[:, :n_keep], ids_keep)        # kept come first
+    x = torch.arange(N).float().repeat(B, 1)
+    tokens = torch.cat([torch.zeros(B, 1, 1), torch.gather(x, 1, ids_keep)[..., None]], 1)
+    restored = C.restore_tokens(tokens, torch.full((1, 1, 1), -1.0), ids_restore)
+    assert restored.shape == (B, N + 1, 1)
+    r = restored[:, 1:, 0]
+    assert torch.equal(r == -1, mask.bool())
+    assert torch.equal(r[~mask.bool()], x[~mask.bool()])
+
+
+def test_masking_is_random_per_image():
+    _, _, mask = C.random_masking(4000, 8, 0.5)
+    assert len({tuple(m.tolist()) for m in mask[:64]}) == 64
+    freq = mask.mean(0)                                                    # uniform over positions
+    assert (freq - 0.5).abs().max() < 0.04, freq
+
+
+@pytest.mark.parametrize("p,h,w,c", [(4, 16, 16, 3), (8, 32, 16, 3), (2, 6, 4, 1)])
+def test_patchify_roundtrip(p, h, w, c):
+    x = torch.randn(2, c, h, w)
+    y = C.patchify(x, p)
+    assert y.shape == (2, (h // p) * (w // p), p * p * c)
+    # patch n (row-major) holds pixels [i*p:(i+1)*p, j*p:(j+1)*p] in (p, p, C) order
+    i, j = (h // p) - 1, 0
+    n = i * (w // p) + j
+    assert torch.equal(y[1, n], x[1, :, i * p:(i + 1) * p, j * p:(j + 1) * p].permute(1, 2, 0).reshape(-1))
+    assert torch.equal(C.unpatchify(y, p, h // p, c), x)
+
+
+def test_norm_pix():
+    t = torch.randn(2, 5, 12) * 3 + 1
+    n = C.norm_pix(t)
+    assert torch.allclose(n.mean(-1), torch.zeros(2, 5), atol=1e-5)
+    assert torch.allclose(n.var(-1), torch.ones(2, 5), atol=1e-4)
+
+
+def test_sincos_matches_formula():
+    dim, grid = 16, 3
+    pe = C.sincos_pos_embed(dim, grid)
+    for n in range(grid * grid):
+        y, x = divmod(n, grid)
+        for ax, pos in ((0, x), (1, y)):
+            for k in range(dim // 4):
+                w = 1 / 10000 ** (k / (dim / 4))
+                assert math.isclose(pe[n, ax * dim // 2 + k], math.sin(pos * w), abs_tol=1e-6)
+                assert math.isclose(pe[n, ax * dim // 2 + dim // 4 + k], math.cos(pos * w), abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("pos", ["learned", "sincos"])
+def test_vit_shapes_dropping_and_interpolation(pos):
+    vit = C.ViT(32, 8, 32, 2, 2, pos_embed=pos, mask_token=True).eval()
+    x = torch.randn(3, 3, 32, 32)
+    assert vit(x).shape == (3, 17, 32)
+    ids_keep, _, mask = C.random_masking(3, 4, 0.5)
+    assert vit(x, ids_keep).shape == (3, 9, 32)
+    assert vit(x, mask=mask).shape == (3, 17, 32)
+    assert vit(torch.randn(3, 3, 16, 16)).shape == (3, 5, 32)                # 16 px: 2x2 grid
+    assert torch.equal(vit.patch_pos_embed(4, 4), vit.pos_embed[:, 1:])
+    # interpolating a table that is constant over positions gives the same constant
+    with torch.no_grad():
+        vit.pos_embed[:, 1:] = torch.arange(32.0)
+    assert torch.allclose(vit.patch_pos_embed(2, 2), torch.arange(32.0).expand(1, 4, 32), atol=1e-4)
+
+
+def test_token_dropping_equals_running_on_kept_patches():
+    """Encoding with ids_keep == encoding a sequence made only of the kept (embedded) patches."""
+    vit = C.ViT(32, 8, 32, 2, 2).eval()
+    x = torch.randn(2, 3, 32, 32)
+    ids_keep, _, _ = C.random_masking(2, 4, 0.5)
+    emb = vit.patch_embed(x) + vit.pos_embed[:, 1:]
+    kept = torch.stack([emb[b, ids_keep[b]] for b in range(2)])
+    seq = torch.cat([(vit.cls_token + vit.pos_embed[:, :1]).expand(2, -1, -1), kept], 1)
+    for blk in vit.blocks:
+        seq = blk(seq)
+    assert torch.allclose(vit(x, ids_keep), vit.norm(seq), atol=1e-5)
+
+
+def test_mask_token_replaces_masked_patches():
+    vit = C.ViT(16, 8, 16, 1, 2, mask_token=True).eval()
+    x = torch.randn(2, 3, 16, 16)
+    mask = torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 0]])
+    x2 = x.clone()
+    x2[0, :, :8, :8] = torch.randn(3, 8, 8)                                  # change the masked patch
+    assert torch.allclose(vit(x, mask=mask), vit(x2, mask=mask), atol=1e-6)
+    assert not torch.allclose(vit(x), vit(x2))
+
+
+def test_ema_update():
+    online, target = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    t0 = [p.clone() for p in target.parameters()]
+    C.ema_update(target, online, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(target.parameters(), t0))
+    C.ema_update(target, online, 0.9)
+    for a, b, o in zip(target.parameters(), t0, online.parameters()):
+        assert torch.allclose(a, 0.9 * b + 0.1 * o)
+    C.ema_update(target, online, 0.0)
+    assert all(torch.equal(a, o) for a, o in zip(target.parameters(), online.parameters()))
+
+
+def test_schedules():
+    assert C.cosine_schedule(0, 100, 1.0, 0.0, warmup=10, start=0.2) == 0.2
+    assert math.isclose(C.cosine_schedule(5, 100, 1.0, 0.0, warmup=10, start=0.2), 0.6)
+    assert C.cosine_schedule(10, 100, 1.0, 0.1, warmup=10) == 1.0
+    assert math.isclose(C.cosine_schedule(55, 100, 1.0, 0.1, warmup=10), 0.55)
+    assert math.isclose(C.cosine_schedule(100, 100, 1.0, 0.1, warmup=10), 0.1)
+    assert math.isclose(C.cosine_schedule(0, 100, 0.04, 0.4), 0.04)          # increasing wd schedule
+    assert math.isclose(C.linear_schedule(50, 100, 0.996, 1.0), 0.998)
+    assert C.linear_schedule(200, 100, 0.996, 1.0) == 1.0
+
+
+def test_optimizer_groups():
+    vit = C.ViT(16, 8, 16, 1, 2, mask_token=True)
+    opt = C.make_optimizer(vit, 1e-3, 0.05, (0.9, 0.95), torch.device("cpu"))
+    names = {id(p): n for n, p in vit.named_parameters()}
+    decay = {names[id(p)] for p in opt.param_groups[0]["params"]}
+    no_decay = {names[id(p)] for p in opt.param_groups[1]["params"]}
+    assert {"pos_embed", "cls_token", "mask_token", "norm.weight", "norm.bias"} <= no_decay
+    assert all(n.endswith("weight") and "norm" not in n for n in decay)
+    assert "blocks.0.attn.qkv.weight" in decay and "patch_embed.proj.weight" in decay
+    C.set_hparams(opt, 0.5, 0.3)
+    assert [g["lr"] for g in opt.param_groups] == [0.5, 0.5]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.3, 0.0]
+
+
+def test_synthetic_dataset_deterministic_and_labelled():
+    ds = C.SyntheticImages("train")
+    a, la = ds.load(7)
+    b, lb = ds.load(7)
+    assert la == lb == 7 % 10 and a.size == (64, 64) and a.tobytes() == b.tobytes()
+    assert ds.load(8)[0].tobytes() != a.tobytes()
+    assert C.SyntheticImages("val").load(7)[0].tobytes() != a.tobytes()        # held-out split
+    assert len(ds) == 8000 and len(C.SyntheticImages("val")) == 1000
+
+
+def test_views_seeded_by_epoch_and_index():
+    from torchvision import transforms as T
+    tf = T.Compose([T.RandomResizedCrop(16), C.to_uint8])
+    v = C.Views(C.SyntheticImages(), tf, seed=3)
+    rng = torch.get_rng_state()
+    x0, x1 = v[(5, 0)][0], v[(5, 1)][0]
+    assert torch.equal(torch.get_rng_state(), rng)                          # caller's RNG untouched
+    assert torch.equal(v[(5, 0)][0], x0) and not torch.equal(x0, x1)
+    assert x0.dtype == torch.uint8 and x0.shape == (3, 16, 16)
+
+
+def test_image_files_layouts(tmp_path):
+    from PIL import Image
+    for c in ("cat", "dog"):
+        os.makedirs(tmp_path / "train" / c)
+        for i in range(3):
+            Image.new("RGB", (8, 8), (i, 0, 0)).save(tmp_path / "train" / c / f"{i}.png")
+    ds = C.image_dataset(str(tmp_path))                                     # picks DIR/train
+    assert len(ds) == 6 and ds.classes == ["cat", "dog"] and ds.load(4)[1] == 1
+    assert C.image_dataset(str(tmp_path), "val") is None
+    flat = C.ImageFiles(str(tmp_path / "train" / "cat"))                     # flat folder: one class
+    assert len(flat) == 3 and flat.classes == ["all"]
+    os.makedirs(tmp_path / "empty" / "sub")
+    with pytest.raises(C.UserError, match="no images"):
+        C.ImageFiles(str(tmp_path / "empty"))
+    with pytest.raises(C.UserError, match="no such directory"):
+        C.ImageFiles(str(tmp_path / "missing"))
+
+
+def test_parse_args_synthetic_overrides():
+    import msn
+    a = C.parse_args(msn.Args, ["--data", "synthetic", "--epochs", "3", "--betas", "0.8", "0.9", "--no-resume"])
+    assert a.model == "micro" and a.epochs == 3 and a.betas == (0.8, 0.9) and a.resume is False
+    b = C.parse_args(msn.Args, ["--data", "/x"])
+    assert b.model == "small" and b.epochs == 800 and b.img_size == 224 and b.focal_views == 10
+
+
+def test_knn_predict_matches_naive():
+    g = torch.Generator().manual_seed(0)
+    tr = torch.nn.functional.normalize(torch.randn(30, 5, generator=g), dim=1)
+    ytr = torch.randint(0, 3, (30,), generator=g)
+    te = torch.nn.functional.normalize(torch.randn(7, 5, generator=g), dim=1)
+    scores = C.knn_predict(tr, ytr, te, 3, k=4, T=0.5)
+    for i in range(7):
+        sims = [(float(te[i] @ tr[j]), j) for j in range(30)]
+        top = sorted(sims, reverse=True)[:4]
+        naive = [sum(math.exp(s / 0.5) for s, j in top if ytr[j] == c) for c in range(3)]
+        assert torch.allclose(scores[i], torch.tensor(naive), rtol=1e-4)
+
+
+def _gather_worker(rank, world):
+    x = (torch.arange(6.0).view(3, 2) + 10 * rank).requires_grad_()
+    y = C.all_gather(x)                                                    # (6, 2)
+    w = torch.arange(12.0).view(6, 2) * (rank + 1)                          # rank-specific loss
+    (y * w).sum().backward()
+    m = C.all_reduce_mean(x.sum(0))
+    return y.detach(), x.grad, m.detach()
+
+
+def test_all_gather_autograd_two_processes():
+    (y0, g0, m0), (y1, g1, m1) = spawn(_gather_worker)
+    assert torch.equal(y0, y1) and torch.equal(y0[3:], torch.arange(6.0).view(3, 2) + 10)
+    # d(sum_r loss_r)/dx_r = sum over ranks of w_r restricted to rank r's rows = 3 * w_base rows
+    w = torch.arange(12.0).view(6, 2)
+    assert torch.equal(g0, 3 * w[:3]) and torch.equal(g1, 3 * w[3:])
+    # rank 0: x.sum(0) = [6, 9]; rank 1: [36, 39]; mean [21, 24]
+    assert torch.equal(m0, m1) and torch.equal(m0, torch.tensor([21.0, 24.0]))

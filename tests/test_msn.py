@@ -1,0 +1,243 @@
+"""msn.py: the loss against a loop transcription of the paper/official equations, gradients and
+stop-gradients, DDP equivalence, views, end-to-end training, resume and bad input."""
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common as C
+import msn
+from ddp import spawn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def naive_msn_loss(anchor, target, prototypes, tau, tau_plus, lam, iters):
+    """Equations written as loops, following the official code's steps literally:
+    softmax at tau, sharpen with T = tau_plus / tau (p^(1/T) renormalised), Sinkhorn, CE, ME-MAX."""
+    MB, B, K = anchor.shape[0], target.shape[0], prototypes.shape[0]
+    M = MB // B
+    q = [prototypes[k] / prototypes[k].norm() for k in range(K)]
+
+    def probs(z, t):
+        e = [torch.exp(torch.dot(z / z.norm(), q[k]) / t) for k in range(K)]
+        s = sum(e)
+        return [e[k] / s for k in range(K)]
+
+    p = [[probs(anchor[m * B + i], tau) for i in range(B)] for m in range(M)]
+    with torch.no_grad():
+        T = tau_plus / tau
+        pt = []
+        for i in range(B):
+            base = probs(target[i], tau)
+            sharp = [b ** (1 / T) for b in base]
+            s = sum(sharp)
+            pt.append([x / s for x in sharp])
+        if iters:
+            Q = [[pt[i][k] for i in range(B)] for k in range(K)]
+            tot = sum(sum(row) for row in Q)
+            Q = [[x / tot for x in row] for row in Q]
+            for _ in range(iters):
+                for k in range(K):
+                    r = sum(Q[k])
+                    Q[k] = [x / r / K for x in Q[k]]
+                for i in range(B):
+                    c = sum(Q[k][i] for k in range(K))
+                    for k in range(K):
+                        Q[k][i] = Q[k][i] / c / B
+            pt = [[Q[k][i] * B for k in range(K)] for i in range(B)]
+    ce = sum(-sum(pt[i][k] * torch.log(p[m][i][k]) for k in range(K)) for m in range(M) for i in range(B)) / (M * B)
+    pbar = [sum(p[m][i][k] for m in range(M) for i in range(B)) / (M * B) for k in range(K)]
+    rloss = sum(pb * torch.log(pb) for pb in pbar) + math.log(K)
+    return ce + lam * rloss
+
+
+@pytest.mark.parametrize("M,B,K,d,tau,tau_plus,lam,iters", [
+    (2, 3, 5, 4, 0.1, 0.025, 1.0, 3), (3, 4, 7, 6, 0.2, 0.05, 0.5, 0), (1, 5, 4, 3, 0.5, 0.1, 2.0, 1),
+    (4, 2, 8, 5, 0.1, 0.025, 1.0, 5)])
+def test_msn_loss_matches_naive_loops(M, B, K, d, tau, tau_plus, lam, iters):
+    g = torch.Generator().manual_seed(M * 100 + K)
+    a = torch.randn(M * B, d, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(B, d, generator=g, dtype=torch.float64)
+    q = torch.randn(K, d, generator=g, dtype=torch.float64, requires_grad=True)
+    loss, parts = msn.msn_loss(a, t, q, tau, tau_plus, lam, iters)
+    ref = naive_msn_loss(a, t, q, tau, tau_plus, lam, iters)
+    torch.testing.assert_close(loss, ref)
+    ga, gq = torch.autograd.grad(loss, (a, q))
+    ra, rq = torch.autograd.grad(ref, (a, q))
+    torch.testing.assert_close(ga, ra)
+    torch.testing.assert_close(gq, rq)
+    assert parts["me_max"] >= 0 and parts["ce"] > 0
+
+
+def test_sinkhorn_balances_rows_and_columns():
+    P = torch.softmax(torch.randn(16, 8, dtype=torch.float64) * 5, -1)
+    Q = msn.sinkhorn(P, 50)
+    torch.testing.assert_close(Q.sum(1), torch.ones(16, dtype=torch.float32))  # rows: distributions
+    assert (Q.sum(0) - 2.0).abs().max() < 1e-3                                 # columns: B/K each
+
+
+def test_no_gradient_into_target_and_prototypes_get_gradient():
+    a = torch.randn(6, 4, requires_grad=True)
+    t = torch.randn(3, 4, requires_grad=True)
+    q = torch.randn(5, 4, requires_grad=True)
+    loss, _ = msn.msn_loss(a, t, q)
+    loss.backward()
+    assert t.grad is None                                      # stop-gradient on the target branch
+    assert a.grad.abs().sum() > 0 and q.grad.abs().sum() > 0
+
+
+def tiny_args(tmp, **kw):
+    base = dict(data="synthetic", output_dir=str(tmp), model="nano", patch_size=4, img_size=16,
+                focal_size=8, focal_views=2, epochs=2, steps_per_epoch=2, batch_size=8, warmup_epochs=1,
+                head_hidden=32, head_dim=16, num_prototypes=16, workers=0, log_every=1, knn=False)
+    base.update(kw)
+    return msn.Args(**base)
+
+
+def test_train_step_gradients_and_stop_gradients():
+    """One forward/backward of the real model: every online parameter gets a gradient, the EMA
+    target gets none, and after the update the target moved by exactly (1 - m) toward the online."""
+    a = tiny_args("/tmp/unused")
+    model = msn.MSN(a)
+    import copy
+    target = copy.deepcopy(model.net).requires_grad_(False)
+    views = [torch.randn(8, 3, 16, 16) for _ in range(2)] + [torch.randn(8, 3, 8, 8) for _ in range(2)]
+    ids_keep, _, _ = C.random_masking(8, 4, 0.15)
+    z, q = model(views[1], torch.cat(views[2:]), ids_keep)
+    assert z.shape == (3 * 8, 16)                                 # M = 1 random + 2 focal, view-major
+    z_plus = target(views[0])
+    loss, _ = msn.msn_loss(z, z_plus, q)
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+    assert all(p.grad is None for p in target.parameters())
+    before = [p.clone() for p in target.parameters()]
+    C.ema_update(target, model.net, 0.99)
+    for b, p, o in zip(before, target.parameters(), model.net.parameters()):
+        torch.testing.assert_close(p, 0.99 * b + 0.01 * o)
+
+
+def test_views_shapes():
+    a = msn.Args(data="synthetic", img_size=32, focal_size=16, focal_views=3, rand_views=1)
+    views = msn.MultiView(a)(C.SyntheticImages().load(0)[0])
+    assert len(views) == 1 + 1 + 3
+    assert [tuple(v.shape) for v in views] == [(3, 32, 32)] * 2 + [(3, 16, 16)] * 3
+    assert all(v.dtype == torch.uint8 for v in views)
+    vit = C.ViT(32, 4, 32, 1, 2)                             # focal views go through interpolated pos-embeds
+    assert vit(C.normalize(torch.stack(views[2:]))).shape == (3, 1 + 16, 32)
+
+
+def _ddp_loss_worker(rank, world, a, t, q):
+    M, Bg = a.shape[0] // t.shape[0], t.shape[0]
+    b = Bg // world
+    a_loc = a.view(M, Bg, -1)[:, rank * b:(rank + 1) * b].reshape(M * b, -1).clone().requires_grad_()
+    q_loc = q.clone().requires_grad_()
+    loss, parts = msn.msn_loss(a_loc, t[rank * b:(rank + 1) * b], q_loc)
+    loss.backward()
+    return loss.detach(), a_loc.grad, q_loc.grad, parts["ce"]
+
+
+def test_ddp_two_processes_equal_one_process_on_concatenated_batch():
+    g = torch.Generator().manual_seed(1)
+    M, B, K, d = 3, 8, 6, 5
+    a = torch.randn(M * B, d, generator=g, dtype=torch.float64)
+    t = torch.randn(B, d, generator=g, dtype=torch.float64)
+    q = torch.randn(K, d, generator=g, dtype=torch.float64)
+    a1, q1 = a.clone().requires_grad_(), q.clone().requires_grad_()
+    loss1, _ = msn.msn_loss(a1, t, q1)
+    loss1.backward()
+    res = spawn(_ddp_loss_worker, a, t, q)
+    W = len(res)
+    # DDP's objective is the mean of the per-rank losses and it averages gradients over ranks
+    torch.testing.assert_close(sum(r[0] for r in res) / W, loss1.detach())
+    ga = torch.cat([r[1].view(M, B // W, d) for r in res], dim=1).reshape(M * B, d) / W
+    torch.testing.assert_close(ga, a1.grad)
+    torch.testing.assert_close(sum(r[2] for r in res) / W, q1.grad)
+    # without the cross-rank ME-MAX mean and Sinkhorn sums the result would differ: check that the
+    # local-only loss is indeed different, so the test can fail
+    local, _ = msn.msn_loss(a.view(M, B, d)[:, :B // 2].reshape(-1, d), t[:B // 2], q)
+    assert not torch.allclose(local, res[0][0])
+
+
+def test_end_to_end_checkpoint_and_resume(tmp_path):
+    """Uninterrupted 2-epoch run == run stopped after epoch 1 and restarted with the same flags."""
+    msn.train(tiny_args(tmp_path / "full"))
+    full = C.load_checkpoint(str(tmp_path / "full" / "checkpoint.pth"), "msn")
+    msn.train(tiny_args(tmp_path / "part", stop_epoch=1))
+    part1 = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), "msn")
+    assert part1["epoch"] == 1 and part1["step"] == 2
+    msn.train(tiny_args(tmp_path / "part"))
+    part = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), "msn")
+    assert full["epoch"] == part["epoch"] == 2 and full["step"] == part["step"] == 4
+    for key in ("model", "target", "encoder"):
+        for k, v in full[key].items():
+            assert torch.equal(v, part[key][k]), (key, k)
+    assert not torch.equal(full["model"]["prototypes"], part1["model"]["prototypes"])
+    # the common format: loads with weights_only=True, encoder = target encoder, rebuildable
+    ck = torch.load(tmp_path / "full" / "checkpoint.pth", weights_only=True)
+    assert set(ck) >= {"method", "args", "epoch", "step", "encoder", "model", "target", "optimizer", "scaler", "rng"}
+    for k, v in ck["encoder"].items():
+        assert torch.equal(v, ck["target"]["encoder." + k])
+    enc = C.build_vit(ck["vit"])
+    enc.load_state_dict(ck["encoder"])
+    log = (tmp_path / "full" / "log.jsonl").read_text().splitlines()
+    assert len(log) == 4 and '"ce"' in log[0] and '"lr"' in log[0]
+
+
+def test_knn_report_learned_vs_init(tmp_path, capsys):
+    msn.train(tiny_args(tmp_path, epochs=1, steps_per_epoch=1, knn=True))
+    out = capsys.readouterr().out
+    assert "k-NN top-1" in out and "learned" in out and "initialisation" in out
+
+
+def run_cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+TINY = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--focal-size", "8", "--focal-views", "2",
+        "--batch-size", "4", "--head-hidden", "32", "--head-dim", "16", "--num-prototypes", "16",
+        "--epochs", "1", "--steps-per-epoch", "2", "--no-knn"]
+
+
+def one_line_error(r, *needles):
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_bad_input_errors(tmp_path):
+    from PIL import Image
+    one_line_error(run_cli("msn.py", "--data", str(tmp_path / "nope"), *TINY), "no such directory")
+    os.makedirs(tmp_path / "empty" / "class_a")
+    one_line_error(run_cli("msn.py", "--data", str(tmp_path / "empty"), *TINY), "no images")
+    bad = tmp_path / "bad" / "a"
+    os.makedirs(bad)
+    for i in range(4):
+        Image.new("RGB", (32, 32)).save(bad / f"{i}.png")
+    (bad / "broken.jpg").write_bytes(b"not a jpeg at all")
+    one_line_error(run_cli("msn.py", "--data", str(tmp_path / "bad"), *TINY, "--workers", "1",
+                           "--output-dir", str(tmp_path / "o1")), "cannot read image", "broken.jpg")
+    out = tmp_path / "other"
+    os.makedirs(out)
+    C.save_checkpoint(str(out / "checkpoint.pth"), {"method": "cmae", "encoder": {}})
+    one_line_error(run_cli("msn.py", "--data", "synthetic", *TINY, "--output-dir", str(out)), "cmae checkpoint")
+    (out / "checkpoint.pth").write_bytes(b"garbage")
+    one_line_error(run_cli("msn.py", "--data", "synthetic", *TINY, "--output-dir", str(out)), "not a readable checkpoint")
+    one_line_error(run_cli("msn.py", *TINY), "--data is required")
+
+
+def test_torchrun_two_processes_cpu(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "msn.py",
+                        "--data", "synthetic", *TINY, "--output-dir", str(tmp_path)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 process(es)" in r.stdout
+    ck = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "msn")
+    assert ck["step"] == 2 and ck["args"]["batch_size"] == 4
