@@ -238,6 +238,23 @@ def norm_pix(target, eps=1e-6):
     return (target - mean) / (var + eps) ** 0.5
 
 
+def unnorm_pix(pred, target, eps=1e-6):
+    """Map norm_pix-space predictions back to pixel space with the target patches' mean/var."""
+    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
+    return pred * (var + eps) ** 0.5 + mean
+
+
+def save_image_grid(path, rows):
+    """rows: list of (B, 3, H, W) ImageNet-normalised tensors -> one PNG, a row per tensor (rank 0)."""
+    if not is_main():
+        return
+    from torchvision.utils import save_image
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    imgs = torch.cat([(r.detach().float().cpu() * std + mean).clamp(0, 1) for r in rows])
+    save_image(imgs, path, nrow=rows[0].shape[0], padding=1)
+
+
 # ----------------------------------------------------------------------------------------------
 # EMA, schedules, optimiser
 # ----------------------------------------------------------------------------------------------
@@ -330,22 +347,23 @@ SHAPES = ("disc", "square", "triangle", "plus", "ring", "star", "crescent", "bar
 def synthetic_image(idx, seed=0, split="train", size=64):
     """Procedural image of one of 10 shape classes (label = idx % 10), deterministic per index.
 
-    Random shape colour, scale, position and rotation over a random low-contrast background
-    (colour gradient, faint grating, noise): only the outline identifies the class.
+    Grey images: random shape intensity, scale, position and rotation over a random grey textured
+    background. No colour and no class-specific intensity: only the outline identifies the class,
+    and the outline is also what two crops of one image share most (colour would otherwise be the
+    easiest instance cue for a siamese method, and tell nothing about the class).
     """
     rng = np.random.default_rng([seed, {"train": 0, "val": 1}[split], idx])
     label = idx % len(SHAPES)
     yy, xx = np.mgrid[-1:1:size * 1j, -1:1:size * 1j]
-    # background: a low-contrast colour gradient with a faint random grating and pixel noise
-    c1 = rng.uniform(0.1, 0.9, 3)
-    c2 = np.clip(c1 + rng.uniform(-0.15, 0.15, 3), 0, 1)
+    # background: a grey level with a faint gradient, grating and pixel noise
+    g = rng.uniform(0.25, 0.75)
     th = rng.uniform(0, 2 * np.pi)
-    t = 0.5 + 0.5 * (xx * np.cos(th) + yy * np.sin(th)) / np.sqrt(2)
-    t = t + 0.1 * np.sin(rng.uniform(3, 9) * np.pi * (xx * np.sin(th) - yy * np.cos(th)))
-    img = c1 * t[..., None] + c2 * (1 - t[..., None]) + rng.normal(0, 0.03, (size, size, 3))
-    # shape in its own frame (u, v): scaled, rotated, translated; colour far from the background
-    s, rot = rng.uniform(0.45, 0.7), rng.uniform(0, 2 * np.pi)
-    cx, cy = rng.uniform(-0.3, 0.3, 2)
+    t = 0.08 * (xx * np.cos(th) + yy * np.sin(th)) + 0.05 * np.sin(
+        rng.uniform(3, 9) * np.pi * (xx * np.sin(th) - yy * np.cos(th)))
+    img = (g + t + rng.normal(0, 0.03, (size, size)))[..., None].repeat(3, -1)
+    # shape in its own frame (u, v): scaled, rotated, translated; brighter or darker than the bg
+    s, rot = rng.uniform(0.5, 0.8), rng.uniform(0, 2 * np.pi)
+    cx, cy = rng.uniform(-0.25, 0.25, 2)
     x0, y0 = (xx - cx) / s, (yy - cy) / s
     u, v = x0 * np.cos(rot) + y0 * np.sin(rot), -x0 * np.sin(rot) + y0 * np.cos(rot)
     r, a = np.hypot(u, v), np.arctan2(v, u)
@@ -361,8 +379,8 @@ def synthetic_image(idx, seed=0, split="train", size=64):
         "ell": ((abs(u + 0.35) < 0.25) & (abs(v) < 0.9)) | ((abs(v - 0.65) < 0.25) & (abs(u) < 0.6)),
         "dots": (np.hypot(u - 0.5, v) < 0.38) | (np.hypot(u + 0.5, v) < 0.38),
     }[SHAPES[label]]
-    fg = (c1 + 0.5 * rng.choice([-1, 1], 3) * rng.uniform(0.6, 1.0, 3)) % 1.0  # >= 0.3 from c1 per channel
-    fg = fg * (1 + 0.1 * np.sin(6 * u)[..., None])                            # faintly textured fill
+    fg = g + rng.choice([-1, 1]) * rng.uniform(0.25, 0.45)                     # contrast >= 0.25
+    fg = (fg * (1 + 0.1 * np.sin(6 * u)))[..., None].repeat(3, -1)             # faintly textured fill
     img = np.where(m[..., None], fg, img)
     return Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)), label
 
@@ -469,8 +487,12 @@ def world_size():
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def is_main():
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return rank() == 0
 
 
 def init_distributed(device):

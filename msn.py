@@ -101,7 +101,7 @@ class Args:
 
     # `--data synthetic` without explicit flags: a CPU-sized run (about 5 min on 2 cores)
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, focal_size=16, focal_views=4,
-                     epochs=8, batch_size=64, warmup_epochs=1, head_hidden=256, head_dim=64,
+                     epochs=8, batch_size=64, warmup_epochs=1, head_hidden=256, head_dim=64, ema=(0.99, 1.0),
                      num_prototypes=64, workers=2, log_every=20, steps_per_epoch=40)
 
 
