@@ -40,6 +40,7 @@ differs from both, and why:
   - The official extra entropy term (weight 0 in every released config) is omitted.
 """
 import copy
+import itertools
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -242,9 +243,7 @@ def train(args):
         loader.sampler.set_epoch(epoch)
         C.seed_epoch(args.seed, epoch, run.rank)
         model.train(), target.train()                                # official target uses batch BN stats
-        for it, (views, _) in enumerate(loader):
-            if it == ipe:
-                break
+        for it, (views, _) in enumerate(itertools.islice(loader, ipe)):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, sched, args.lr, args.min_lr, args.warmup_epochs * ipe, args.start_lr)
             wd = C.cosine_schedule(step, sched, args.weight_decay, args.final_weight_decay)

@@ -1,0 +1,268 @@
+"""CAN: A Simple, Efficient and Scalable Contrastive Masked Autoencoder for Learning Visual Representations.
+Mishra, Robinson, Chang, Jacobs, Sarna, Maschinot, Krishnan. 2022. arXiv:2210.16870.
+
+Idea. Three objectives on one MAE-style network. Two augmented views of each image are masked
+independently (50%) and made noisy (x + sigma e, sigma ~ U[0, 0.05] per view); the encoder sees
+only the visible patches. (C) its mean-pooled, projected output is contrasted across the 2n views
+(InfoNCE); (A) the decoder reconstructs the clean image on masked patches; (N) on visible patches
+it predicts the added noise sigma e, told the noise level through an embedding added to every
+decoder token. Total: 0.03 L_InfoNCE + 0.67 L_rec + 0.3 L_denoise.
+
+Launch.
+  python can.py --data synthetic                        # CPU quickstart, ~5 min, ends with k-NN
+  python can.py --data /imagenet                        # ViT-B/16, one GPU
+  torchrun --nproc_per_node=8 can.py --data /imagenet   # 8 GPUs (--batch-size is per GPU)
+
+Paper -> code (follows the paper).
+  Two views, independent 50% masks ............ TwoViews, C.random_masking per view
+  x <- x + sigma e, sigma ~ U[0, sigma_max] ...... train(): add_noise
+  Noise-level embedding p_v (sin -> 2-layer MLP) . NoiseEmbed, added to every decoder token
+  (C) mean-pool + projector + InfoNCE over 2n ... CAN.forward -> u, info_nce (negatives gathered WITH grad)
+  (A) L_rec on masked patches, clean target ..... reconstruction_loss
+  (N) L_denoise on visible patches, target sigma e denoising_loss
+  Total 0.03 / 0.67 / 0.3 ....................... can_loss
+
+Reductions. The paper writes L_rec = 1/2n sum_v sum_i ||M o (x - x^)||^2 (and likewise for
+L_denoise). Summed over every pixel value, the reconstruction term would be ~10^5 x the InfoNCE
+term and the 0.03 weight meaningless; we read ||.||^2 as the mean squared error per predicted value
+(MAE convention): sum over masked (resp. visible) values / their count.
+
+Known deviations of the official code (shlokk/mae-contrastive), not copied here: mask ratio 0.75
+(paper 0.5); sigma_max effectively 0.1 (flag parsed but unused); noise added in place, so the
+reconstruction target is the noisy image; noise embedding added only to visible tokens;
+contrastive loss per GPU without all-gather; weights 0.97 * (0.3 / 0.7) + 0.03.
+Other choices here: the noise embedding is also added to the decoder's CLS slot; sigma is fed to
+the sinusoid as 1000 * sigma (diffusion-timestep scale); reconstruction targets are raw normalised
+pixels (`--norm-pix` for MAE's per-patch normalisation); projector Linear-BN-ReLU-Linear to 256.
+"""
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common as C
+
+
+@dataclass
+class Args:
+    """CAN pre-training (defaults: paper ViT-B/16 with MAE-style optimisation)."""
+    data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
+    output_dir: str = field(default=None, metadata={"help": "default runs/can"})
+    model: str = field(default="base", metadata={"help": "ViT size: " + "|".join(C.SIZES)})
+    patch_size: int = 16
+    img_size: int = 224
+    epochs: int = 800
+    batch_size: int = field(default=256, metadata={"help": "per process (paper global batch 4096)"})
+    lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global batch / 256)"})
+    blr: float = 1.5e-4
+    min_lr: float = 0.0
+    warmup_epochs: int = 40
+    weight_decay: float = 0.05
+    betas: tuple = (0.9, 0.95)
+    mask_ratio: float = 0.5
+    sigma_max: float = 0.05
+    decoder_dim: int = 512
+    decoder_depth: int = 8
+    decoder_heads: int = 16
+    proj_hidden: int = 4096
+    proj_dim: int = 256
+    tau: float = 0.1
+    weights: tuple = field(default=(0.03, 0.67, 0.3), metadata={"help": "InfoNCE, reconstruction, denoising"})
+    norm_pix: bool = field(default=False, metadata={"help": "per-patch normalised reconstruction targets (MAE)"})
+    crop_scale: tuple = (0.2, 1.0)
+    drop_path: float = 0.0
+    workers: int = 10
+    seed: int = 0
+    resume: bool = field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
+    precision: str = field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
+    compile: bool = False
+    log_every: int = 50
+    device: str = None
+    steps_per_epoch: int = field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
+    stop_epoch: int = field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
+    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
+
+    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64, blr=1.5e-3, warmup_epochs=1,
+                     decoder_dim=64, decoder_depth=2, decoder_heads=4, proj_hidden=256, proj_dim=64,
+                     crop_scale=(0.3, 1.0), workers=2, log_every=20, steps_per_epoch=50)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------
+def sinusoid(s, dim, max_period=10000.0):
+    """Sinusoidal embedding of scalars s (B,) -> (B, dim): [sin(s w_k), cos(s w_k)], w_k = max_period^(-k/half)."""
+    half = dim // 2
+    w = torch.exp(-math.log(max_period) * torch.arange(half, device=s.device, dtype=torch.float32) / half)
+    a = s.float()[:, None] * w[None]
+    return torch.cat([a.sin(), a.cos()], dim=-1)
+
+
+class NoiseEmbed(nn.Module):
+    """p_v = MLP2(sinusoid(1000 sigma_v)): Linear-ReLU-Linear, (B,) -> (B, d)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.d = d
+        self.mlp = nn.Sequential(nn.Linear(d, d), nn.ReLU(inplace=True), nn.Linear(d, d))
+
+    def forward(self, sigma):
+        return self.mlp(sinusoid(1000 * sigma, self.d))
+
+
+class CAN(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos")
+        D, p, dd = self.encoder.dim, a.patch_size, a.decoder_dim
+        self.projector = nn.Sequential(nn.Linear(D, a.proj_hidden), nn.BatchNorm1d(a.proj_hidden),
+                                       nn.ReLU(inplace=True), nn.Linear(a.proj_hidden, a.proj_dim))
+        self.decoder_embed = nn.Linear(D, dd)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dd))
+        pe = torch.cat([torch.zeros(1, dd), C.sincos_pos_embed(dd, self.encoder.grid)])[None]
+        self.register_buffer("decoder_pos_embed", pe)
+        self.noise_embed = NoiseEmbed(dd)
+        self.decoder = nn.ModuleList(C.Block(dd, a.decoder_heads) for _ in range(a.decoder_depth))
+        self.decoder_norm, self.decoder_pred = nn.LayerNorm(dd, eps=1e-6), nn.Linear(dd, p * p * 3)
+        C.init_weights(self)
+        nn.init.normal_(self.mask_token, std=0.02)
+
+    def forward(self, x_noisy, sigma, ids_keep, ids_restore):
+        """x_noisy (B, 3, H, W), sigma (B,). Returns x^ (B, N, p*p*3) and u (B, proj_dim)."""
+        latent = self.encoder(x_noisy, ids_keep)                              # (B, 1+n_vis, D)
+        u = self.projector(latent[:, 1:].mean(1))                             # mean of visible tokens
+        t = C.restore_tokens(self.decoder_embed(latent), self.mask_token, ids_restore)
+        t = t + self.decoder_pos_embed + self.noise_embed(sigma)[:, None].to(t.dtype)   # every token
+        for blk in self.decoder:
+            t = blk(t)
+        return self.decoder_pred(self.decoder_norm(t))[:, 1:], u
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses
+# ----------------------------------------------------------------------------------------------
+def info_nce(u1, u2, tau=0.1):
+    """L_InfoNCE over the 2n embeddings (n = global batch), negatives gathered WITH gradient.
+
+    u1, u2 (n_local, r): the two views' projections (L2-normalised here). For each of the 2n rows,
+    positive = the other view of the same image, negatives = the other 2n - 2 embeddings:
+      L = 1/2n sum_{v, i} -log exp(u_i^v . u_i^v' / tau) / sum_{k != (v,i)} exp(u_i^v . u_k / tau)
+    Mean over the local 2 n_local rows (DDP's mean over processes gives the global mean).
+    """
+    n = u1.shape[0]
+    z1, z2 = F.normalize(u1, dim=-1), F.normalize(u2, dim=-1)
+    keys = torch.cat([C.all_gather(z1), C.all_gather(z2)])                   # (2 n W, r)
+    nW = keys.shape[0] // 2
+    g = torch.arange(n, device=u1.device) + n * C.rank()                     # global image index
+    logits = torch.cat([z1, z2]) @ keys.T / tau                              # (2n, 2nW)
+    self_idx = torch.cat([g, g + nW])
+    logits[torch.arange(2 * n, device=u1.device), self_idx] = float("-inf")  # drop k = (v, i)
+    labels = torch.cat([g + nW, g])                                          # the other view
+    return F.cross_entropy(logits, labels)
+
+
+def reconstruction_loss(pred, target, mask):
+    """L_rec: squared error on masked patches (mask 1), target = clean image patches.
+    pred/target (B, N, P), mask (B, N): sum over masked values / their count."""
+    return (((pred - target) ** 2).mean(-1) * mask).sum() / mask.sum()
+
+
+def denoising_loss(pred, noise, mask):
+    """L_denoise: squared error to the added noise sigma e on VISIBLE patches (1 - mask).
+    pred/noise (B, N, P), mask (B, N): sum over visible values / their count."""
+    vis = 1 - mask
+    return (((pred - noise) ** 2).mean(-1) * vis).sum() / vis.sum()
+
+
+def can_loss(u1, u2, pred, target, noise, mask, tau=0.1, weights=(0.03, 0.67, 0.3)):
+    """0.03 L_InfoNCE + 0.67 L_rec + 0.3 L_denoise; pred/target/noise/mask stack both views."""
+    l_c, l_r, l_n = info_nce(u1, u2, tau), reconstruction_loss(pred, target, mask), denoising_loss(pred, noise, mask)
+    loss = weights[0] * l_c + weights[1] * l_r + weights[2] * l_n
+    return loss, {"loss": loss.detach(), "infonce": l_c.detach(), "rec": l_r.detach(), "denoise": l_n.detach()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: two SimCLR-style views
+# ----------------------------------------------------------------------------------------------
+class TwoViews:
+    def __init__(self, a):
+        from torchvision import transforms as T
+        self.view = T.Compose([T.RandomResizedCrop(a.img_size, scale=a.crop_scale, interpolation=T.InterpolationMode.BICUBIC),
+                               T.RandomHorizontalFlip(), C.color_augment(a.img_size), C.to_uint8])
+
+    def __call__(self, img):
+        return self.view(img), self.view(img)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def train(args):
+    run = C.setup(args, "can")
+    dev = run.device
+    dataset = C.image_dataset(args.data, "train")
+    loader = C.make_loader(C.Views(dataset, TwoViews(args), args.seed), args.batch_size, args.workers, args.seed)
+    ipe = min(len(loader), args.steps_per_epoch or len(loader))
+    total = args.epochs * ipe
+    lr = args.lr or args.blr * args.batch_size * run.world / 256
+
+    model = CAN(args).to(dev)
+    if run.world > 1 and dev.type == "cuda":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
+    scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
+    start_epoch = C.resume_run(run, "can", args, model, opt, scaler)
+    net = torch.compile(model) if args.compile else model
+    if run.world > 1:
+        net = nn.parallel.DistributedDataParallel(net, device_ids=[dev] if dev.type == "cuda" else None)
+    log = C.Logger(run.out, total, args.batch_size * run.world, args.log_every, start_epoch * ipe)
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}")
+    p, grid = args.patch_size, model.encoder.grid
+
+    for epoch in range(start_epoch, args.stop_epoch or args.epochs):
+        loader.sampler.set_epoch(epoch)
+        C.seed_epoch(args.seed, epoch, run.rank)
+        model.train()
+        for it, ((v1, v2), _) in enumerate(itertools.islice(loader, ipe)):
+            step = epoch * ipe + it
+            C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
+            x = C.normalize(torch.cat([v1, v2]).to(dev, non_blocking=True))   # (2B, 3, H, W), clean
+            B2 = x.shape[0]
+            sigma = torch.rand(B2, device=dev) * args.sigma_max                # sigma_v ~ U[0, sigma_max]
+            noise = sigma.view(-1, 1, 1, 1) * torch.randn_like(x)              # sigma_v e_v
+            ids_keep, ids_restore, mask = C.random_masking(B2, grid, args.mask_ratio, device=dev)
+            with run.autocast:
+                pred, u = net(x + noise, sigma, ids_keep, ids_restore)
+            target = C.patchify(x, p)
+            target = C.norm_pix(target) if args.norm_pix else target
+            loss, parts = can_loss(u[:B2 // 2].float(), u[B2 // 2:].float(), pred.float(), target,
+                                   C.patchify(noise, p), mask, args.tau, args.weights)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            log.step(step + 1, epoch, parts, lr=opt.param_groups[0]["lr"])
+        C.save_run(run, "can", args, epoch + 1, (epoch + 1) * ipe, model.encoder, model, opt, scaler)
+        n, m = min(8, B2 // 2), mask[:min(8, B2 // 2), :, None]              # clean / noisy+masked input /
+        xp, pr = C.patchify(x[:n], p), pred[:n].detach().float()             # reconstruction / noise / sigma_max
+        pr_px = C.unnorm_pix(pr, xp) if args.norm_pix else pr
+        C.save_image_grid(f"{run.out}/recon_ep{epoch + 1:04d}.png", [
+            x[:n], C.unpatchify(C.patchify(x[:n] + noise[:n], p) * (1 - m), p),
+            C.unpatchify(torch.where(m.bool(), pr_px, xp), p), C.unpatchify(pr * (1 - m) / args.sigma_max, p)])
+
+    if args.knn if args.knn is not None else args.data == "synthetic":
+        if C.is_main():
+            torch.manual_seed(args.seed)                                       # the same draw as in setup
+            init = CAN(args).encoder.to(dev)
+            accs = [C.knn_accuracy(e, args.data, args.img_size, dev, "mean", autocast=run.autocast)
+                    for e in (model.encoder, init)]
+            log.write({"knn_learned": accs[0], "knn_init": accs[1]})
+            C.print0(f"k-NN top-1 on {args.data} val (encoder, mean patch token): learned "
+                     f"{accs[0]:.1f}% vs same architecture at initialisation {accs[1]:.1f}%")
+
+
+if __name__ == "__main__":
+    C.main(train, Args)

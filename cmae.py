@@ -1,0 +1,278 @@
+"""CMAE: Contrastive Masked Autoencoders are Stronger Vision Learners.
+Huang, Xie, Zhu, Wang, Ren, Zhou, Ye, Feng. TPAMI 2023. arXiv:2207.13532.
+
+Idea. An MAE (encoder on the visible 35% of patches, pixel decoder reconstructing the masked
+ones) gets a second, contrastive task: a shallow feature decoder turns the same visible latents +
+mask tokens into a pooled image feature that, after a projector and predictor, must identify the
+EMA target encoder's embedding of a slightly shifted, colour-augmented view of the same image
+among the other images of the global batch (InfoNCE).
+
+Launch.
+  python cmae.py --data synthetic                        # CPU quickstart, ~5 min, ends with k-NN
+  python cmae.py --data /imagenet                        # ViT-B/16 official recipe, one GPU
+  torchrun --nproc_per_node=8 cmae.py --data /imagenet   # 8 GPUs (--batch-size is per GPU)
+
+Paper -> code.
+  Pixel-shifted view pair, Sec 3.3 ......... PixelShiftViews
+  Masked online encoder F_s, Sec 3.1 ....... CMAE.forward: encoder(x_s, ids_keep), 2x2-block mask
+  Pixel decoder G_p, L_r (Eq. 1) ........... Decoder(depth 8) + reconstruction_loss (norm-pix MSE)
+  Feature decoder G_f, y_s ................. Decoder(depth 2), mean over all patch tokens
+  Projection + prediction heads ............ CMAE.projector / CMAE.predictor
+  Momentum target encoder F_t, z_t ......... target (EMA of encoder + projector), mean patch token
+  L_c InfoNCE (Eq. 3), L = L_r + l_c L_c ... cmae_contrastive_loss, train()
+
+Where this file follows the official code (ZhichengHuang/CMAE) rather than the paper, or differs:
+  - InfoNCE is scaled by 2 * tau (official), one direction, targets all-gathered as negatives.
+  - Target encoder features are taken before the final LayerNorm, mean of patch tokens (official).
+  - The feature decoder's output width equals the encoder width (official: a fixed 768, which
+    only fits ViT-B); identical for ViT-B. The two decoders share the input embedding, mask token
+    and position embeddings (visible latents + mask tokens + pos-embeds, as in the paper).
+  - Masks are per image in 2x2-patch units (`--mask-unit 1` for per-patch MAE masking).
+  - BatchNorm in the heads is per process on CPU/gloo; on multi-GPU CUDA it is SyncBatchNorm.
+  - bf16 autocast on GPU (official fp16 AMP; `--precision fp16` is available).
+"""
+import copy
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common as C
+
+
+@dataclass
+class Args:
+    """CMAE pre-training (defaults: official ViT-B/16 ImageNet recipe, 300 epochs)."""
+    data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
+    output_dir: str = field(default=None, metadata={"help": "default runs/cmae"})
+    model: str = field(default="base", metadata={"help": "ViT size: " + "|".join(C.SIZES)})
+    patch_size: int = 16
+    img_size: int = 224
+    master_size: int = field(default=256, metadata={"help": "master crop; target shift is 0..master-img-1 px"})
+    epochs: int = 300
+    batch_size: int = field(default=256, metadata={"help": "per process (official 256 x 16 GPUs = 4096)"})
+    lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global batch / 256)"})
+    blr: float = 1.5e-4
+    min_lr: float = 0.0
+    warmup_epochs: int = 40
+    weight_decay: float = 0.05
+    betas: tuple = (0.9, 0.95)
+    ema: float = field(default=0.996, metadata={"help": "EMA momentum (constant, per step)"})
+    mask_ratio: float = 0.65
+    mask_unit: int = field(default=2, metadata={"help": "mask in unit x unit patch blocks (1 = per patch)"})
+    decoder_dim: int = 512
+    decoder_depth: int = 8
+    decoder_heads: int = 16
+    feature_decoder_depth: int = 2
+    proj_hidden: int = 1536
+    proj_dim: int = 256
+    tau: float = 0.07
+    lambda_c: float = field(default=1.0, metadata={"help": "weight of the contrastive loss"})
+    drop_path: float = 0.0
+    workers: int = 10
+    seed: int = 0
+    resume: bool = field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
+    precision: str = field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
+    compile: bool = False
+    log_every: int = 50
+    device: str = None
+    steps_per_epoch: int = field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
+    stop_epoch: int = field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
+    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
+
+    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, master_size=36, epochs=8, batch_size=64,
+                     blr=1.5e-3, warmup_epochs=1, decoder_dim=64, decoder_depth=2, decoder_heads=4,
+                     feature_decoder_depth=1, proj_hidden=256, proj_dim=64, workers=2, log_every=20,
+                     steps_per_epoch=50)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------
+def mlp_head(d_in, hidden, d_out):
+    """Linear-BN-ReLU-Linear(no bias): CMAE's projector and predictor."""
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
+                         nn.Linear(hidden, d_out, bias=False))
+
+
+class Decoder(nn.Module):
+    """Transformer blocks + norm + linear output over (B, 1+N, d) decoder tokens."""
+
+    def __init__(self, dim, depth, heads, d_out):
+        super().__init__()
+        self.blocks = nn.ModuleList(C.Block(dim, heads) for _ in range(depth))
+        self.norm, self.out = nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, d_out)
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return self.out(self.norm(x))
+
+
+class CMAE(nn.Module):
+    """Online branch: encoder F_s, shared decoder input, pixel decoder G_p, feature decoder G_f,
+    projector and predictor."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos")
+        D, g, p = self.encoder.dim, self.encoder.grid, a.patch_size
+        self.decoder_embed = nn.Linear(D, a.decoder_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, a.decoder_dim))
+        pe = torch.cat([torch.zeros(1, a.decoder_dim), C.sincos_pos_embed(a.decoder_dim, g)])[None]
+        self.register_buffer("decoder_pos_embed", pe)
+        self.pixel_decoder = Decoder(a.decoder_dim, a.decoder_depth, a.decoder_heads, p * p * 3)
+        self.feature_decoder = Decoder(a.decoder_dim, a.feature_decoder_depth, a.decoder_heads, D)
+        self.projector = mlp_head(D, a.proj_hidden, a.proj_dim)
+        self.predictor = mlp_head(a.proj_dim, a.proj_hidden, a.proj_dim)
+        C.init_weights(self)                   # Linear / LayerNorm / patch projection only
+        nn.init.normal_(self.mask_token, std=0.02)
+
+    def forward(self, x, ids_keep, ids_restore):
+        """x (B, 3, H, W) source view. Returns pixel predictions (B, N, p*p*3) and the online
+        prediction u (B, proj_dim) of the feature branch."""
+        latent = self.encoder(x, ids_keep)                                     # (B, 1+n_vis, D)
+        tokens = C.restore_tokens(self.decoder_embed(latent), self.mask_token, ids_restore)
+        tokens = tokens + self.decoder_pos_embed                               # (B, 1+N, d_dec)
+        pred = self.pixel_decoder(tokens)[:, 1:]                               # (B, N, p*p*3)
+        y_s = self.feature_decoder(tokens)[:, 1:].mean(1)                      # (B, D) all patch tokens
+        return pred, self.predictor(self.projector(y_s))
+
+
+class Target(nn.Module):
+    """Momentum branch F_t: EMA encoder (no final norm) -> mean patch token z_t -> projector."""
+
+    def __init__(self, online):
+        super().__init__()
+        self.encoder, self.projector = copy.deepcopy(online.encoder), copy.deepcopy(online.projector)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        z_t = self.encoder(x, norm=False)[:, 1:].mean(1)                      # (B, D)
+        return self.projector(z_t)                                           # (B, proj_dim)
+
+    def online_params(self, online):
+        """The online modules this target is an EMA of (same parameter order)."""
+        return nn.ModuleList([online.encoder, online.projector])
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses
+# ----------------------------------------------------------------------------------------------
+def reconstruction_loss(pred, target, mask):
+    """L_r: MSE on masked patches only. pred/target (B, N, P) (target already norm-pix),
+    mask (B, N), 1 = masked. Mean over the P values of a patch, then mean over masked patches."""
+    per_patch = ((pred - target) ** 2).mean(dim=-1)                           # (B, N)
+    return (per_patch * mask).sum() / mask.sum()
+
+
+def cmae_contrastive_loss(online, target, tau=0.07):
+    """L_c: InfoNCE with the other images' targets (all processes) as negatives, official scale.
+
+    online (B, d): u = predictor(projector(y_s)); target (B, d): v = projector_t(z_t), no grad.
+      logits_ij = <u_i/|u_i|, v_j/|v_j|> / tau over the global batch j   (B, B*world)
+      L_c = 2 * tau * mean_i CE(logits_i, own index)                      mean over local rows
+    """
+    u = F.normalize(online, dim=-1)
+    v = F.normalize(C.all_gather(target.detach(), grad=False), dim=-1)       # (B*world, d)
+    labels = torch.arange(u.shape[0], device=u.device) + u.shape[0] * C.rank()   # own image
+    return 2 * tau * F.cross_entropy(u @ v.T / tau, labels)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: pixel-shifted view pair from one master crop
+# ----------------------------------------------------------------------------------------------
+class PixelShiftViews:
+    """One RandomResizedCrop(master, 0.2-1, bicubic) + flip shared by both views.
+    Source = master[0:S, 0:S], no colour augmentation; target = master[dh:dh+S, dw:dw+S] with
+    dh, dw ~ U{0..master-S-1} and colour augmentation. Returns (source, target, (dh, dw))."""
+
+    def __init__(self, a, color=True):
+        from torchvision import transforms as T
+        self.S, self.shift = a.img_size, a.master_size - a.img_size
+        self.master = T.Compose([T.RandomResizedCrop(a.master_size, scale=(0.2, 1.0),
+                                                     interpolation=T.InterpolationMode.BICUBIC),
+                                 T.RandomHorizontalFlip()])
+        self.color = C.color_augment(a.img_size) if color else (lambda im: im)
+
+    def __call__(self, img):
+        m = self.master(img)
+        S = self.S
+        dh, dw = (torch.randint(0, self.shift, (2,)) if self.shift > 0 else torch.zeros(2, dtype=torch.long)).tolist()
+        source = C.to_uint8(m.crop((0, 0, S, S)))
+        target = C.to_uint8(self.color(m.crop((dw, dh, dw + S, dh + S))))
+        return source, target, torch.tensor([dh, dw])
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def train(args):
+    run = C.setup(args, "cmae")
+    dev = run.device
+    dataset = C.image_dataset(args.data, "train")
+    loader = C.make_loader(C.Views(dataset, PixelShiftViews(args), args.seed), args.batch_size, args.workers, args.seed)
+    ipe = min(len(loader), args.steps_per_epoch or len(loader))
+    total = args.epochs * ipe
+    lr = args.lr or args.blr * args.batch_size * run.world / 256
+
+    model = CMAE(args).to(dev)
+    target = Target(model).to(dev)
+    if run.world > 1 and dev.type == "cuda":
+        model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
+    opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
+    scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
+    start_epoch = C.resume_run(run, "cmae", args, model, opt, scaler, target)
+    online, target_fwd = (torch.compile(model), torch.compile(target)) if args.compile else (model, target)
+    if run.world > 1:
+        online = nn.parallel.DistributedDataParallel(online, device_ids=[dev] if dev.type == "cuda" else None)
+    log = C.Logger(run.out, total, args.batch_size * run.world, args.log_every, start_epoch * ipe)
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}")
+    p, grid = args.patch_size, model.encoder.grid
+
+    for epoch in range(start_epoch, args.stop_epoch or args.epochs):
+        loader.sampler.set_epoch(epoch)
+        C.seed_epoch(args.seed, epoch, run.rank)
+        model.train(), target.train()
+        for it, ((x_s, x_t, _), _) in enumerate(itertools.islice(loader, ipe)):
+            step = epoch * ipe + it
+            C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
+            x_s, x_t = C.normalize(x_s.to(dev, non_blocking=True)), C.normalize(x_t.to(dev, non_blocking=True))
+            ids_keep, ids_restore, mask = C.random_masking(x_s.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
+            with run.autocast:
+                pred, u = online(x_s, ids_keep, ids_restore)
+                with torch.no_grad():
+                    v = target_fwd(x_t)
+            loss_r = reconstruction_loss(pred.float(), C.norm_pix(C.patchify(x_s, p)), mask)
+            loss_c = cmae_contrastive_loss(u.float(), v.float(), args.tau)
+            loss = loss_r + args.lambda_c * loss_c
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            C.ema_update(target, target.online_params(model), args.ema)
+            log.step(step + 1, epoch, {"loss": loss.detach(), "l_r": loss_r.detach(), "l_c": loss_c.detach()},
+                     lr=opt.param_groups[0]["lr"])
+        C.save_run(run, "cmae", args, epoch + 1, (epoch + 1) * ipe, model.encoder, model, opt, scaler, target)
+        n = min(8, x_s.shape[0])                                              # original / masked / recon
+        target_px = C.patchify(x_s[:n], p)
+        recon = C.unpatchify(torch.where(mask[:n, :, None].bool(), C.unnorm_pix(pred[:n].float(), target_px), target_px), p)
+        C.save_image_grid(f"{run.out}/recon_ep{epoch + 1:04d}.png",
+                          [x_s[:n], C.unpatchify(target_px * (1 - mask[:n, :, None]), p), recon])
+
+    if args.knn if args.knn is not None else args.data == "synthetic":
+        if C.is_main():
+            torch.manual_seed(args.seed)                                      # the same draw as in setup
+            init = CMAE(args).encoder.to(dev)
+            accs = [C.knn_accuracy(e, args.data, args.img_size, dev, "mean", autocast=run.autocast)
+                    for e in (model.encoder, init)]
+            log.write({"knn_learned": accs[0], "knn_init": accs[1]})
+            C.print0(f"k-NN top-1 on {args.data} val (online encoder, mean patch token): learned "
+                     f"{accs[0]:.1f}% vs same architecture at initialisation {accs[1]:.1f}%")
+
+
+if __name__ == "__main__":
+    C.main(train, Args)

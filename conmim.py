@@ -1,0 +1,215 @@
+"""ConMIM: Masked Image Modeling with Denoising Contrast.
+Yi, Ge, Xu, Tang, Zhu, Shan, Zhang, Wang, Ren. ICLR 2023. arXiv:2205.09616.
+
+Idea. Masked image modelling without a tokenizer: the student ViT sees a corrupted image (75% of
+its patches replaced by a learned [MASK] embedding) and, at every masked position j, its patch
+feature must pick out the momentum teacher's feature of the same patch of the full image among
+all the teacher's patch features of that image (a per-image, patch-level InfoNCE "dictionary").
+The teacher gets a strongly augmented view, the student a weakly augmented one.
+
+Launch.
+  python conmim.py --data synthetic                       # CPU quickstart, ~5 min, ends with k-NN
+  python conmim.py --data /imagenet                       # ViT-B/16, one GPU
+  torchrun --nproc_per_node=8 conmim.py --data /imagenet  # 8 GPUs (--batch-size is per GPU)
+
+Paper -> code.
+  Corrupted input x^ (masked patches -> [MASK]) ... C.ViT(mask_token=True), forward(mask=...)
+  Backbone f and slowly progressing teacher ......... ConMIM.student / teacher (EMA, cosine momentum)
+  Patch-level dynamic dictionary, Eq. (2) ........... conmim_loss (keys: the image's own patches)
+  Asymmetric augmentation (strong teacher input) ..... WeakStrongViews
+  Evaluated network: the teacher ..................... checkpoint["encoder"] = teacher encoder
+
+Where this file follows the official code (TencentARC/ConMIM) rather than the paper, or differs:
+  - Random 75% masking in 2x2-patch units (the README recipe), not the code's default blockwise
+    BEiT masking. `--mask-unit 1` masks single patches.
+  - Projector on all patch tokens, Linear(D,4096,no bias)-BN-ReLU-Linear-BN-ReLU-Linear(4096,256)-
+    BN(affine=False), as official; its BatchNorm normalises over all B*N tokens of the process.
+    Official training uses plain (per-GPU) BatchNorm here too, so under DDP the statistics are per
+    process in both; the DDP equivalence test therefore checks the loss, which has no cross-rank term.
+  - DEVIATION: a plain ViT with learned absolute position embeddings and no layer scale; official
+    uses BEiT's relative position bias and layer scale 0.1.
+  - Default lr 7.5e-4 (absolute, for a 2048 global batch) and clip 1.0 are the official ViT-L
+    recipe; we use them for the default ViT-B as well.
+  - bf16 autocast on GPU; the loss runs in fp32.
+"""
+import copy
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common as C
+
+
+@dataclass
+class Args:
+    """ConMIM pre-training (defaults: official recipe, ViT-B/16)."""
+    data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
+    output_dir: str = field(default=None, metadata={"help": "default runs/conmim"})
+    model: str = field(default="base", metadata={"help": "ViT size: " + "|".join(C.SIZES)})
+    patch_size: int = 16
+    img_size: int = 224
+    epochs: int = 800
+    batch_size: int = field(default=128, metadata={"help": "per process (official global batch 2048)"})
+    lr: float = field(default=7.5e-4, metadata={"help": "absolute peak lr (not scaled with batch)"})
+    min_lr: float = 1e-5
+    warmup_epochs: int = 10
+    weight_decay: float = 0.05
+    betas: tuple = (0.9, 0.98)
+    clip_grad: float = 1.0
+    ema: tuple = field(default=(0.996, 1.0), metadata={"help": "teacher momentum start, end (cosine)"})
+    mask_ratio: float = 0.75
+    mask_unit: int = field(default=2, metadata={"help": "mask in unit x unit patch blocks (1 = per patch)"})
+    proj_hidden: int = 4096
+    proj_dim: int = 256
+    tau: float = 0.1
+    crop_scale: tuple = (0.08, 1.0)
+    drop_path: float = 0.1
+    workers: int = 10
+    seed: int = 0
+    resume: bool = field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
+    precision: str = field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
+    compile: bool = False
+    log_every: int = 50
+    device: str = None
+    steps_per_epoch: int = field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
+    stop_epoch: int = field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
+    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial teacher at the end (default: on for synthetic)"})
+
+    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64, lr=1e-3, warmup_epochs=1,
+                     proj_hidden=256, proj_dim=64, drop_path=0.0, crop_scale=(0.3, 1.0), workers=2,
+                     log_every=20, steps_per_epoch=50)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------
+class Projector(nn.Module):
+    """Per-token 3-layer MLP with BN (official ConMIM head), (B, N, D) -> (B, N, d)."""
+
+    def __init__(self, D, hidden, d):
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(D, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
+            nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
+            nn.Linear(hidden, d), nn.BatchNorm1d(d, affine=False))
+        C.init_weights(self)
+
+    def forward(self, x):
+        B, N, D = x.shape
+        return self.mlp(x.reshape(B * N, D)).view(B, N, -1)
+
+
+class Net(nn.Module):
+    """Student f (and, as an EMA copy, the teacher): ViT with [MASK] token -> per-patch projector."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, mask_token=True)
+        self.projector = Projector(self.encoder.dim, a.proj_hidden, a.proj_dim)
+
+    def forward(self, x, mask=None):                                    # -> (B, N, d) patch features
+        return self.projector(self.encoder(x, mask=mask)[:, 1:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+def conmim_loss(student, teacher, mask, tau=0.1):
+    """Denoising patch-level contrast, Eq. (2).
+
+    student (B, N, d): f(x^)_j;  teacher (B, N, d): sg f'(x)_i;  mask (B, N), 1 = masked.
+      logits_{b,j,i} = <s_bj/|s_bj|, t_bi/|t_bi|> / tau                    (B, N, N)
+      L = (1 / #masked) sum_{b, j masked} -log softmax_i(logits_{b,j,:})_{i=j}
+    Keys are the N patches of the same image only (no other images, no all-gather). Mean over all
+    masked patches of the local batch.
+    """
+    s = F.normalize(student, dim=-1)
+    t = F.normalize(teacher.detach(), dim=-1)
+    logits = s @ t.transpose(1, 2) / tau                                  # (B, N, N)
+    B, N, _ = logits.shape
+    labels = torch.arange(N, device=logits.device).expand(B, N)
+    ce = F.cross_entropy(logits.reshape(B * N, N), labels.reshape(-1), reduction="none").view(B, N)
+    return (ce * mask).sum() / mask.sum()
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: one crop, weak (student) and strong (teacher) photometric views of it
+# ----------------------------------------------------------------------------------------------
+class WeakStrongViews:
+    def __init__(self, a):
+        from torchvision import transforms as T
+        self.crop = T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(
+            a.img_size, scale=a.crop_scale, interpolation=T.InterpolationMode.BICUBIC)])
+        self.strong = C.color_augment(a.img_size, jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)
+
+    def __call__(self, img):
+        img = self.crop(img)
+        return C.to_uint8(img), C.to_uint8(self.strong(img))               # (student, teacher)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def train(args):
+    run = C.setup(args, "conmim")
+    dev = run.device
+    dataset = C.image_dataset(args.data, "train")
+    loader = C.make_loader(C.Views(dataset, WeakStrongViews(args), args.seed), args.batch_size, args.workers, args.seed)
+    ipe = min(len(loader), args.steps_per_epoch or len(loader))
+    total = args.epochs * ipe
+
+    model = Net(args).to(dev)
+    teacher = copy.deepcopy(model).requires_grad_(False)
+    opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev)
+    scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
+    start_epoch = C.resume_run(run, "conmim", args, model, opt, scaler, teacher)
+    student, teacher_fwd = (torch.compile(model), torch.compile(teacher)) if args.compile else (model, teacher)
+    if run.world > 1:
+        student = nn.parallel.DistributedDataParallel(student, device_ids=[dev] if dev.type == "cuda" else None)
+    log = C.Logger(run.out, total, args.batch_size * run.world, args.log_every, start_epoch * ipe)
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps")
+    grid = model.encoder.grid
+
+    for epoch in range(start_epoch, args.stop_epoch or args.epochs):
+        loader.sampler.set_epoch(epoch)
+        C.seed_epoch(args.seed, epoch, run.rank)
+        model.train(), teacher.train()
+        for it, ((x_weak, x_strong), _) in enumerate(itertools.islice(loader, ipe)):
+            step = epoch * ipe + it
+            lr = C.cosine_schedule(step, total, args.lr, args.min_lr, args.warmup_epochs * ipe)
+            m = C.cosine_schedule(step, total, args.ema[0], args.ema[1])    # 0.996 -> 1, cosine
+            C.set_hparams(opt, lr)
+            x_weak, x_strong = C.normalize(x_weak.to(dev, non_blocking=True)), C.normalize(x_strong.to(dev, non_blocking=True))
+            _, _, mask = C.random_masking(x_weak.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
+            with run.autocast:
+                s = student(x_weak, mask)                                    # (B, N, d)
+                with torch.no_grad():
+                    t = teacher_fwd(x_strong)                                # (B, N, d), full image
+            loss = conmim_loss(s.float(), t.float(), mask, args.tau)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if args.clip_grad:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            scaler.step(opt)
+            scaler.update()
+            C.ema_update(teacher, model, m)
+            log.step(step + 1, epoch, {"loss": loss.detach()}, lr=lr, mom=m)
+        C.save_run(run, "conmim", args, epoch + 1, (epoch + 1) * ipe, teacher.encoder, model, opt, scaler, teacher)
+
+    if args.knn if args.knn is not None else args.data == "synthetic":
+        if C.is_main():
+            torch.manual_seed(args.seed)                                     # the same draw as in setup
+            init = Net(args).encoder.to(dev)
+            accs = [C.knn_accuracy(e, args.data, args.img_size, dev, "mean", autocast=run.autocast)
+                    for e in (teacher.encoder, init)]
+            log.write({"knn_learned": accs[0], "knn_init": accs[1]})
+            C.print0(f"k-NN top-1 on {args.data} val (teacher encoder, mean patch token): learned "
+                     f"{accs[0]:.1f}% vs same architecture at initialisation {accs[1]:.1f}%")
+
+
+if __name__ == "__main__":
+    C.main(train, Args)

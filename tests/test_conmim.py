@@ -1,0 +1,119 @@
+"""conmim.py: the loss against a per-image, per-patch loop (varying masked counts), stop-gradient
+on the teacher, [MASK] token gradient, masks, DDP equivalence, end to end + resume."""
+import copy
+
+import pytest
+import torch
+
+import common as C
+import conmim
+from ddp import spawn
+from test_msn import one_line_error, run_cli
+
+
+def naive_conmim(student, teacher, mask, tau):
+    """L = mean over (b, j masked) of -log exp(<s_bj, t_bj>/tau) / sum_i exp(<s_bj, t_bi>/tau)."""
+    total, count = 0.0, 0
+    B, N, _ = student.shape
+    for b in range(B):
+        for j in range(N):
+            if mask[b, j] != 1:
+                continue
+            s = student[b, j] / student[b, j].norm()
+            sims = [torch.dot(s, teacher[b, i] / teacher[b, i].norm()) / tau for i in range(N)]
+            total = total - torch.log(torch.exp(sims[j]) / sum(torch.exp(x) for x in sims))
+            count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("B,N,d,tau", [(2, 4, 3, 0.1), (3, 9, 5, 0.2), (1, 6, 4, 1.0)])
+def test_conmim_loss_matches_naive_with_varying_mask_counts(B, N, d, tau):
+    g = torch.Generator().manual_seed(N)
+    s = torch.randn(B, N, d, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(B, N, d, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(B, N, dtype=torch.float64)
+    for b in range(B):                                   # b + 1 masked patches in image b
+        mask[b, torch.randperm(N, generator=g)[:b + 1]] = 1
+    loss = conmim.conmim_loss(s, t, mask, tau)
+    ref = naive_conmim(s, t.detach(), mask, tau)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(torch.autograd.grad(loss, s, retain_graph=True)[0], torch.autograd.grad(ref, s)[0])
+    loss.backward()
+    assert t.grad is None                                # teacher: stop-gradient
+
+
+def test_negatives_are_only_patches_of_the_same_image():
+    s, t = torch.randn(2, 4, 3), torch.randn(2, 4, 3)
+    mask = torch.ones(2, 4)
+    t2 = t.clone()
+    t2[1] = torch.randn(4, 3)                            # changing image 1 leaves image 0's terms alone
+    l_a = conmim.conmim_loss(s[:1], t[:1], mask[:1])
+    assert torch.allclose(l_a, conmim.conmim_loss(s[:1], t2[:1], mask[:1]))
+    assert not torch.allclose(conmim.conmim_loss(s, t, mask), conmim.conmim_loss(s, t2, mask))
+
+
+def tiny_args(tmp, **kw):
+    base = dict(data="synthetic", output_dir=str(tmp), model="nano", patch_size=4, img_size=16, epochs=2,
+                steps_per_epoch=2, batch_size=8, warmup_epochs=1, proj_hidden=32, proj_dim=16, workers=0,
+                log_every=1, knn=False)
+    base.update(kw)
+    return conmim.Args(**base)
+
+
+def test_student_gradients_mask_token_and_teacher_stop_gradient():
+    a = tiny_args("/tmp/unused", drop_path=0.0)
+    model = conmim.Net(a)
+    teacher = copy.deepcopy(model).requires_grad_(False)
+    x_w, x_s = torch.randn(8, 3, 16, 16), torch.randn(8, 3, 16, 16)
+    _, _, mask = C.random_masking(8, 4, 0.75, 2)
+    assert (mask.sum(1) == 12).all()                     # 3 of 4 2x2 blocks
+    s = model(x_w, mask)
+    assert s.shape == (8, 16, 16)
+    loss = conmim.conmim_loss(s, teacher(x_s), mask)
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+    assert model.encoder.mask_token.grad.abs().sum() > 0
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+def _ddp_worker(rank, world, s, t, mask):
+    b = s.shape[0] // world
+    sl = slice(rank * b, (rank + 1) * b)
+    s_loc = s[sl].clone().requires_grad_()
+    loss = conmim.conmim_loss(s_loc, t[sl], mask[sl])
+    loss.backward()
+    return loss.detach(), s_loc.grad
+
+
+def test_ddp_two_processes_equal_one_process():
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(4, 16, 5, generator=g, dtype=torch.float64), torch.randn(4, 16, 5, generator=g, dtype=torch.float64)
+    _, _, mask = C.random_masking(4, 4, 0.75, 2)         # equal masked counts per image
+    s1 = s.clone().requires_grad_()
+    loss1 = conmim.conmim_loss(s1, t, mask.double())
+    loss1.backward()
+    (l0, g0), (l1, g1) = spawn(_ddp_worker, s, t, mask.double())
+    torch.testing.assert_close((l0 + l1) / 2, loss1.detach())
+    torch.testing.assert_close(torch.cat([g0, g1]) / 2, s1.grad)
+
+
+def test_end_to_end_resume_and_teacher_is_evaluated(tmp_path):
+    conmim.train(tiny_args(tmp_path / "full"))
+    conmim.train(tiny_args(tmp_path / "part", stop_epoch=1))
+    conmim.train(tiny_args(tmp_path / "part"))
+    full = C.load_checkpoint(str(tmp_path / "full" / "checkpoint.pth"), "conmim")
+    part = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), "conmim")
+    for key in ("model", "target", "encoder"):
+        for k, v in full[key].items():
+            assert torch.equal(v, part[key][k]), (key, k)
+    for k, v in full["encoder"].items():
+        assert torch.equal(v, full["target"]["encoder." + k])
+
+
+def test_bad_input(tmp_path):
+    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "4", "--epochs", "1",
+            "--steps-per-epoch", "1", "--no-knn"]
+    one_line_error(run_cli("conmim.py", "--data", str(tmp_path / "nope"), *tiny), "no such directory")
+    C.save_checkpoint(str(tmp_path / "checkpoint.pth"), {"method": "cmae", "encoder": {}})
+    one_line_error(run_cli("conmim.py", "--data", "synthetic", *tiny, "--output-dir", str(tmp_path)), "cmae checkpoint")
