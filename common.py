@@ -344,6 +344,26 @@ def eval_transform(img_size, synthetic=False):
 SHAPES = ("disc", "square", "triangle", "plus", "ring", "star", "crescent", "bar", "ell", "dots")
 
 
+def shape_mask(name, xx, yy, center, s, rot):
+    """Boolean mask of shape `name` on the coordinate grids xx, yy in [-1, 1], scaled by s,
+    rotated by rot (radians) and centred at center = (cx, cy)."""
+    x0, y0 = (xx - center[0]) / s, (yy - center[1]) / s
+    u, v = x0 * np.cos(rot) + y0 * np.sin(rot), -x0 * np.sin(rot) + y0 * np.cos(rot)
+    r, a = np.hypot(u, v), np.arctan2(v, u)
+    return {
+        "disc": r < 0.9,
+        "square": np.maximum(abs(u), abs(v)) < 0.75,
+        "triangle": (v > -0.5) & (v < 1 - 1.732 * abs(u) - 0.0) & (v < 1.0),
+        "plus": ((abs(u) < 0.3) & (abs(v) < 1)) | ((abs(v) < 0.3) & (abs(u) < 1)),
+        "ring": (r < 0.95) & (r > 0.6),
+        "star": r < 0.55 + 0.4 * np.cos(5 * a),
+        "crescent": (r < 0.95) & (np.hypot(u - 0.45, v) > 0.75),
+        "bar": (abs(u) < 1.0) & (abs(v) < 0.3),
+        "ell": ((abs(u + 0.35) < 0.25) & (abs(v) < 0.9)) | ((abs(v - 0.65) < 0.25) & (abs(u) < 0.6)),
+        "dots": (np.hypot(u - 0.5, v) < 0.38) | (np.hypot(u + 0.5, v) < 0.38),
+    }[name]
+
+
 def synthetic_image(idx, seed=0, split="train", size=64):
     """Procedural image of one of 10 shape classes (label = idx % 10), deterministic per index.
 
@@ -364,22 +384,9 @@ def synthetic_image(idx, seed=0, split="train", size=64):
     # shape in its own frame (u, v): scaled, rotated, translated; brighter or darker than the bg
     s, rot = rng.uniform(0.5, 0.8), rng.uniform(0, 2 * np.pi)
     cx, cy = rng.uniform(-0.25, 0.25, 2)
-    x0, y0 = (xx - cx) / s, (yy - cy) / s
-    u, v = x0 * np.cos(rot) + y0 * np.sin(rot), -x0 * np.sin(rot) + y0 * np.cos(rot)
-    r, a = np.hypot(u, v), np.arctan2(v, u)
-    m = {
-        "disc": r < 0.9,
-        "square": np.maximum(abs(u), abs(v)) < 0.75,
-        "triangle": (v > -0.5) & (v < 1 - 1.732 * abs(u) - 0.0) & (v < 1.0),
-        "plus": ((abs(u) < 0.3) & (abs(v) < 1)) | ((abs(v) < 0.3) & (abs(u) < 1)),
-        "ring": (r < 0.95) & (r > 0.6),
-        "star": r < 0.55 + 0.4 * np.cos(5 * a),
-        "crescent": (r < 0.95) & (np.hypot(u - 0.45, v) > 0.75),
-        "bar": (abs(u) < 1.0) & (abs(v) < 0.3),
-        "ell": ((abs(u + 0.35) < 0.25) & (abs(v) < 0.9)) | ((abs(v - 0.65) < 0.25) & (abs(u) < 0.6)),
-        "dots": (np.hypot(u - 0.5, v) < 0.38) | (np.hypot(u + 0.5, v) < 0.38),
-    }[SHAPES[label]]
+    m = shape_mask(SHAPES[label], xx, yy, (cx, cy), s, rot)
     fg = g + rng.choice([-1, 1]) * rng.uniform(0.25, 0.45)                     # contrast >= 0.25
+    u = ((xx - cx) * np.cos(rot) + (yy - cy) * np.sin(rot)) / s                # shape-frame x
     fg = (fg * (1 + 0.1 * np.sin(6 * u)))[..., None].repeat(3, -1)             # faintly textured fill
     img = np.where(m[..., None], fg, img)
     return Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)), label

@@ -1,0 +1,353 @@
+"""SiamMAE: Siamese Masked Autoencoders.
+Gupta, Wu, Deng, Fei-Fei. NeurIPS 2023. arXiv:2305.14344. (No official code.)
+
+Idea. Two frames of a video, f1 and a later f2, go through one shared ViT encoder: f1 whole (0%
+masked), f2 with 95% of its patches dropped. A decoder predicts f2's missing patches; its f2
+tokens can only learn where things went by cross-attending to f1's tokens, which teaches the
+encoder correspondence (evaluated by label propagation, eval_video.py).
+
+Launch.
+  python siammae.py --data synthetic                          # CPU quickstart, ~5 min
+  python siammae.py --data /kinetics_frames                   # ViT-S/16, one GPU
+  torchrun --nproc_per_node=8 siammae.py --data /kinetics_frames
+
+--data DIR: a directory of videos, each a folder of frames (JPEG/PNG, sorted by file name), found
+at any depth (DAVIS `JPEGImages/480p/<video>/`, Kinetics frame folders, ...).
+
+Paper -> code.
+  Frame pair, gap 4..48, same crop + flip .... FramePair
+  Siamese encoder, 0% / 95% masking .......... SiamMAE.forward (C.ViT, C.random_masking)
+  Cross-self decoder (Fig. 2) ................ CrossSelfBlock; `--decoder cross|joint` (ablation)
+  Loss: norm-pix MSE on f2's masked patches .. siammae_loss
+
+Choices (no official code; see ../shared/methods/siammae.md): pre-norm decoder blocks
+x += CA(LN(x), LN(f1)); x += SA(LN(x)); x += MLP(LN(x)), decoder position embeddings on both
+streams, CLS tokens kept in both streams; not the unofficial repos' post-norm / weight-tied blocks.
+Joint decoder: self-attention over [f1 tokens, f2 tokens] with a learned stream embedding added to
+f1's tokens so the two streams are distinguishable. `--repeated-sampling R` draws R pairs per
+video visit (the batch holds R x batch-size pairs).
+"""
+import itertools
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from PIL import Image
+
+import common as C
+
+
+@dataclass
+class Args:
+    """SiamMAE pre-training on frame pairs (defaults: ViT-S/16, paper ablation recipe)."""
+    data: str = field(default=None, metadata={"help": "directory of frame folders, or 'synthetic'"})
+    output_dir: str = field(default=None, metadata={"help": "default runs/siammae"})
+    model: str = field(default="small", metadata={"help": "ViT size: " + "|".join(C.SIZES)})
+    patch_size: int = 16
+    img_size: int = 224
+    epochs: int = 400
+    batch_size: int = field(default=64, metadata={"help": "videos per process per step (x repeated-sampling pairs)"})
+    repeated_sampling: int = 2
+    lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global pairs / 256)"})
+    blr: float = 1.5e-4
+    min_lr: float = 0.0
+    warmup_epochs: int = 40
+    weight_decay: float = 0.05
+    betas: tuple = (0.9, 0.95)
+    mask_ratio: float = 0.95
+    gap: tuple = field(default=(4, 48), metadata={"help": "frame gap range (clipped to the video length)"})
+    crop_scale: tuple = (0.5, 1.0)
+    decoder: str = field(default="cross-self", metadata={"help": "cross-self | cross | joint"})
+    decoder_dim: int = 256
+    decoder_depth: int = 4
+    decoder_heads: int = 8
+    drop_path: float = 0.0
+    workers: int = 10
+    seed: int = 0
+    resume: bool = field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
+    precision: str = field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
+    compile: bool = False
+    log_every: int = 50
+    device: str = None
+    steps_per_epoch: int = field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
+    stop_epoch: int = field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
+
+    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=32, blr=1.5e-3, warmup_epochs=1,
+                     decoder_dim=64, decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2, log_every=20,
+                     steps_per_epoch=50)
+
+
+# ----------------------------------------------------------------------------------------------
+# Video data: folders of frames, and synthetic moving-shape clips with object masks
+# ----------------------------------------------------------------------------------------------
+class FrameFolder:
+    """One video: sorted frame files. len() = number of frames, load(t) -> PIL RGB."""
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def __len__(self):
+        return len(self.paths)
+
+    def load(self, t):
+        try:
+            with Image.open(self.paths[t]) as im:
+                return im.convert("RGB")
+        except Exception as e:
+            raise C.UserError(f"cannot read frame {self.paths[t]}: {e}; remove or replace the file") from None
+
+
+class VideoFolders(torch.utils.data.Dataset):
+    """Every directory under root holding >= 2 image files is a video (any nesting depth).
+    Videos with < 2 frames or an unreadable first frame are skipped with a counted warning."""
+
+    def __init__(self, root, min_frames=2):
+        if not os.path.isdir(root):
+            raise C.UserError(f"--data {root}: no such directory (give a folder of frame folders or 'synthetic')")
+        self.videos, short, bad = [], 0, 0
+        for dirpath, dirs, files in sorted(os.walk(root, followlinks=True)):
+            dirs.sort()
+            frames = sorted(f for f in files if f.lower().endswith(C.IMG_EXTS))
+            if not frames:
+                continue
+            if len(frames) < min_frames:
+                short += 1
+                continue
+            try:
+                with Image.open(os.path.join(dirpath, frames[0])) as im:
+                    im.verify()
+            except Exception:
+                bad += 1
+                continue
+            self.videos.append(FrameFolder([os.path.join(dirpath, f) for f in frames]))
+        if short or bad:
+            C.print0(f"warning: skipped {short} video(s) with < {min_frames} frames and {bad} with an unreadable first frame")
+        if not self.videos:
+            raise C.UserError(f"--data {root}: no usable videos (folders with >= {min_frames} JPEG/PNG frames)")
+
+    def __len__(self):
+        return len(self.videos)
+
+    def load(self, i):
+        return self.videos[i], 0
+
+
+class SyntheticClip:
+    """Procedural clip: 1-3 grey shapes moving (and turning) over a drifting textured background.
+    load(t) -> PIL frame; mask(t) -> (H, W) uint8 object ids (0 = background, later objects on top)."""
+
+    def __init__(self, idx, split="train", n_frames=32, size=64):
+        rng = np.random.default_rng([11, {"train": 0, "val": 1}[split], idx])
+        self.n, self.size = n_frames, size
+        self.bg = (rng.uniform(0.3, 0.7), rng.uniform(2, 6), rng.uniform(0, np.pi), rng.uniform(-0.02, 0.02, 2))
+        self.objs = []
+        for _ in range(rng.integers(1, 4)):
+            self.objs.append(dict(shape=rng.integers(len(C.SHAPES)), s=rng.uniform(0.25, 0.4), p0=rng.uniform(-0.6, 0.6, 2),
+                                  vel=rng.uniform(-0.04, 0.04, 2), rot0=rng.uniform(0, 2 * np.pi), w=rng.uniform(-0.1, 0.1),
+                                  level=rng.uniform(0, 1)))
+
+    def __len__(self):
+        return self.n
+
+    def _render(self, t):
+        size = self.size
+        yy, xx = np.mgrid[-1:1:size * 1j, -1:1:size * 1j]
+        g, f, th, drift = self.bg
+        bx, by = xx + drift[0] * t, yy + drift[1] * t
+        img = g + 0.15 * np.sin(f * np.pi * (bx * np.cos(th) + by * np.sin(th))) * np.sin(f * np.pi * by)
+        ids = np.zeros((size, size), np.uint8)
+        for k, o in enumerate(self.objs):
+            c = np.clip(o["p0"] + o["vel"] * t, -0.8, 0.8)
+            m = C.shape_mask(C.SHAPES[o["shape"]], xx, yy, c, o["s"], o["rot0"] + o["w"] * t)
+            img = np.where(m, o["level"], img)
+            ids[m] = k + 1
+        return img, ids
+
+    def load(self, t):
+        img = np.clip(self._render(t)[0], 0, 1)
+        return Image.fromarray((img[..., None].repeat(3, -1) * 255).astype(np.uint8))
+
+    def mask(self, t):
+        return self._render(t)[1]
+
+
+class SyntheticVideos(torch.utils.data.Dataset):
+    def __init__(self, split="train", n=None):
+        self.split, self.n = split, n or (2000 if split == "train" else 20)
+
+    def __len__(self):
+        return self.n
+
+    def load(self, i):
+        return SyntheticClip(i, self.split), 0
+
+
+def video_dataset(data, split="train"):
+    return SyntheticVideos(split) if data == "synthetic" else VideoFolders(data)
+
+
+class FramePair:
+    """video -> R pairs (f1, f2) as uint8 (R, 2, 3, S, S): gap ~ U{gap_min..gap_max} clipped to the
+    video, the same RandomResizedCrop(scale 0.5-1) and flip on both frames, no colour augmentation."""
+
+    def __init__(self, a):
+        self.size, self.scale, self.gap, self.R = a.img_size, a.crop_scale, a.gap, a.repeated_sampling
+
+    def __call__(self, video):
+        from torchvision import transforms as T
+        from torchvision.transforms import functional as TF
+        pairs = []
+        for _ in range(self.R):
+            n = len(video)
+            gap = int(torch.randint(min(self.gap[0], n - 1), min(self.gap[1], n - 1) + 1, ()))
+            t1 = int(torch.randint(0, n - gap, ()))
+            f1, f2 = video.load(t1), video.load(t1 + gap)
+            i, j, h, w = T.RandomResizedCrop.get_params(f1, self.scale, (3 / 4, 4 / 3))
+            flip = bool(torch.rand(()) < 0.5)
+            out = []
+            for f in (f1, f2):
+                f = TF.resized_crop(f, i, j, h, w, [self.size, self.size], antialias=True)
+                out.append(C.to_uint8(TF.hflip(f) if flip else f))
+            pairs.append(torch.stack(out))
+        return torch.stack(pairs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------
+class CrossAttention(nn.Module):
+    """Multi-head attention with queries from x (B, N, d) and keys/values from ctx (B, M, d)."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.q, self.kv, self.proj = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, ctx):
+        B, N, D = x.shape
+        h = self.heads
+        q = self.q(x).view(B, N, h, D // h).transpose(1, 2)                   # (B, h, N, d_h)
+        k, v = self.kv(ctx).view(B, ctx.shape[1], 2, h, D // h).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D))
+
+
+class CrossSelfBlock(nn.Module):
+    """Pre-norm: x += CA(LN(x), LN(f1)); [x += SA(LN(x))]; x += MLP(LN(x)). self_attn=False: 'cross'."""
+
+    def __init__(self, dim, heads, self_attn=True):
+        super().__init__()
+        self.norm_x, self.norm_ctx, self.cross = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6), CrossAttention(dim, heads)
+        self.norm_sa, self.attn = (nn.LayerNorm(dim, eps=1e-6), C.Attention(dim, heads)) if self_attn else (None, None)
+        self.norm_mlp, self.mlp = nn.LayerNorm(dim, eps=1e-6), C.Mlp(dim, 4 * dim)
+
+    def forward(self, x, ctx):
+        x = x + self.cross(self.norm_x(x), self.norm_ctx(ctx))
+        if self.attn is not None:
+            x = x + self.attn(self.norm_sa(x))
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class SiamMAE(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        if a.decoder not in ("cross-self", "cross", "joint"):
+            raise C.UserError(f"--decoder must be cross-self, cross or joint, got {a.decoder!r}")
+        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos")
+        D, dd, p = self.encoder.dim, a.decoder_dim, a.patch_size
+        self.kind = a.decoder
+        self.decoder_embed = nn.Linear(D, dd)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dd))
+        pe = torch.cat([torch.zeros(1, dd), C.sincos_pos_embed(dd, self.encoder.grid)])[None]
+        self.register_buffer("decoder_pos_embed", pe)
+        if self.kind == "joint":
+            self.stream_embed = nn.Parameter(torch.zeros(1, 1, dd))            # marks f1 tokens
+            self.blocks = nn.ModuleList(C.Block(dd, a.decoder_heads) for _ in range(a.decoder_depth))
+        else:
+            self.blocks = nn.ModuleList(CrossSelfBlock(dd, a.decoder_heads, self.kind == "cross-self")
+                                        for _ in range(a.decoder_depth))
+        self.norm, self.pred = nn.LayerNorm(dd, eps=1e-6), nn.Linear(dd, p * p * 3)
+        C.init_weights(self)
+        nn.init.normal_(self.mask_token, std=0.02)
+
+    def forward(self, f1, f2, ids_keep, ids_restore):
+        """f1, f2 (B, 3, H, W); f2 keeps ids_keep. Returns predicted f2 patches (B, N, p*p*3)."""
+        h1 = self.decoder_embed(self.encoder(f1)) + self.decoder_pos_embed              # (B, 1+N, dd)
+        h2 = C.restore_tokens(self.decoder_embed(self.encoder(f2, ids_keep)), self.mask_token, ids_restore)
+        h2 = h2 + self.decoder_pos_embed                                                 # (B, 1+N, dd)
+        if self.kind == "joint":
+            x = torch.cat([h1 + self.stream_embed, h2], dim=1)
+            for blk in self.blocks:
+                x = blk(x)
+            x = x[:, h1.shape[1]:]
+        else:
+            x = h2
+            for blk in self.blocks:
+                x = blk(x, h1)
+        return self.pred(self.norm(x))[:, 1:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+def siammae_loss(pred, target, mask):
+    """MSE on f2's masked patches. pred (B, N, p*p*3), target (B, N, p*p*3) = norm-pix f2 patches,
+    mask (B, N), 1 = masked. Mean over a patch's values, then mean over masked patches."""
+    return (((pred - target) ** 2).mean(-1) * mask).sum() / mask.sum()
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def train(args):
+    run = C.setup(args, "siammae")
+    dev = run.device
+    dataset = video_dataset(args.data)
+    loader = C.make_loader(C.Views(dataset, FramePair(args), args.seed), args.batch_size, args.workers, args.seed)
+    ipe = min(len(loader), args.steps_per_epoch or len(loader))
+    total = args.epochs * ipe
+    pairs = args.batch_size * args.repeated_sampling * run.world
+    lr = args.lr or args.blr * pairs / 256
+
+    model = SiamMAE(args).to(dev)
+    opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
+    scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
+    start_epoch = C.resume_run(run, "siammae", args, model, opt, scaler)
+    net = torch.compile(model) if args.compile else model
+    if run.world > 1:
+        net = nn.parallel.DistributedDataParallel(net, device_ids=[dev] if dev.type == "cuda" else None)
+    log = C.Logger(run.out, total, pairs, args.log_every, start_epoch * ipe)
+    C.print0(f"{len(dataset)} videos, {ipe} steps/epoch, {total} steps, {pairs} pairs/step, lr {lr:.3g}")
+    p, grid = args.patch_size, model.encoder.grid
+
+    for epoch in range(start_epoch, args.stop_epoch or args.epochs):
+        loader.sampler.set_epoch(epoch)
+        C.seed_epoch(args.seed, epoch, run.rank)
+        model.train()
+        for it, (clips, _) in enumerate(itertools.islice(loader, ipe)):
+            step = epoch * ipe + it
+            C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
+            x = C.normalize(clips.to(dev, non_blocking=True).flatten(0, 1))    # (B*R, 2, 3, S, S)
+            f1, f2 = x[:, 0], x[:, 1]
+            ids_keep, ids_restore, mask = C.random_masking(f2.shape[0], grid, args.mask_ratio, device=dev)
+            with run.autocast:
+                pred = net(f1, f2, ids_keep, ids_restore)
+            target = C.norm_pix(C.patchify(f2, p))
+            loss = siammae_loss(pred.float(), target, mask)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            log.step(step + 1, epoch, {"loss": loss.detach()}, lr=opt.param_groups[0]["lr"])
+        C.save_run(run, "siammae", args, epoch + 1, (epoch + 1) * ipe, model.encoder, model, opt, scaler)
+        n, m = min(8, f2.shape[0]), mask[:min(8, f2.shape[0]), :, None]      # f1 / masked f2 / predicted f2
+        xp = C.patchify(f2[:n], p)
+        C.save_image_grid(f"{run.out}/pairs_ep{epoch + 1:04d}.png", [
+            f1[:n], C.unpatchify(xp * (1 - m), p),
+            C.unpatchify(torch.where(m.bool(), C.unnorm_pix(pred[:n].detach().float(), xp), xp), p)])
+
+
+if __name__ == "__main__":
+    C.main(train, Args)

@@ -1,0 +1,158 @@
+"""siammae.py: loss, mask count, f1 gets gradient but no loss, decoder variants, cross-attention
+vs a written-out attention, model-level DDP equivalence, video folders, frame pairs, end to end."""
+import math
+import os
+
+import pytest
+import torch
+
+import common as C
+import siammae
+from ddp import spawn
+from test_msn import one_line_error, run_cli
+
+
+def tiny_args(tmp="/tmp/unused", **kw):
+    base = dict(data="synthetic", output_dir=str(tmp), model="nano", patch_size=4, img_size=16, epochs=2,
+                steps_per_epoch=2, batch_size=4, repeated_sampling=2, warmup_epochs=1, decoder_dim=32,
+                decoder_depth=2, decoder_heads=2, gap=(2, 8), workers=0, log_every=1)
+    base.update(kw)
+    return siammae.Args(**base)
+
+
+def test_loss_matches_naive():
+    B, N, P = 2, 5, 4
+    pred, tgt = torch.randn(B, N, P, dtype=torch.float64), torch.randn(B, N, P, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.float64)
+    ref = sum(((pred[b, n] - tgt[b, n]) ** 2).mean() for b in range(B) for n in range(N) if mask[b, n]) / mask.sum()
+    torch.testing.assert_close(siammae.siammae_loss(pred, tgt, mask), ref)
+
+
+@pytest.mark.parametrize("grid,masked", [(14, 187), (8, 61), (4, 16)])
+def test_exact_95_percent_mask_count(grid, masked):
+    _, _, mask = C.random_masking(3, grid, 0.95)
+    assert (mask.sum(1) == masked).all() and masked == grid * grid - int(grid * grid * 0.05)
+
+
+@pytest.mark.parametrize("kind", ["cross-self", "cross", "joint"])
+def test_decoder_variants_shapes_and_f1_gets_gradient_without_loss(kind):
+    model = siammae.SiamMAE(tiny_args(decoder=kind))
+    f1 = torch.randn(3, 3, 16, 16, requires_grad=True)
+    f2 = torch.randn(3, 3, 16, 16)
+    ids_keep, ids_restore, mask = C.random_masking(3, 4, 0.75)
+    pred = model(f1, f2, ids_keep, ids_restore)
+    assert pred.shape == (3, 16, 48)                             # f2's patches only: f1 has no loss term
+    loss = siammae.siammae_loss(pred, C.norm_pix(C.patchify(f2, 4)), mask)
+    loss.backward()
+    assert f1.grad.abs().sum() > 0                               # f1 shapes the prediction (cross-attention)
+    for n, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+    if kind == "cross":
+        assert all(b.attn is None for b in model.blocks)
+
+
+def test_cross_attention_matches_written_out_attention():
+    ca = siammae.CrossAttention(8, 2)
+    x, ctx = torch.randn(2, 3, 8), torch.randn(2, 5, 8)
+    out = ca(x, ctx)
+    q = x @ ca.q.weight.T + ca.q.bias
+    kv = ctx @ ca.kv.weight.T + ca.kv.bias
+    k, v = kv[..., :8], kv[..., 8:]
+    heads = []
+    for h in range(2):
+        sl = slice(4 * h, 4 * h + 4)
+        att = torch.softmax(q[..., sl] @ k[..., sl].transpose(1, 2) / math.sqrt(4), dim=-1)   # (B, 3, 5)
+        heads.append(att @ v[..., sl])
+    ref = torch.cat(heads, -1) @ ca.proj.weight.T + ca.proj.bias
+    torch.testing.assert_close(out, ref)
+
+
+def _ddp_worker(rank, world, state, f1, f2, ids_keep, ids_restore, mask):
+    model = siammae.SiamMAE(tiny_args())
+    model.load_state_dict(state)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    b = f1.shape[0] // world
+    sl = slice(rank * b, (rank + 1) * b)
+    pred = ddp(f1[sl], f2[sl], ids_keep[sl], ids_restore[sl])
+    loss = siammae.siammae_loss(pred, C.norm_pix(C.patchify(f2[sl], 4)), mask[sl])
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_ddp_two_processes_equal_one_process():
+    model = siammae.SiamMAE(tiny_args())
+    f1, f2 = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
+    ids_keep, ids_restore, mask = C.random_masking(4, 4, 0.75)
+    loss = siammae.siammae_loss(model(f1, f2, ids_keep, ids_restore), C.norm_pix(C.patchify(f2, 4)), mask)
+    loss.backward()
+    (l0, g0), (l1, g1) = spawn(_ddp_worker, model.state_dict(), f1, f2, ids_keep, ids_restore, mask)
+    torch.testing.assert_close((l0 + l1) / 2, loss.detach())
+    for n, p in model.named_parameters():                        # DDP averaged grads == full-batch grads
+        torch.testing.assert_close(g0[n], p.grad, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(g1[n], p.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_video_folders_nested_layout_skips_and_errors(tmp_path, capsys):
+    from PIL import Image
+    root = tmp_path / "JPEGImages" / "480p"
+    for name, n in (("bear", 5), ("car", 3), ("single", 1)):
+        os.makedirs(root / name)
+        for t in range(n):
+            Image.new("RGB", (20, 20), (10 * t, 0, 0)).save(root / name / f"{t:05d}.jpg")
+    os.makedirs(root / "broken")
+    for t in range(3):
+        (root / "broken" / f"{t:05d}.jpg").write_bytes(b"nope")
+    ds = siammae.VideoFolders(str(tmp_path))
+    assert [len(v) for v in ds.videos] == [5, 3]
+    assert "skipped 1 video(s) with < 2 frames and 1 with an unreadable first frame" in capsys.readouterr().out
+    assert ds.videos[0].load(4).getpixel((0, 0))[0] == 40        # frames sorted by name
+    with pytest.raises(C.UserError, match="no usable videos"):
+        siammae.VideoFolders(str(root / "single"))
+
+
+def test_frame_pair_gap_and_shared_crop():
+    a = tiny_args(img_size=16, gap=(2, 5))
+
+    class Static:                                                  # identical frames: f1 must equal f2
+        def __len__(self):
+            return 10
+
+        def load(self, t):
+            return C.SyntheticImages().load(1)[0]
+
+    out = siammae.FramePair(a)(Static())
+    assert out.shape == (2, 2, 3, 16, 16) and out.dtype == torch.uint8
+    assert torch.equal(out[:, 0], out[:, 1])                      # same crop and flip on both frames
+    seen = []
+
+    class Counter(Static):
+        def load(self, t):
+            seen.append(t)
+            return super().load(t)
+
+    for _ in range(20):
+        siammae.FramePair(a)(Counter())
+    gaps = [seen[i + 1] - seen[i] for i in range(0, len(seen), 2)]
+    assert min(gaps) >= 2 and max(gaps) <= 5 and len(set(gaps)) > 1
+    clip = siammae.SyntheticClip(0)                               # synthetic clips move, with object masks
+    assert clip.load(0).tobytes() != clip.load(5).tobytes() and clip.mask(0).max() >= 1
+
+
+def test_end_to_end_resume_png(tmp_path):
+    siammae.train(tiny_args(tmp_path / "full"))
+    siammae.train(tiny_args(tmp_path / "part", stop_epoch=1))
+    siammae.train(tiny_args(tmp_path / "part"))
+    full = C.load_checkpoint(str(tmp_path / "full" / "checkpoint.pth"), "siammae")
+    part = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), "siammae")
+    for k, v in full["model"].items():
+        assert torch.equal(v, part["model"][k]), k
+    assert (tmp_path / "full" / "pairs_ep0002.png").exists()
+
+
+def test_bad_input(tmp_path):
+    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "2", "--epochs", "1",
+            "--steps-per-epoch", "1", "--decoder-dim", "32", "--decoder-heads", "2"]
+    one_line_error(run_cli("siammae.py", "--data", str(tmp_path / "nope"), *tiny), "no such directory")
+    os.makedirs(tmp_path / "empty" / "v1")
+    one_line_error(run_cli("siammae.py", "--data", str(tmp_path / "empty"), *tiny), "no usable videos")
+    one_line_error(run_cli("siammae.py", "--data", "synthetic", *tiny, "--decoder", "foo"), "--decoder must be")
