@@ -1,0 +1,91 @@
+"""eval_linear.py: k-NN vs naive, logistic regression on separable data, exact low-shot subsets,
+every image method's checkpoint evaluates, feature cache, bad checkpoints."""
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+import common as C
+import eval_linear as E
+from test_msn import one_line_error, run_cli
+
+
+def test_knn_matches_naive_weighted_vote():
+    g = torch.Generator().manual_seed(0)
+    tr, te = torch.randn(40, 6, generator=g), torch.randn(9, 6, generator=g)
+    ytr, yte = torch.randint(0, 4, (40,), generator=g), torch.randint(0, 4, (9,), generator=g)
+    res = E.knn(tr, ytr, te, yte, 4, k=5, T=0.1)
+    trn, ten = torch.nn.functional.normalize(tr, dim=1), torch.nn.functional.normalize(te, dim=1)
+    correct = 0
+    for i in range(9):
+        sims = sorted(((float(ten[i] @ trn[j]), j) for j in range(40)), reverse=True)[:5]
+        votes = [sum(math.exp(s / 0.1) for s, j in sims if ytr[j] == c) for c in range(4)]
+        correct += max(range(4), key=lambda c: votes[c]) == yte[i]
+    assert res["knn_top1"] == pytest.approx(100 * correct / 9)
+
+
+def test_logistic_regression_separates_separable_data():
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(5, 16, generator=g) * 4
+    y = torch.arange(5).repeat(20)
+    x = centres[y] + torch.randn(100, 16, generator=g) * 0.3
+    clf = E.logistic_regression(x, y, 5, lambd=1e-4)
+    assert (clf(x).argmax(1) == y).float().mean() == 1.0
+    res = E.linear_probe(x, y, x, y, 5, epochs=20, batch=32)
+    assert res["linear_top1"] == 100.0
+
+
+@pytest.mark.parametrize("shots,percent", [(1, 0), (2, 0), (5, 0), (0, 10)])
+def test_lowshot_subset_exact_counts(shots, percent):
+    labels = torch.arange(4).repeat_interleave(torch.tensor([10, 20, 30, 50]))
+    idx = E.lowshot_subset(labels, 4, shots, percent, seed=1)
+    counts = torch.bincount(labels[idx], minlength=4).tolist()
+    assert counts == ([shots] * 4 if not percent else [1, 2, 3, 5])
+    assert len(set(idx.tolist())) == len(idx)
+    assert not torch.equal(idx, E.lowshot_subset(labels, 4, shots, percent, seed=2))    # seeds differ
+
+
+def tiny_folder(root):
+    from PIL import Image
+    for split, n in (("train", 6), ("val", 3)):
+        for c in range(3):
+            os.makedirs(root / split / f"c{c}", exist_ok=True)
+            for i in range(n):
+                img, _ = C.synthetic_image(c + 10 * i, split=split)        # class c shapes
+                img.save(root / split / f"c{c}" / f"{i}.png")
+    return str(root)
+
+
+TINY = {"msn": dict(focal_size=8, focal_views=1, head_hidden=16, head_dim=8, num_prototypes=8),
+        "cmae": dict(master_size=20, decoder_dim=16, decoder_depth=1, decoder_heads=2, proj_hidden=16, proj_dim=8),
+        "conmim": dict(proj_hidden=16, proj_dim=8),
+        "can": dict(decoder_dim=16, decoder_depth=1, decoder_heads=2, proj_hidden=16, proj_dim=8)}
+
+
+@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can"])
+def test_each_method_checkpoint_evaluates(method, tmp_path):
+    mod = importlib.import_module(method)
+    data = tiny_folder(tmp_path / "data")
+    mod.train(mod.Args(data=data, output_dir=str(tmp_path / "run"), model="nano", patch_size=4, img_size=16,
+                       epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, **TINY[method]))
+    ckpt = str(tmp_path / "run" / "checkpoint.pth")
+    res = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="all", workers=0, k=3, linear_epochs=2, seeds=2))
+    assert res["method"] == method and res["pool"] == E.DEFAULT_POOL[method]
+    for k in ("knn_top1", "linear_top1", "lowshot_1shot_mean"):
+        assert 0 <= res[k] <= 100
+    cached = os.listdir(tmp_path / "run" / "features")
+    assert len(cached) == 2                                             # train + val, reused next time
+    res2 = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="knn", workers=0, k=3))
+    assert res2["knn_top1"] == res["knn_top1"] and len(os.listdir(tmp_path / "run" / "features")) == 2
+    rnd = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="knn", workers=0, k=3, random_init=True))
+    assert rnd["random_init"] and len(os.listdir(tmp_path / "run" / "features")) == 4
+
+
+def test_bad_checkpoints(tmp_path):
+    one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "missing.pth"), "--data", "synthetic"), "does not exist")
+    (tmp_path / "junk.pth").write_bytes(b"junk")
+    one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "junk.pth"), "--data", "synthetic"), "not a readable checkpoint")
+    torch.save({"state_dict": {}}, tmp_path / "foreign.pth")
+    one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "foreign.pth"), "--data", "synthetic"), "not a checkpoint of this project")
