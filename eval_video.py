@@ -1,0 +1,230 @@
+"""Video label propagation (DAVIS-2017 semi-supervised protocol) for video checkpoints (SiamMAE).
+
+  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /davis
+  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data synthetic [--random-init]
+
+The first frame's object masks are propagated through each video with the frozen encoder's
+patch features (last layer, after the final norm, L2-normalised). For frame t, each patch takes a
+soft label from its top-k most similar patches among the context frames (the first frame and the
+last 19 predicted frames), restricted to a spatial radius, with weights softmax(affinity / T).
+Soft labels are upsampled bilinearly to the frame and argmax'ed. Flags: --n-last 19 --topk 7
+--radius 20 --temperature 0.7 (values of ../shared/methods/siammae.md).
+
+Data: DAVIS-2017 layout (JPEGImages/480p/<video>/*.jpg, Annotations/480p/<video>/*.png palette
+masks, ImageSets/2017/val.txt), or `synthetic` (moving-shape clips of siammae.py, val split).
+Metrics: J (region IoU) and F (boundary F-measure, boundary tolerance 0.008 x image diagonal, as
+the DAVIS toolkit), per object, on all frames but the first and last; J&F = (J + F) / 2.
+"""
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import common as C
+
+
+@dataclass
+class Args:
+    """Label-propagation evaluation (J&F) of a checkpoint's encoder."""
+    ckpt: str = field(default=None, metadata={"help": "checkpoint.pth (siammae, or any image method)"})
+    data: str = field(default=None, metadata={"help": "DAVIS-2017 root, or 'synthetic'"})
+    split: str = field(default="val", metadata={"help": "ImageSets/2017/<split>.txt"})
+    short_side: int = field(default=480, metadata={"help": "resize frames so the short side is this (0 = native)"})
+    n_last: int = 19
+    topk: int = 7
+    radius: float = 20.0
+    temperature: float = 0.7
+    random_init: bool = False
+    output: str = field(default=None, metadata={"help": "write predicted masks as DAVIS palette PNGs here"})
+    device: str = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Propagation
+# ----------------------------------------------------------------------------------------------
+def propagate(feats, labels0, n_last=19, topk=7, radius=20.0, temperature=0.7):
+    """feats (T, h, w, D) L2-normalised patch features; labels0 (h, w, C) first-frame soft labels.
+    Returns soft labels (T, h, w, C); frame 0 keeps labels0."""
+    T, h, w, D = feats.shape
+    yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    pos = torch.stack([yy.flatten(), xx.flatten()], 1).float()
+    near = torch.cdist(pos, pos) <= radius                                     # (hw, hw) spatial window
+    ctx_f, ctx_l = [feats[0].reshape(h * w, D)], [labels0.reshape(h * w, -1)]
+    out = [labels0]
+    for t in range(1, T):
+        f = feats[t].reshape(h * w, D)
+        kf = torch.stack(ctx_f)                                                # (M, hw, D)
+        aff = torch.einsum("nd,mkd->nmk", f, kf) / temperature                 # (hw, M, hw)
+        aff = aff.masked_fill(~near[:, None, :], float("-inf")).reshape(h * w, -1)
+        val, idx = aff.topk(min(topk, aff.shape[1]), dim=1)                    # (hw, k)
+        wgt = torch.softmax(val, dim=1)
+        lab = (wgt[..., None] * torch.cat(ctx_l)[idx]).sum(1)                  # (hw, C)
+        out.append(lab.reshape(h, w, -1))
+        ctx_f.append(f)
+        ctx_l.append(lab)
+        if len(ctx_f) > n_last + 1:                                            # first frame + last n
+            del ctx_f[1], ctx_l[1]
+    return torch.stack(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics (DAVIS definitions)
+# ----------------------------------------------------------------------------------------------
+def jaccard(pred, gt):
+    """Region similarity J = |P & G| / |P | G| for boolean masks; 1 when both are empty."""
+    union = np.logical_or(pred, gt).sum()
+    return 1.0 if union == 0 else np.logical_and(pred, gt).sum() / union
+
+
+def boundary(mask):
+    """One-pixel boundary of a boolean mask: pixels that differ from the right, lower or lower-right
+    neighbour (DAVIS seg2bmap at the mask's own resolution)."""
+    m = mask.astype(bool)
+    e, s, se = np.zeros_like(m), np.zeros_like(m), np.zeros_like(m)
+    e[:, :-1], s[:-1, :], se[:-1, :-1] = m[:, 1:], m[1:, :], m[1:, 1:]
+    b = (m ^ e) | (m ^ s) | (m ^ se)
+    b[-1, :], b[:, -1] = m[-1, :] ^ e[-1, :], m[:, -1] ^ s[:, -1]
+    b[-1, -1] = False
+    return b
+
+
+def _dilate(b, r):
+    if r == 0:
+        return b
+    k = torch.arange(-r, r + 1)
+    disk = ((k[:, None] ** 2 + k[None] ** 2) <= r * r).float()[None, None]
+    x = torch.from_numpy(b.astype(np.float32))[None, None]
+    return (F.conv2d(x, disk, padding=r)[0, 0] > 0).numpy()
+
+
+def f_measure(pred, gt, bound_th=0.008):
+    """Boundary F = 2PR / (P + R), boundaries matched within ceil(bound_th * diagonal) pixels."""
+    r = math.ceil(bound_th * math.hypot(*pred.shape))
+    bp, bg = boundary(pred), boundary(gt)
+    if bp.sum() == 0 and bg.sum() == 0:
+        return 1.0
+    if bp.sum() == 0 or bg.sum() == 0:
+        return 0.0
+    precision = (bp & _dilate(bg, r)).sum() / bp.sum()
+    recall = (bg & _dilate(bp, r)).sum() / bg.sum()
+    return 0.0 if precision + recall == 0 else 2 * precision * recall / (precision + recall)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------
+def davis_videos(root, split):
+    img_root, ann_root = os.path.join(root, "JPEGImages", "480p"), os.path.join(root, "Annotations", "480p")
+    if not os.path.isdir(img_root) or not os.path.isdir(ann_root):
+        raise C.UserError(f"--data {root}: expected DAVIS layout JPEGImages/480p/ and Annotations/480p/")
+    lst = os.path.join(root, "ImageSets", "2017", f"{split}.txt")
+    names = open(lst).read().split() if os.path.isfile(lst) else sorted(os.listdir(ann_root))
+    for v in names:
+        frames = sorted(f for f in os.listdir(os.path.join(img_root, v)) if f.lower().endswith(C.IMG_EXTS))
+        masks = [np.array(Image.open(os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png")))
+                 if os.path.isfile(os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png")) else None for f in frames]
+        if masks[0] is None:
+            raise C.UserError(f"{v}: no first-frame annotation {os.path.splitext(frames[0])[0]}.png")
+        yield v, [Image.open(os.path.join(img_root, v, f)).convert("RGB") for f in frames], masks
+
+
+def synthetic_videos():
+    from siammae import SyntheticVideos
+    ds = SyntheticVideos("val")
+    for i in range(len(ds)):
+        clip, _ = ds.load(i)
+        yield f"synthetic_{i:03d}", [clip.load(t) for t in range(len(clip))], [clip.mask(t) for t in range(len(clip))]
+
+
+PALETTE = [v for i in range(256) for v in
+           [sum(((i >> (3 * j + c)) & 1) << (7 - j) for j in range(8)) for c in range(3)]]   # PASCAL/DAVIS palette
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def frame_features(enc, frames, short_side, device):
+    """List of PIL frames -> (T, h, w, D) L2-normalised last-layer patch tokens (after the final norm)."""
+    from torchvision.transforms import functional as TF
+    p = enc.patch_size
+    out = []
+    for im in frames:
+        if short_side:
+            im = TF.resize(im, short_side, antialias=True)
+        W, H = im.size
+        x = C.normalize(C.to_uint8(im)[:, :H // p * p, :W // p * p][None].to(device))
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            tok = enc(x)[:, 1:].float()
+        out.append(F.normalize(tok, dim=-1).view(H // p, W // p, -1).cpu())
+    return torch.stack(out)
+
+
+def evaluate_video(enc, frames, masks, a, device):
+    gt0 = masks[0]
+    H, W = gt0.shape
+    ids = [int(i) for i in np.unique(gt0) if i not in (0, 255)]
+    feats = frame_features(enc, frames, a.short_side, device)
+    T, h, w, _ = feats.shape
+    onehot = torch.stack([torch.from_numpy(gt0 == i) for i in [0] + ids], -1).float()        # (H, W, C)
+    lab0 = F.interpolate(onehot.permute(2, 0, 1)[None], size=(h, w), mode="nearest")[0].permute(1, 2, 0)
+    soft = propagate(feats, lab0, a.n_last, a.topk, a.radius, a.temperature)               # (T, h, w, C)
+    up = F.interpolate(soft.permute(0, 3, 1, 2), size=(H, W), mode="bilinear", align_corners=False)
+    pred = torch.tensor([0] + ids)[up.argmax(1)].numpy().astype(np.uint8)                  # (T, H, W)
+    pred[0] = gt0
+    J, Fm = {i: [] for i in ids}, {i: [] for i in ids}
+    for t in range(1, T - 1):                                                              # DAVIS: not first / last
+        if masks[t] is None:
+            continue
+        for i in ids:
+            J[i].append(jaccard(pred[t] == i, masks[t] == i))
+            Fm[i].append(f_measure(pred[t] == i, masks[t] == i))
+    return pred, {i: (float(np.mean(J[i])), float(np.mean(Fm[i]))) for i in ids if J[i]}
+
+
+def evaluate(a):
+    if not a.ckpt or not a.data:
+        raise C.UserError("--ckpt and --data are required (a DAVIS-2017 root or 'synthetic')")
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ckpt = C.load_checkpoint(a.ckpt)
+    torch.manual_seed(ckpt["args"].get("seed", 0))
+    enc = C.build_vit(ckpt["vit"])
+    if not a.random_init:
+        enc.load_state_dict(ckpt["encoder"])
+    enc = enc.to(device).eval()
+    synthetic = a.data == "synthetic"
+    videos = synthetic_videos() if synthetic else davis_videos(a.data, a.split)
+    rows, Js, Fs = [], [], []
+    for name, frames, masks in videos:
+        pred, per_obj = evaluate_video(enc, frames, masks, a if not synthetic else _native(a), device)
+        j, f = [v[0] for v in per_obj.values()], [v[1] for v in per_obj.values()]
+        Js += j
+        Fs += f
+        rows.append((name, np.mean(j), np.mean(f)))
+        print(f"{name:24s} J {100 * np.mean(j):5.1f}  F {100 * np.mean(f):5.1f}  objects {len(j)}", flush=True)
+        if a.output:
+            os.makedirs(os.path.join(a.output, name), exist_ok=True)
+            for t, m in enumerate(pred):
+                im = Image.fromarray(m, mode="P")
+                im.putpalette(PALETTE)
+                im.save(os.path.join(a.output, name, f"{t:05d}.png"))
+    res = {"method": ckpt["method"], "random_init": a.random_init, "videos": len(rows),
+           "J_mean": 100 * float(np.mean(Js)), "F_mean": 100 * float(np.mean(Fs))}
+    res["JF_mean"] = (res["J_mean"] + res["F_mean"]) / 2
+    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}))
+    return res
+
+
+def _native(a):
+    """Synthetic clips are 64 px: use them at native size (short_side 0)."""
+    from dataclasses import replace
+    return replace(a, short_side=0)
+
+
+if __name__ == "__main__":
+    C.main(evaluate, Args)

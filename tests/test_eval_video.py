@@ -1,0 +1,96 @@
+"""eval_video.py: J and F on hand-computed cases, propagation where the answer is known, DAVIS
+layout reading and palette output, end to end on synthetic clips."""
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import common as C
+import eval_video as V
+from test_msn import one_line_error, run_cli
+
+
+def test_jaccard_hand_cases():
+    a = np.zeros((4, 4), bool)
+    b = np.zeros((4, 4), bool)
+    assert V.jaccard(a, b) == 1.0                       # both empty
+    a[:2, :2] = True                                    # 4 px
+    b[:2, 1:3] = True                                   # 4 px, overlap 2
+    assert V.jaccard(a, b) == pytest.approx(2 / 6)
+    assert V.jaccard(a, np.zeros_like(a)) == 0.0
+
+
+def test_boundary_and_f_measure_hand_cases():
+    m = np.zeros((5, 5), bool)
+    m[1:4, 1:4] = True
+    b = V.boundary(m)
+    # seg2bmap marks pixels whose right / lower / lower-right neighbour differs
+    expected = np.zeros((5, 5), bool)
+    expected[0, 0] = True                               # lower-right neighbour (1,1) is inside
+    expected[0, 1:4] = True                             # lower neighbour inside
+    expected[1:4, 0] = True                             # right neighbour inside
+    expected[1:4, 3] = True                             # right neighbour outside
+    expected[3, 1:3] = True                             # lower neighbour outside
+    assert np.array_equal(b, expected), b.astype(int)
+    assert V.f_measure(m, m) == 1.0
+    assert V.f_measure(m, np.zeros_like(m)) == 0.0
+    big = np.zeros((200, 200), bool)                    # tolerance ceil(0.008 * 282.8) = 3 px
+    big[50:150, 50:150] = True
+    shifted2, shifted6 = np.roll(big, 2, axis=1), np.roll(big, 6, axis=1)
+    assert V.f_measure(shifted2, big) == 1.0            # within tolerance
+    f6 = V.f_measure(shifted6, big)
+    # 6 px shift: only the two horizontal edges (minus 6 px ends) still match -> P = R ~ 0.485
+    assert 0.4 < f6 < 0.6
+
+
+def test_propagation_identical_frames_keeps_labels_exactly():
+    g = torch.Generator().manual_seed(0)
+    f0 = F.normalize(torch.randn(6, 7, 16, generator=g), dim=-1)
+    feats = f0.expand(5, -1, -1, -1).clone()
+    lab = torch.zeros(6, 7, 3)
+    lab[..., 0] = 1
+    lab[1:3, 2:5] = torch.tensor([0.0, 1, 0])
+    lab[4:, :2] = torch.tensor([0.0, 0, 1])
+    out = V.propagate(feats, lab, topk=1, radius=20)
+    assert torch.equal(out, lab.expand(5, -1, -1, -1))
+
+
+def test_propagation_follows_a_shift_and_respects_radius():
+    g = torch.Generator().manual_seed(1)
+    f0 = F.normalize(torch.randn(6, 8, 16, generator=g), dim=-1)
+    f1 = torch.roll(f0, 1, dims=1)                      # everything moves one cell right
+    lab = torch.zeros(6, 8, 2)
+    lab[..., 0] = 1
+    lab[2:4, 2:4] = torch.tensor([0.0, 1])
+    out = V.propagate(torch.stack([f0, f1]), lab, topk=1, radius=20)
+    assert torch.equal(out[1], torch.roll(lab, 1, dims=1))
+    # radius 0: a patch may only copy from its own position
+    out0 = V.propagate(torch.stack([f0, f1]), lab, topk=1, radius=0)
+    assert torch.equal(out0[1], lab)
+
+
+def test_davis_layout_end_to_end_and_palette_output(tmp_path):
+    from PIL import Image
+    import siammae
+    siammae.train(siammae.Args(data="synthetic", output_dir=str(tmp_path / "run"), model="nano", patch_size=4,
+                               img_size=16, epochs=1, steps_per_epoch=1, batch_size=2, decoder_dim=16,
+                               decoder_depth=1, decoder_heads=2, workers=0, gap=(1, 2)))
+    root = tmp_path / "davis"
+    clip = siammae.SyntheticClip(3, "val", n_frames=5, size=32)
+    for sub in ("JPEGImages/480p/v", "Annotations/480p/v", "ImageSets/2017"):
+        os.makedirs(root / sub)
+    for t in range(5):
+        clip.load(t).save(root / "JPEGImages/480p/v" / f"{t:05d}.jpg")
+        m = Image.fromarray(clip.mask(t), mode="P")
+        m.putpalette(V.PALETTE)
+        m.save(root / "Annotations/480p/v" / f"{t:05d}.png")
+    (root / "ImageSets/2017/val.txt").write_text("v\n")
+    ck = str(tmp_path / "run" / "checkpoint.pth")
+    res = V.evaluate(V.Args(ckpt=ck, data=str(root), short_side=0, output=str(tmp_path / "out")))
+    assert res["videos"] == 1 and 0 <= res["JF_mean"] <= 100
+    out = Image.open(tmp_path / "out" / "v" / "00000.png")
+    assert out.mode == "P" and np.array_equal(np.array(out), clip.mask(0))      # frame 0 = given mask
+    assert out.getpalette()[:6] == [0, 0, 0, 128, 0, 0]                          # DAVIS palette
+    one_line_error(run_cli("eval_video.py", "--ckpt", ck, "--data", str(tmp_path / "nope")), "DAVIS layout")
