@@ -1,0 +1,188 @@
+"""Training-step throughput, peak memory and MFU of each method on device-resident random batches.
+
+  python benchmarks/throughput.py --method all --model small --batch-size 64
+  python benchmarks/throughput.py --method msn --model base --precision bf16 --compile
+
+Times the full step (forward, loss, backward, optimizer step, EMA) after warm-up, with the
+method's own model classes and loss functions and its default recipe (views, masking ratios,
+decoder sizes). Reports img/s (pairs/s for SiamMAE), peak CUDA memory, and on CUDA the model
+FLOPs utilisation against --peak-tflops.
+
+FLOP count (analytic, multiply-add = 2 FLOPs). A transformer block of width D on N tokens costs
+2 * (12 N D^2 + 2 N^2 D) forward: qkv 3ND^2, output projection ND^2, MLP 8ND^2 (ratio 4), and
+QK^T + AV 2N^2D. Patch embedding: 2 N (3 p^2) D. A trained pass costs 3x its forward (backward
+= 2x); a no-grad (EMA target / teacher) pass 1x. Heads and projectors are counted as linear
+layers; the optimizer and EMA are not counted.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common as C  # noqa: E402
+
+
+def vit_flops(D, depth, N, p, mlp=4):
+    return 2 * depth * ((4 + 2 * mlp) * N * D * D + 2 * N * N * D) + 2 * N * 3 * p * p * D
+
+
+def lin(*dims):
+    return 2 * sum(a * b for a, b in zip(dims[:-1], dims[1:]))
+
+
+def setup(method, a, dev):
+    """Returns (step(), images per step, FLOPs per step) for the method's default recipe."""
+    import importlib
+    mod = importlib.import_module(method)
+    args = mod.Args(data="synthetic", model=a.model, batch_size=a.batch_size)
+    B, S, p = a.batch_size, args.img_size, args.patch_size
+    g = S // p
+    D, depth, _ = C.SIZES[a.model]
+    N = g * g
+    x = lambda n, s=S: torch.randn(n, 3, s, s, device=dev)                       # noqa: E731
+    amp = torch.autocast(dev.type, torch.bfloat16) if a.precision == "bf16" else torch.autocast(dev.type, enabled=False)
+    comp = (lambda m: torch.compile(m)) if a.compile else (lambda m: m)
+    import copy
+    if method == "msn":
+        model = mod.MSN(args).to(dev)
+        target = copy.deepcopy(model.net).requires_grad_(False)
+        fm, ft = comp(model), comp(target)
+        xt, xr, xf = x(B), x(B * args.rand_views), x(B * args.focal_views, args.focal_size)
+        nk = int(N * (1 - args.mask_ratio))
+        nf = (args.focal_size // p) ** 2
+        head = lin(D, args.head_hidden, args.head_hidden, args.head_dim)
+        flops = 3 * (vit_flops(D, depth, nk + 1, p) * B * args.rand_views + vit_flops(D, depth, nf + 1, p) * B * args.focal_views
+                     + head * B * (args.rand_views + args.focal_views)) + (vit_flops(D, depth, N + 1, p) + head) * B
+
+        def loss():
+            ids, _, _ = C.random_masking(xr.shape[0], g, args.mask_ratio, device=dev)
+            with amp:
+                z, q = fm(xr, xf, ids)
+                with torch.no_grad():
+                    zt = ft(xt)
+            return mod.msn_loss(z.float(), zt.float(), q.float())[0], lambda: C.ema_update(target, model.net, 0.996)
+    elif method == "cmae":
+        model = mod.CMAE(args).to(dev)
+        target = mod.Target(model).to(dev)
+        fm, ft = comp(model), comp(target)
+        xs, xt = x(B), x(B)
+        nk = int((g // args.mask_unit) ** 2 * (1 - args.mask_ratio)) * args.mask_unit ** 2
+        dd = args.decoder_dim
+        proj = lin(D, args.proj_hidden, args.proj_dim)
+        flops = 3 * B * (vit_flops(D, depth, nk + 1, p) + vit_flops(dd, args.decoder_depth + args.feature_decoder_depth, N + 1, 0)
+                         + (N + 1) * (lin(D, dd) + lin(dd, p * p * 3) + lin(dd, D)) + proj + lin(args.proj_dim, args.proj_hidden, args.proj_dim)) \
+            + B * (vit_flops(D, depth, N + 1, p) + proj)
+
+        def loss():
+            ids, rest, mask = C.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
+            with amp:
+                pred, u = fm(xs, ids, rest)
+                with torch.no_grad():
+                    v = ft(xt)
+            lr = mod.reconstruction_loss(pred.float(), C.norm_pix(C.patchify(xs, p)), mask)
+            return lr + mod.cmae_contrastive_loss(u.float(), v.float()), lambda: C.ema_update(target, target.online_params(model), 0.996)
+    elif method == "conmim":
+        model = mod.Net(args).to(dev)
+        teacher = copy.deepcopy(model).requires_grad_(False)
+        fm, ft = comp(model), comp(teacher)
+        xw, xs = x(B), x(B)
+        proj = N * lin(D, args.proj_hidden, args.proj_hidden, args.proj_dim)
+        flops = 3 * B * (vit_flops(D, depth, N + 1, p) + proj) + B * (vit_flops(D, depth, N + 1, p) + proj)
+
+        def loss():
+            _, _, mask = C.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
+            with amp:
+                s = fm(xw, mask)
+                with torch.no_grad():
+                    t = ft(xs)
+            return mod.conmim_loss(s.float(), t.float(), mask), lambda: C.ema_update(teacher, model, 0.996)
+    elif method == "can":
+        model = mod.CAN(args).to(dev)
+        fm = comp(model)
+        xx = x(2 * B)
+        nk = int(N * (1 - args.mask_ratio))
+        dd = args.decoder_dim
+        flops = 3 * 2 * B * (vit_flops(D, depth, nk + 1, p) + vit_flops(dd, args.decoder_depth, N + 1, 0)
+                             + (N + 1) * (lin(D, dd) + lin(dd, p * p * 3)) + lin(D, args.proj_hidden, args.proj_dim))
+
+        def loss():
+            sig = torch.rand(2 * B, device=dev) * 0.05
+            noise = sig.view(-1, 1, 1, 1) * torch.randn_like(xx)
+            ids, rest, mask = C.random_masking(2 * B, g, args.mask_ratio, device=dev)
+            with amp:
+                pred, u = fm(xx + noise, sig, ids, rest)
+            return mod.can_loss(u[:B].float(), u[B:].float(), pred.float(), C.patchify(xx, p), C.patchify(noise, p), mask)[0], None
+    else:                                                                            # siammae: B pairs
+        model = mod.SiamMAE(args).to(dev)
+        fm = comp(model)
+        f1, f2 = x(B), x(B)
+        nk = int(N * (1 - args.mask_ratio))
+        dd, L = args.decoder_dim, args.decoder_depth
+        cross = 2 * L * (N + 1) * (4 * dd * dd) + 2 * L * 2 * (N + 1) * (N + 1) * dd          # q, kv, proj + attention
+        flops = 3 * B * (vit_flops(D, depth, N + 1, p) + vit_flops(D, depth, nk + 1, p) + vit_flops(dd, L, N + 1, 0)
+                         + cross + 2 * (N + 1) * lin(D, dd) + (N + 1) * lin(dd, p * p * 3))
+
+        def loss():
+            ids, rest, mask = C.random_masking(B, g, args.mask_ratio, device=dev)
+            with amp:
+                pred = fm(f1, f2, ids, rest)
+            return mod.siammae_loss(pred.float(), C.norm_pix(C.patchify(f2, p)), mask), None
+
+    opt = C.make_optimizer(model, 1e-4, 0.05, (0.9, 0.95), dev)
+
+    def step():
+        l, ema = loss()
+        opt.zero_grad(set_to_none=True)
+        l.backward()
+        opt.step()
+        if ema:
+            ema()
+    return step, B, flops
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--method", default="all", help="msn|cmae|conmim|can|siammae|all")
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--precision", default=None, help="bf16|fp32 (default bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100 SXM: 989)")
+    ap.add_argument("--device", default=None)
+    a = ap.parse_args()
+    dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    a.precision = a.precision or ("bf16" if dev.type == "cuda" else "fp32")
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    methods = ["msn", "cmae", "conmim", "can", "siammae"] if a.method == "all" else [a.method]
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"device: {name}, torch {torch.__version__}, model {a.model}, batch {a.batch_size}, {a.precision}"
+          f"{', compile' if a.compile else ''}")
+    print("| method | img/s (pairs/s siammae) | step ms | peak mem GB | TFLOP/step | MFU |")
+    print("|---|---|---|---|---|---|")
+    for m in methods:
+        torch.manual_seed(0)
+        step, n, flops = setup(m, a, dev)
+        for _ in range(a.warmup):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t) / a.steps
+        mem = f"{torch.cuda.max_memory_allocated() / 2**30:.1f}" if dev.type == "cuda" else "n/a"
+        mfu = f"{100 * flops / dt / (a.peak_tflops * 1e12):.1f}%" if dev.type == "cuda" else "n/a"
+        print(f"| {m} | {n / dt:.1f} | {1000 * dt:.0f} | {mem} | {flops / 1e12:.3f} | {mfu} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
