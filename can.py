@@ -87,7 +87,7 @@ class Args:
 
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64, blr=1.5e-3, warmup_epochs=1,
                      decoder_dim=64, decoder_depth=2, decoder_heads=4, proj_hidden=256, proj_dim=64,
-                     crop_scale=(0.3, 1.0), workers=2, log_every=20, steps_per_epoch=50)
+                     crop_scale=(0.3, 1.0), workers=2, log_every=20, steps_per_epoch=35)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,15 +253,7 @@ def train(args):
             x[:n], C.unpatchify(C.patchify(x[:n] + noise[:n], p) * (1 - m), p),
             C.unpatchify(torch.where(m.bool(), pr_px, xp), p), C.unpatchify(pr * (1 - m) / args.sigma_max, p)])
 
-    if args.knn if args.knn is not None else args.data == "synthetic":
-        if C.is_main():
-            torch.manual_seed(args.seed)                                       # the same draw as in setup
-            init = CAN(args).encoder.to(dev)
-            accs = [C.knn_accuracy(e, args.data, args.img_size, dev, "mean", autocast=run.autocast)
-                    for e in (model.encoder, init)]
-            log.write({"knn_learned": accs[0], "knn_init": accs[1]})
-            C.print0(f"k-NN top-1 on {args.data} val (encoder, mean patch token): learned "
-                     f"{accs[0]:.1f}% vs same architecture at initialisation {accs[1]:.1f}%")
+    C.knn_report(args, run, log, model.encoder, lambda: CAN(args).encoder, "mean", "encoder, mean patch token")
 
 
 if __name__ == "__main__":

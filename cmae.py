@@ -263,15 +263,7 @@ def train(args):
         C.save_image_grid(f"{run.out}/recon_ep{epoch + 1:04d}.png",
                           [x_s[:n], C.unpatchify(target_px * (1 - mask[:n, :, None]), p), recon])
 
-    if args.knn if args.knn is not None else args.data == "synthetic":
-        if C.is_main():
-            torch.manual_seed(args.seed)                                      # the same draw as in setup
-            init = CMAE(args).encoder.to(dev)
-            accs = [C.knn_accuracy(e, args.data, args.img_size, dev, "mean", autocast=run.autocast)
-                    for e in (model.encoder, init)]
-            log.write({"knn_learned": accs[0], "knn_init": accs[1]})
-            C.print0(f"k-NN top-1 on {args.data} val (online encoder, mean patch token): learned "
-                     f"{accs[0]:.1f}% vs same architecture at initialisation {accs[1]:.1f}%")
+    C.knn_report(args, run, log, model.encoder, lambda: CMAE(args).encoder, "mean", "online encoder, mean patch token")
 
 
 if __name__ == "__main__":

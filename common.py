@@ -772,3 +772,17 @@ def resume_run(run, method, args, model, optimizer, scaler, target=None):
 def build_vit(config):
     """Rebuild a ViT from a checkpoint's `vit` config."""
     return ViT(**config)
+
+
+def knn_report(args, run, log, encoder, build_init, how, what):
+    """End of training (rank 0): k-NN of the learned encoder vs the same architecture at init.
+    On with --knn, or by default for --data synthetic. build_init() must make the encoder with
+    the same RNG draw as at the start of training (seeded in setup)."""
+    if not (args.knn if args.knn is not None else args.data == "synthetic") or not is_main():
+        return
+    torch.manual_seed(args.seed)
+    init = build_init().to(run.device)
+    accs = [knn_accuracy(e, args.data, args.img_size, run.device, how, autocast=run.autocast) for e in (encoder, init)]
+    log.write({"knn_learned": accs[0], "knn_init": accs[1]})
+    print0(f"k-NN top-1 on {args.data} val ({what}): learned {accs[0]:.1f}% vs same architecture at "
+           f"initialisation {accs[1]:.1f}%")

@@ -271,15 +271,7 @@ def train(args):
             log.step(step + 1, epoch, parts, lr=lr, wd=wd, mom=m)
         C.save_run(run, "msn", args, epoch + 1, (epoch + 1) * ipe, target.encoder, model, opt, scaler, target)
 
-    if args.knn if args.knn is not None else args.data == "synthetic":
-        if C.is_main():
-            torch.manual_seed(args.seed)                             # the same draw as in setup
-            init = MSN(args).net.encoder.to(dev)
-            accs = [C.knn_accuracy(e, args.data, args.img_size, dev, "cls", autocast=run.autocast)
-                    for e in (target.encoder, init)]
-            C.print0(f"k-NN top-1 on {args.data} val (target encoder, CLS): learned {accs[0]:.1f}% "
-                     f"vs same architecture at initialisation {accs[1]:.1f}%")
-            log.write({"knn_learned": accs[0], "knn_init": accs[1]})
+    C.knn_report(args, run, log, target.encoder, lambda: MSN(args).net.encoder, "cls", "target encoder, CLS")
 
 
 if __name__ == "__main__":
