@@ -40,7 +40,8 @@ class Args:
     mode: str = field(default="knn", metadata={"help": "knn | linear | lowshot | all"})
     pool: str = field(default=None, metadata={"help": "cls | mean (default: per method)"})
     img_size: int = field(default=None, metadata={"help": "default: the checkpoint's training size"})
-    random_init: bool = field(default=False, metadata={"help": "evaluate the same architecture at initialisation"})
+    random_init: bool = field(default=False, metadata={"help": "evaluate the same ViT at its default random "
+                              "initialisation (run's seed; may differ from the run's exact initial weights)"})
     k: int = 20
     temperature: float = 0.07
     linear_epochs: int = 100
