@@ -47,7 +47,7 @@ import common as C
 
 
 @dataclass
-class Args:
+class Args(C.RunArgs):
     """CAN pre-training (defaults: paper ViT-B/16 with MAE-style optimisation)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/can"})
@@ -74,15 +74,6 @@ class Args:
     norm_pix: bool = field(default=False, metadata={"help": "per-patch normalised reconstruction targets (MAE)"})
     crop_scale: tuple = (0.2, 1.0)
     drop_path: float = 0.0
-    workers: int = 10
-    seed: int = 0
-    resume: bool = field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
-    precision: str = field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
-    compile: bool = False
-    log_every: int = 50
-    device: str = None
-    steps_per_epoch: int = field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
-    stop_epoch: int = field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
 
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64, blr=1.5e-3, warmup_epochs=1,

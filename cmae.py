@@ -44,7 +44,7 @@ import common as C
 
 
 @dataclass
-class Args:
+class Args(C.RunArgs):
     """CMAE pre-training (defaults: official ViT-B/16 ImageNet recipe, 300 epochs)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/cmae"})
@@ -72,15 +72,6 @@ class Args:
     tau: float = 0.07
     lambda_c: float = field(default=1.0, metadata={"help": "weight of the contrastive loss"})
     drop_path: float = 0.0
-    workers: int = 10
-    seed: int = 0
-    resume: bool = field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
-    precision: str = field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
-    compile: bool = False
-    log_every: int = 50
-    device: str = None
-    steps_per_epoch: int = field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
-    stop_epoch: int = field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
 
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, master_size=36, epochs=8, batch_size=64,

@@ -565,6 +565,20 @@ def print0(*a, **kw):
 # ----------------------------------------------------------------------------------------------
 # Run plumbing: CLI, setup, logging, checkpoints
 # ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RunArgs:
+    """Run plumbing shared by every method's Args (its hyper-parameters live in the method file)."""
+    workers: int = dataclasses.field(default=10, metadata={"help": "DataLoader workers per process"})
+    seed: int = 0
+    resume: bool = dataclasses.field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
+    precision: str = dataclasses.field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
+    compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the networks"})
+    log_every: int = 50
+    device: str = None
+    steps_per_epoch: int = dataclasses.field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
+    stop_epoch: int = dataclasses.field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
+
+
 def parse_args(cls, argv=None):
     """Build `cls` (a dataclass) from the command line: `--field-name value` for each field.
 

@@ -44,7 +44,7 @@ import common as C
 
 
 @dataclass
-class Args:
+class Args(C.RunArgs):
     """ConMIM pre-training (defaults: official recipe, ViT-B/16)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/conmim"})
@@ -67,15 +67,6 @@ class Args:
     tau: float = 0.1
     crop_scale: tuple = (0.08, 1.0)
     drop_path: float = 0.1
-    workers: int = 10
-    seed: int = 0
-    resume: bool = field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
-    precision: str = field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
-    compile: bool = False
-    log_every: int = 50
-    device: str = None
-    steps_per_epoch: int = field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
-    stop_epoch: int = field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial teacher at the end (default: on for synthetic)"})
 
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64, lr=1e-3, warmup_epochs=1,

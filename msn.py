@@ -53,7 +53,7 @@ import common as C
 
 
 @dataclass
-class Args:
+class Args(C.RunArgs):
     """MSN pre-training (defaults: official ViT-S/16 ImageNet recipe)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/msn"})
@@ -89,15 +89,6 @@ class Args:
     me_max_weight: float = 1.0
     sinkhorn_iters: int = 3
     # run plumbing
-    workers: int = 10
-    seed: int = 0
-    resume: bool = field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
-    precision: str = field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
-    compile: bool = False
-    log_every: int = 50
-    device: str = None
-    steps_per_epoch: int = field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
-    stop_epoch: int = field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
 
     # `--data synthetic` without explicit flags: a CPU-sized run (about 5 min on 2 cores)

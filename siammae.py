@@ -41,7 +41,7 @@ import common as C
 
 
 @dataclass
-class Args:
+class Args(C.RunArgs):
     """SiamMAE pre-training on frame pairs (defaults: ViT-S/16, paper ablation recipe)."""
     data: str = field(default=None, metadata={"help": "directory of frame folders, or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/siammae"})
@@ -65,15 +65,6 @@ class Args:
     decoder_depth: int = 4
     decoder_heads: int = 8
     drop_path: float = 0.0
-    workers: int = 10
-    seed: int = 0
-    resume: bool = field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
-    precision: str = field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
-    compile: bool = False
-    log_every: int = 50
-    device: str = None
-    steps_per_epoch: int = field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
-    stop_epoch: int = field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
 
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=32, blr=1.5e-3, warmup_epochs=1,
                      decoder_dim=64, decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2, log_every=20,
