@@ -719,9 +719,9 @@ def extract_features(encoder, loader, device, how="cls", autocast=contextlib.nul
     for x, y in loader:
         with autocast:
             f = pool(encoder(normalize(x.to(device, non_blocking=True))), how)
-        feats.append(F.normalize(f.float(), dim=-1).cpu())
+        feats.append(f.float().cpu())
         labels.append(y)
-    return torch.cat(feats), torch.cat(labels)
+    return torch.cat(feats), torch.cat(labels)                       # raw (un-normalised) features
 
 
 @torch.no_grad()
@@ -749,7 +749,7 @@ def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, wor
         dl = torch.utils.data.DataLoader(Views(ds, tf), batch_size, num_workers=workers)
         res.append(extract_features(encoder, dl, device, how, autocast))
     (ftr, ytr), (fva, yva) = res
-    pred = knn_predict(ftr, ytr, fva, len(train.classes), k).argmax(1)
+    pred = knn_predict(F.normalize(ftr, dim=1), ytr, F.normalize(fva, dim=1), len(train.classes), k).argmax(1)
     return 100.0 * (pred == yva).float().mean().item()
 
 
@@ -786,6 +786,17 @@ def resume_run(run, method, args, model, optimizer, scaler, target=None):
 def build_vit(config):
     """Rebuild a ViT from a checkpoint's `vit` config."""
     return ViT(**config)
+
+
+def load_encoder(path, random_init=False):
+    """(encoder, checkpoint) of a checkpoint file; random_init: the same ViT at its default
+    initialisation drawn with the run's seed (weights not loaded). Returned in eval mode."""
+    ckpt = load_checkpoint(path)
+    torch.manual_seed(ckpt["args"].get("seed", 0))
+    enc = build_vit(ckpt["vit"])
+    if not random_init:
+        enc.load_state_dict(ckpt["encoder"])
+    return enc.eval(), ckpt
 
 
 def knn_report(args, run, log, encoder, build_init, how, what):

@@ -57,17 +57,6 @@ class Args:
     cache: bool = field(default=True, metadata={"help": "cache features next to the checkpoint"})
 
 
-def load_encoder(a, device):
-    ckpt = C.load_checkpoint(a.ckpt)
-    enc = C.build_vit(ckpt["vit"])
-    if a.random_init:
-        torch.manual_seed(ckpt["args"].get("seed", 0))
-        enc = C.build_vit(ckpt["vit"])
-    else:
-        enc.load_state_dict(ckpt["encoder"])
-    return enc.to(device).eval(), ckpt
-
-
 def features(a, enc, ckpt, split, device):
     """(N, D) float features and (N,) labels of a split, cached on disk."""
     pool = a.pool or DEFAULT_POOL.get(ckpt["method"], "cls")
@@ -84,13 +73,7 @@ def features(a, enc, ckpt, split, device):
     tf = C.eval_transform(size, synthetic=a.data == "synthetic")
     dl = torch.utils.data.DataLoader(C.Views(ds, tf), a.batch_size, num_workers=a.workers)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    feats, labels = [], []
-    with torch.no_grad():
-        for x, y in dl:
-            with autocast:
-                feats.append(C.pool(enc(C.normalize(x.to(device, non_blocking=True))), pool).float().cpu())
-            labels.append(y)
-    out = (torch.cat(feats), torch.cat(labels))
+    out = C.extract_features(enc, dl, device, pool, autocast)
     if a.cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         C.save_checkpoint(path, out)
@@ -178,7 +161,8 @@ def evaluate(a):
     if a.mode not in ("knn", "linear", "lowshot", "all"):
         raise C.UserError(f"--mode must be knn, linear, lowshot or all, got {a.mode!r}")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    enc, ckpt = load_encoder(a, device)
+    enc, ckpt = C.load_encoder(a.ckpt, a.random_init)
+    enc = enc.to(device)
     (ftr, ytr), (fva, yva) = (features(a, enc, ckpt, s, device) for s in ("train", "val"))
     nc = int(max(ytr.max(), yva.max())) + 1
     res = {"method": ckpt["method"], "ckpt": a.ckpt, "random_init": a.random_init,

@@ -165,11 +165,11 @@ def frame_features(enc, frames, short_side, device):
     return torch.stack(out)
 
 
-def evaluate_video(enc, frames, masks, a, device):
+def evaluate_video(enc, frames, masks, a, short_side, device):
     gt0 = masks[0]
     H, W = gt0.shape
     ids = [int(i) for i in np.unique(gt0) if i not in (0, 255)]
-    feats = frame_features(enc, frames, a.short_side, device)
+    feats = frame_features(enc, frames, short_side, device)
     T, h, w, _ = feats.shape
     onehot = torch.stack([torch.from_numpy(gt0 == i) for i in [0] + ids], -1).float()        # (H, W, C)
     lab0 = F.interpolate(onehot.permute(2, 0, 1)[None], size=(h, w), mode="nearest")[0].permute(1, 2, 0)
@@ -191,17 +191,14 @@ def evaluate(a):
     if not a.ckpt or not a.data:
         raise C.UserError("--ckpt and --data are required (a DAVIS-2017 root or 'synthetic')")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    ckpt = C.load_checkpoint(a.ckpt)
-    torch.manual_seed(ckpt["args"].get("seed", 0))
-    enc = C.build_vit(ckpt["vit"])
-    if not a.random_init:
-        enc.load_state_dict(ckpt["encoder"])
-    enc = enc.to(device).eval()
+    enc, ckpt = C.load_encoder(a.ckpt, a.random_init)
+    enc = enc.to(device)
     synthetic = a.data == "synthetic"
+    short_side = 0 if synthetic else a.short_side                  # synthetic clips: native 64 px
     videos = synthetic_videos() if synthetic else davis_videos(a.data, a.split)
     rows, Js, Fs = [], [], []
     for name, frames, masks in videos:
-        pred, per_obj = evaluate_video(enc, frames, masks, a if not synthetic else _native(a), device)
+        pred, per_obj = evaluate_video(enc, frames, masks, a, short_side, device)
         j, f = [v[0] for v in per_obj.values()], [v[1] for v in per_obj.values()]
         Js += j
         Fs += f
@@ -218,12 +215,6 @@ def evaluate(a):
     res["JF_mean"] = (res["J_mean"] + res["F_mean"]) / 2
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}))
     return res
-
-
-def _native(a):
-    """Synthetic clips are 64 px: use them at native size (short_side 0)."""
-    from dataclasses import replace
-    return replace(a, short_side=0)
 
 
 if __name__ == "__main__":
