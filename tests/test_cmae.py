@@ -9,7 +9,7 @@ import torch
 import cmae
 import common as C
 from ddp import spawn
-from test_msn import one_line_error, run_cli
+from helpers import exact_resume, one_line_error, run_cli
 
 
 def naive_contrastive(u, v, tau):
@@ -136,14 +136,7 @@ def test_ddp_two_processes_equal_one_process():
 
 
 def test_end_to_end_resume_png_and_checkpoint(tmp_path):
-    cmae.train(tiny_args(tmp_path / "full"))
-    cmae.train(tiny_args(tmp_path / "part", stop_epoch=1))
-    cmae.train(tiny_args(tmp_path / "part"))
-    full = C.load_checkpoint(str(tmp_path / "full" / "checkpoint.pth"), "cmae")
-    part = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), "cmae")
-    for key in ("model", "target", "encoder"):
-        for k, v in full[key].items():
-            assert torch.equal(v, part[key][k]), (key, k)
+    full, _ = exact_resume(cmae.train, tiny_args, tmp_path, "cmae", ("model", "target", "encoder"))
     for k, v in full["encoder"].items():                         # online encoder is evaluated
         assert torch.equal(v, full["model"]["encoder." + k])
     assert (tmp_path / "full" / "recon_ep0002.png").exists()

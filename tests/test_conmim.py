@@ -8,7 +8,7 @@ import torch
 import common as C
 import conmim
 from ddp import spawn
-from test_msn import one_line_error, run_cli
+from helpers import exact_resume, one_line_error, run_cli
 
 
 def naive_conmim(student, teacher, mask, tau):
@@ -99,14 +99,7 @@ def test_ddp_two_processes_equal_one_process():
 
 
 def test_end_to_end_resume_and_teacher_is_evaluated(tmp_path):
-    conmim.train(tiny_args(tmp_path / "full"))
-    conmim.train(tiny_args(tmp_path / "part", stop_epoch=1))
-    conmim.train(tiny_args(tmp_path / "part"))
-    full = C.load_checkpoint(str(tmp_path / "full" / "checkpoint.pth"), "conmim")
-    part = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), "conmim")
-    for key in ("model", "target", "encoder"):
-        for k, v in full[key].items():
-            assert torch.equal(v, part[key][k]), (key, k)
+    full, _ = exact_resume(conmim.train, tiny_args, tmp_path, "conmim", ("model", "target", "encoder"))
     for k, v in full["encoder"].items():
         assert torch.equal(v, full["target"]["encoder." + k])
 

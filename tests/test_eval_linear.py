@@ -9,7 +9,7 @@ import torch
 
 import common as C
 import eval_linear as E
-from test_msn import one_line_error, run_cli
+from helpers import one_line_error, run_cli
 
 
 def test_knn_matches_naive_weighted_vote():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import common as C
 import eval_video as V
-from test_msn import one_line_error, run_cli
+from helpers import one_line_error, run_cli
 
 
 def test_jaccard_hand_cases():

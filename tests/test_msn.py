@@ -12,9 +12,7 @@ import torch
 import common as C
 import msn
 from ddp import spawn
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from helpers import ROOT, exact_resume, one_line_error, run_cli
 
 def naive_msn_loss(anchor, target, prototypes, tau, tau_plus, lam, iters):
     """Equations written as loops, following the official code's steps literally:
@@ -166,17 +164,10 @@ def test_ddp_two_processes_equal_one_process_on_concatenated_batch():
 
 def test_end_to_end_checkpoint_and_resume(tmp_path):
     """Uninterrupted 2-epoch run == run stopped after epoch 1 and restarted with the same flags."""
-    msn.train(tiny_args(tmp_path / "full"))
-    full = C.load_checkpoint(str(tmp_path / "full" / "checkpoint.pth"), "msn")
-    msn.train(tiny_args(tmp_path / "part", stop_epoch=1))
-    part1 = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), "msn")
+    full, part1 = exact_resume(msn.train, tiny_args, tmp_path, "msn", ("model", "target", "encoder"))
     assert part1["epoch"] == 1 and part1["step"] == 2
-    msn.train(tiny_args(tmp_path / "part"))
     part = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), "msn")
     assert full["epoch"] == part["epoch"] == 2 and full["step"] == part["step"] == 4
-    for key in ("model", "target", "encoder"):
-        for k, v in full[key].items():
-            assert torch.equal(v, part[key][k]), (key, k)
     assert not torch.equal(full["model"]["prototypes"], part1["model"]["prototypes"])
     # the common format: loads with weights_only=True, encoder = target encoder, rebuildable
     ck = torch.load(tmp_path / "full" / "checkpoint.pth", weights_only=True)
@@ -195,21 +186,9 @@ def test_knn_report_learned_vs_init(tmp_path, capsys):
     assert "k-NN top-1" in out and "learned" in out and "initialisation" in out
 
 
-def run_cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
-
-
 TINY = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--focal-size", "8", "--focal-views", "2",
         "--batch-size", "4", "--head-hidden", "32", "--head-dim", "16", "--num-prototypes", "16",
         "--epochs", "1", "--steps-per-epoch", "2", "--no-knn"]
-
-
-def one_line_error(r, *needles):
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 def test_bad_input_errors(tmp_path):

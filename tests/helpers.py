@@ -1,0 +1,38 @@
+"""Test helpers shared by the method test files: CLI runs with one-line errors, exact resume."""
+import os
+import subprocess
+import sys
+
+import torch
+
+import common as C
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def one_line_error(r, *needles):
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def exact_resume(train, make_args, tmp_path, method, keys):
+    """Uninterrupted 2-epoch run == run stopped after epoch 1 (--stop-epoch 1) and restarted with
+    the same flags: every tensor of the checkpoint parts in `keys` is identical. Returns
+    (full, part after epoch 1) checkpoints."""
+    train(make_args(tmp_path / "full"))
+    train(make_args(tmp_path / "part", stop_epoch=1))
+    part1 = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), method)
+    train(make_args(tmp_path / "part"))
+    full = C.load_checkpoint(str(tmp_path / "full" / "checkpoint.pth"), method)
+    part = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), method)
+    for key in keys:
+        for k, v in full[key].items():
+            assert torch.equal(v, part[key][k]), (key, k)
+    return full, part1
