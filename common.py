@@ -308,10 +308,10 @@ IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 
 
 def normalize(x):
-    """uint8 (..., 3, H, W) on any device -> float, ImageNet mean/std (done on the GPU)."""
+    """uint8 (or float in [0, 1]) (..., 3, H, W) on any device -> float, ImageNet mean/std."""
     mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(3, 1, 1)
     std = torch.tensor(IMAGENET_STD, device=x.device).view(3, 1, 1)
-    return (x.float() / 255 - mean) / std
+    return ((x.float() / 255 if x.dtype == torch.uint8 else x) - mean) / std
 
 
 def to_uint8(img):
@@ -330,6 +330,72 @@ def color_augment(img_size, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.
     if p_solarize > 0:
         ops.append(T.RandomSolarize(128, p=p_solarize))
     return T.Compose(ops)
+
+
+def _gray(x):                                                        # (B, 3, H, W) -> (B, 1, H, W)
+    return (0.2989 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).unsqueeze(1)   # torchvision weights
+
+
+def _hue(x, f):
+    """Shift the hue of float RGB (B, 3, H, W) in [0, 1] by f (B, 1, 1, 1) turns, via HSV."""
+    v, _ = x.max(1, keepdim=True)
+    c = v - x.min(1, keepdim=True)[0]                                # chroma
+    s = c / v.clamp_min(1e-12)
+    r, g, b = (((v - x) / c.clamp_min(1e-12))[:, i:i + 1] for i in range(3))
+    h = torch.where(v == x[:, :1], b - g, torch.where(v == x[:, 1:2], 2 + r - b, 4 + g - r))
+    h = torch.remainder(h / 6 + f, 1.0) * 6                          # shifted hue in sextants [0, 6)
+    k = torch.remainder(torch.tensor([5.0, 3.0, 1.0], device=x.device).view(1, 3, 1, 1) + h, 6)
+    return v - v * s * (torch.minimum(k, 4 - k).clamp(0, 1))          # HSV -> RGB, closed form
+
+
+def color_jitter_batch(x, fb, fc, fs, fh, order):
+    """torchvision ColorJitter applied per image: factors (B, 1, 1, 1) for brightness, contrast,
+    saturation, hue; order (B, 4) the per-image order of ops 0..3 (-1 = skip). x float in [0, 1].
+    Brightness / contrast / saturation are the blends f*x + (1-f)*ref, clamped, with ref = 0, the
+    image's mean grey, the grey image."""
+    for k in range(order.shape[1]):
+        op = order[:, k].view(-1, 1, 1, 1)
+        g = _gray(x)
+        ref = torch.where(op == 0, torch.zeros_like(g), torch.where(op == 1, g.mean((2, 3), keepdim=True), g))
+        f = torch.where(op == 0, fb, torch.where(op == 1, fc, fs))
+        x = torch.where((op >= 0) & (op <= 2), (f * x + (1 - f) * ref).clamp(0, 1), x)
+        x = torch.where(op == 3, _hue(x, fh), x)
+    return x
+
+
+def blur_batch(x, sigma, k):
+    """Per-image Gaussian blur (torchvision GaussianBlur: k taps, reflect padding); sigma (B,), 0 = off."""
+    B, C3, H, W = x.shape
+    t = torch.arange(k, device=x.device, dtype=x.dtype) - (k - 1) / 2
+    w = torch.exp(-0.5 * (t / sigma.clamp_min(1e-6)[:, None]) ** 2)  # (B, k); sigma 0 -> delta
+    w = (w / w.sum(1, keepdim=True)).repeat_interleave(C3, 0)        # (B*3, k)
+    y = F.pad(x.reshape(1, B * C3, H, W), [k // 2] * 4, mode="reflect")
+    y = F.conv2d(y, w.view(-1, 1, k, 1), groups=B * C3)
+    return F.conv2d(y, w.view(-1, 1, 1, k), groups=B * C3).view(B, C3, H, W)
+
+
+def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5, p_solarize=0.0):
+    """Batched, on-device twin of `color_augment` for uint8 or [0, 1] float (B, 3, H, W) -> float
+    [0, 1]. Each image draws its own parameters from the torchvision distributions: ColorJitter
+    with probability p_jitter (factors U[1-j, 1+j], hue U[-h, h], the four ops in a random order),
+    RandomGrayscale, GaussianBlur (sigma U[0.1, 2], kernel ~10% of the image) and RandomSolarize(128).
+    It works in float, so unlike the PIL pipeline there is no rounding to uint8 between ops."""
+    x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
+    B, dev = x.shape[0], x.device
+    u = lambda lo, hi: torch.empty(B, 1, 1, 1, device=dev).uniform_(lo, hi)
+    b, c, s, h = jitter
+    fb, fc, fs, fh = u(max(0, 1 - b), 1 + b), u(max(0, 1 - c), 1 + c), u(max(0, 1 - s), 1 + s), u(-h, h)
+    order = torch.rand(B, 4, device=dev).argsort(1)                  # uniform random permutation per image
+    order = torch.where(torch.rand(B, 1, device=dev) < p_jitter, order, -1)
+    x = color_jitter_batch(x, fb, fc, fs, fh, order)
+    x = torch.where(torch.rand(B, 1, 1, 1, device=dev) < p_gray, _gray(x).expand_as(x), x)
+    if p_blur > 0:
+        k = max(3, int(0.1 * x.shape[-1]) // 2 * 2 + 1)
+        sigma = torch.empty(B, device=dev).uniform_(0.1, 2.0) * (torch.rand(B, device=dev) < p_blur)
+        x = blur_batch(x, sigma, k)
+    if p_solarize > 0:
+        x = torch.where((torch.rand(B, 1, 1, 1, device=dev) < p_solarize) & (x >= 128 / 255), 1 - x, x)
+    return x
 
 
 def eval_transform(img_size, synthetic=False):

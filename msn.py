@@ -37,6 +37,9 @@ differs from both, and why:
   - Masks are drawn per image (official: one permutation per GPU batch). Same ratio, same count.
   - No weight decay on pos-embed / cls token (official decays them); prototypes not decayed (both).
   - bf16 autocast on GPU (official: fp32). The loss itself runs in fp32.
+  - `--gpu-aug` (off by default) moves colour jitter / grey / blur from the PIL workers to batched
+    device ops with per-image parameters (common.color_augment_batch): the same distributions, in
+    float without uint8 rounding between ops. The 12-view CPU pipeline is otherwise the bottleneck.
   - The official extra entropy term (weight 0 in every released config) is omitted.
 """
 import copy
@@ -80,6 +83,7 @@ class Args(C.RunArgs):
     rand_scale: tuple = (0.3, 1.0)
     focal_scale: tuple = (0.05, 0.3)
     mask_ratio: float = field(default=0.15, metadata={"help": "patch drop ratio of the random anchors"})
+    gpu_aug: bool = field(default=False, metadata={"help": "colour jitter / grey / blur on the device, batched (workers only crop)"})
     # head, prototypes, loss
     head_hidden: int = 2048
     head_dim: int = 256
@@ -192,9 +196,9 @@ class MultiView:
 
     def __init__(self, a):
         from torchvision import transforms as T
-        def view(size, scale):
-            return T.Compose([T.RandomResizedCrop(size, scale=scale), T.RandomHorizontalFlip(),
-                              C.color_augment(size), C.to_uint8])
+        def view(size, scale):                                       # --gpu-aug: colour in the loop
+            color = [] if a.gpu_aug else [C.color_augment(size)]
+            return T.Compose([T.RandomResizedCrop(size, scale=scale), T.RandomHorizontalFlip(), *color, C.to_uint8])
         self.rand, self.focal = view(a.img_size, a.rand_scale), view(a.focal_size, a.focal_scale)
         self.n_rand, self.n_focal = 1 + a.rand_views, a.focal_views
 
@@ -241,7 +245,10 @@ def train(args):
             m = C.linear_schedule(step, sched, *args.ema)
             C.set_hparams(opt, lr, wd)
 
-            views = [C.normalize(v.to(dev, non_blocking=True)) for v in views]
+            views = [v.to(dev, non_blocking=True) for v in views]
+            if args.gpu_aug:                                          # same distribution, batched
+                views = [C.color_augment_batch(v) for v in views]
+            views = [C.normalize(v) for v in views]
             x_target, x_rand = views[0], torch.cat(views[1:1 + R])
             x_focal = torch.cat(views[1 + R:]) if args.focal_views else None
             ids_keep, _, _ = C.random_masking(x_rand.shape[0], model.net.encoder.grid, args.mask_ratio, device=dev)

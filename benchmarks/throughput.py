@@ -57,7 +57,13 @@ def setup(method, a, dev):
         flops = 3 * (vit_flops(D, depth, nk + 1, p) * B * args.rand_views + vit_flops(D, depth, nf + 1, p) * B * args.focal_views
                      + head * B * (args.rand_views + args.focal_views)) + (vit_flops(D, depth, N + 1, p) + head) * B
 
+        if a.gpu_aug:                                                # uint8 views, colour on the device
+            u8 = [torch.randint(0, 256, v.shape, dtype=torch.uint8, device=dev) for v in (xt, xr, xf)]
+
         def loss():
+            nonlocal xt, xr, xf
+            if a.gpu_aug:
+                xt, xr, xf = (C.normalize(C.color_augment_batch(v)) for v in u8)
             ids, _, _ = C.random_masking(xr.shape[0], g, args.mask_ratio, device=dev)
             with amp:
                 z, q = fm(xr, xf, ids)
@@ -150,6 +156,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--precision", default=None, help="bf16|fp32 (default bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--gpu-aug", action="store_true", help="msn: include the batched colour augmentation in the step")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100 SXM: 989)")
@@ -162,7 +169,7 @@ def main():
     methods = ["msn", "cmae", "conmim", "can", "siammae"] if a.method == "all" else [a.method]
     name = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"device: {name}, torch {torch.__version__}, model {a.model}, batch {a.batch_size}, {a.precision}"
-          f"{', compile' if a.compile else ''}")
+          f"{', compile' if a.compile else ''}{', gpu-aug' if a.gpu_aug else ''}")
     print("| method | img/s (pairs/s siammae) | step ms | peak mem GB | TFLOP/step | MFU |")
     print("|---|---|---|---|---|---|")
     for m in methods:

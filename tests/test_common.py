@@ -151,6 +151,64 @@ def test_optimizer_groups():
     assert [g["weight_decay"] for g in opt.param_groups] == [0.3, 0.0]
 
 
+def test_color_jitter_and_blur_match_torchvision_per_image():
+    """The batched ops equal torchvision's tensor ops image by image, for given factors and order."""
+    import torchvision.transforms.functional as TF
+    g = torch.Generator().manual_seed(0)
+    B = 12
+    x = torch.rand(B, 3, 10, 14, generator=g)
+    fb, fc, fs = (0.6 + 0.8 * torch.rand(B, 1, 1, 1, generator=g) for _ in range(3))
+    fh = torch.rand(B, 1, 1, 1, generator=g) - 0.5
+    order = torch.rand(B, 4, generator=g).argsort(1)
+    order[3] = -1                                                               # jitter not applied
+    ops = [lambda im, i: TF.adjust_brightness(im, fb[i].item()), lambda im, i: TF.adjust_contrast(im, fc[i].item()),
+           lambda im, i: TF.adjust_saturation(im, fs[i].item()), lambda im, i: TF.adjust_hue(im, fh[i].item())]
+    ref = []
+    for i in range(B):
+        im = x[i]
+        for o in order[i].tolist():
+            im = ops[o](im, i) if o >= 0 else im
+        ref.append(im)
+    torch.testing.assert_close(C.color_jitter_batch(x, fb, fc, fs, fh, order), torch.stack(ref), atol=1e-5, rtol=0)
+    sigma = 2 * torch.rand(B, generator=g)
+    sigma[1] = 0                                                                # blur not applied
+    ref = [TF.gaussian_blur(x[i], 5, sigma[i].item()) if sigma[i] > 0 else x[i] for i in range(B)]
+    torch.testing.assert_close(C.blur_batch(x, sigma, 5), torch.stack(ref), atol=1e-6, rtol=0)
+
+
+def _ks(a, b):
+    """Two-sample Kolmogorov-Smirnov statistic."""
+    a, b = a.sort()[0], b.sort()[0]
+    z = torch.cat([a, b])
+    return (torch.searchsorted(a, z, right=True) / len(a) - torch.searchsorted(b, z, right=True) / len(b)).abs().max().item()
+
+
+def test_color_augment_batch_has_the_torchvision_distribution():
+    """Per-image statistics of the GPU-side augmentation vs torchvision's transforms on the same image:
+    two-sample KS below the p = 0.001 critical value; a wrong grey or blur probability is caught."""
+    torch.manual_seed(0)
+    img = torch.tensor([0.8, 0.3, 0.2]).view(3, 1, 1).repeat(1, 16, 16)
+    img[..., :8] = torch.tensor([0.1, 0.5, 0.7]).view(3, 1, 1)
+    img = (img + 0.1 * torch.rand_like(img)).clamp(0, 1)
+    N = 800
+    crit = 1.95 * math.sqrt(2 / N)
+
+    def stats(x):
+        g = C._gray(x)
+        return [x[:, 0].mean((1, 2)), x[:, 2].mean((1, 2)), g.std((1, 2, 3)),      # colour, contrast
+                (x.max(1)[0] - x.min(1)[0]).mean((1, 2)),                           # saturation
+                (g[..., 1:] - g[..., :-1]).abs().mean((1, 2, 3))]                   # sharpness (blur)
+
+    tv = C.color_augment(16)
+    ref = stats(torch.stack([tv(img) for _ in range(N)]))
+    batch = img.expand(N, -1, -1, -1)
+    ks = [_ks(r, o) for r, o in zip(ref, stats(C.color_augment_batch(batch)))]
+    assert max(ks) < crit, (ks, crit)
+    for wrong in (dict(p_gray=0.4), dict(p_blur=0.25), dict(jitter=(0.8, 0.4, 0.4, 0.1))):
+        ks = [_ks(r, o) for r, o in zip(ref, stats(C.color_augment_batch(batch, **wrong)))]
+        assert max(ks) > crit, (wrong, ks)
+
+
 def test_synthetic_dataset_deterministic_and_labelled():
     ds = C.SyntheticImages("train")
     a, la = ds.load(7)

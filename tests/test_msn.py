@@ -162,9 +162,12 @@ def test_ddp_two_processes_equal_one_process_on_concatenated_batch():
     assert not torch.allclose(local, res[0][0])
 
 
-def test_end_to_end_checkpoint_and_resume(tmp_path):
-    """Uninterrupted 2-epoch run == run stopped after epoch 1 and restarted with the same flags."""
-    full, part1 = exact_resume(msn.train, tiny_args, tmp_path, "msn", ("model", "target", "encoder"))
+@pytest.mark.parametrize("gpu_aug", [False, True])
+def test_end_to_end_checkpoint_and_resume(tmp_path, gpu_aug):
+    """Uninterrupted 2-epoch run == run stopped after epoch 1 and restarted with the same flags
+    (also with the colour augmentation drawn in the training loop, --gpu-aug)."""
+    args = lambda path, **kw: tiny_args(path, gpu_aug=gpu_aug, **kw)
+    full, part1 = exact_resume(msn.train, args, tmp_path, "msn", ("model", "target", "encoder"))
     assert part1["epoch"] == 1 and part1["step"] == 2
     part = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), "msn")
     assert full["epoch"] == part["epoch"] == 2 and full["step"] == part["step"] == 4
