@@ -134,7 +134,8 @@ def main():
     for m in METHODS if a.method == "all" else (a.method,):
         args, views, per_item = pipeline(m, a.video_data if m == "siammae" else a.data, a.gpu_aug)
         out = views[(0, 0)][0]
-        n_views = f"{len(out)}" if isinstance(out, (list, tuple)) else f"{per_item} pairs"
+        n_views = (f"{sum(getattr(v, 'ndim', 0) == 3 for v in out)}" if isinstance(out, (list, tuple))
+                   else f"{per_item} pairs")                         # image tensors (not CMAE's shift)
         w = per_worker(views, a.images)
         bs = max(1, a.batch_size // per_item) if m == "siammae" else a.batch_size
         ld = loader_rate(views, min(bs, len(views)), a.workers, a.batches)
