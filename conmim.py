@@ -69,10 +69,11 @@ class Args(C.RunArgs):
     drop_path: float = 0.1
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial teacher at the end (default: on for synthetic)"})
 
-    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64, lr=1e-3, warmup_epochs=1,
-                     ema=(0.99, 1.0),          # 400 steps: at 0.996 the teacher would stay near its init
-                     proj_hidden=256, proj_dim=64, drop_path=0.0, crop_scale=(0.3, 1.0), workers=2,
-                     log_every=20, steps_per_epoch=50)
+    # --data synthetic: batch 32 x 800 steps (k-NN 23.1% vs 16.7% at init) learned more than 64 x 400
+    # (19.1%) in the same ~4.5 min; at EMA 0.996 the teacher would stay near its init in so few steps.
+    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=32, lr=1e-3, warmup_epochs=1,
+                     ema=(0.99, 1.0), proj_hidden=256, proj_dim=64, drop_path=0.0, crop_scale=(0.3, 1.0), workers=2,
+                     log_every=20, steps_per_epoch=100)
 
 
 # ----------------------------------------------------------------------------------------------

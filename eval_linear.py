@@ -52,7 +52,7 @@ class Args:
     seeds: int = field(default=3, metadata={"help": "random subsets for lowshot"})
     lambd: float = field(default=0.0025, metadata={"help": "L2 penalty of the logistic regression"})
     batch_size: int = 256
-    workers: int = 8
+    workers: int = field(default=min(8, os.cpu_count() or 1), metadata={"help": "DataLoader workers (default: min(8, CPUs))"})
     device: str = None
     cache: bool = field(default=True, metadata={"help": "cache features next to the checkpoint"})
 
