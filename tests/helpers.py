@@ -10,8 +10,8 @@ import common as C
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+def run_cli(*args, cwd=ROOT, timeout=300):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
 
 
 def one_line_error(r, *needles):
