@@ -319,14 +319,18 @@ def to_uint8(img):
     return torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1)
 
 
+def blur_kernel(img_size):
+    """Gaussian-blur kernel size of the photometric augmentation: odd, ~10% of the image, >= 3."""
+    return max(3, int(0.1 * img_size) // 2 * 2 + 1)
+
+
 def color_augment(img_size, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5,
                   p_solarize=0.0):
     """SimCLR/BYOL photometric augmentation on PIL images; blur kernel ~10% of the image."""
     from torchvision import transforms as T
-    k = max(3, int(0.1 * img_size) // 2 * 2 + 1)
     ops = [T.RandomApply([T.ColorJitter(*jitter)], p=p_jitter), T.RandomGrayscale(p=p_gray)]
     if p_blur > 0:
-        ops.append(T.RandomApply([T.GaussianBlur(k, sigma=(0.1, 2.0))], p=p_blur))
+        ops.append(T.RandomApply([T.GaussianBlur(blur_kernel(img_size), sigma=(0.1, 2.0))], p=p_blur))
     if p_solarize > 0:
         ops.append(T.RandomSolarize(128, p=p_solarize))
     return T.Compose(ops)
@@ -390,9 +394,8 @@ def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2
     x = color_jitter_batch(x, fb, fc, fs, fh, order)
     x = torch.where(torch.rand(B, 1, 1, 1, device=dev) < p_gray, _gray(x).expand_as(x), x)
     if p_blur > 0:
-        k = max(3, int(0.1 * x.shape[-1]) // 2 * 2 + 1)
         sigma = torch.empty(B, device=dev).uniform_(0.1, 2.0) * (torch.rand(B, device=dev) < p_blur)
-        x = blur_batch(x, sigma, k)
+        x = blur_batch(x, sigma, blur_kernel(x.shape[-1]))
     if p_solarize > 0:
         x = torch.where((torch.rand(B, 1, 1, 1, device=dev) < p_solarize) & (x >= 128 / 255), 1 - x, x)
     return x
