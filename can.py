@@ -31,9 +31,20 @@ Known deviations of the official code (shlokk/mae-contrastive), not copied here:
 (paper 0.5); sigma_max effectively 0.1 (flag parsed but unused); noise added in place, so the
 reconstruction target is the noisy image; noise embedding added only to visible tokens;
 contrastive loss per GPU without all-gather; weights 0.97 * (0.3 / 0.7) + 0.03.
-Other choices here: the noise embedding is also added to the decoder's CLS slot; sigma is fed to
-the sinusoid as 1000 * sigma (diffusion-timestep scale); reconstruction targets are raw normalised
-pixels (`--norm-pix` for MAE's per-patch normalisation); projector Linear-BN-ReLU-Linear to 256.
+Where this file follows the paper rather than the official code, and other differences:
+  - Contrastive embedding: mean of the visible patch tokens (paper); official mean-pools the CLS
+    token together with the visible tokens.
+  - Projector Linear(D,4096)-BN-ReLU-Linear(4096,256) (SimCLR-style, our choice); official is
+    Linear(D,D)-ReLU-Linear(D,128) without BN.
+  - sigma is in ImageNet-normalised units, as official: sigma_max 0.05 is about 0.05 x 0.226 =
+    0.011 of the [0, 1] pixel range, i.e. about 3/255.
+  - blr 1.5e-4 (MAE's); the official README recipe uses blr 2.5e-4 (`--blr 2.5e-4`).
+  - The noise embedding is also added to the decoder's CLS slot; sigma is fed to the sinusoid as
+    1000 * sigma (diffusion-timestep scale); reconstruction targets are raw normalised pixels
+    (`--norm-pix` for MAE's per-patch normalisation).
+  - Initialisation and weight decay as the official (MAE) code: xavier-uniform Linear and patch
+    embedding, normal(0.02) cls / mask tokens; no decay on biases and 1-d tensors only (timm
+    add_weight_decay), so cls and mask tokens are decayed.
 """
 import itertools
 import math
@@ -107,7 +118,8 @@ class NoiseEmbed(nn.Module):
 class CAN(nn.Module):
     def __init__(self, a):
         super().__init__()
-        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos")
+        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos",
+                                  init="xavier")
         D, p, dd = self.encoder.dim, a.patch_size, a.decoder_dim
         self.projector = nn.Sequential(nn.Linear(D, a.proj_hidden), nn.BatchNorm1d(a.proj_hidden),
                                        nn.ReLU(inplace=True), nn.Linear(a.proj_hidden, a.proj_dim))
@@ -118,8 +130,8 @@ class CAN(nn.Module):
         self.noise_embed = NoiseEmbed(dd)
         self.decoder = nn.ModuleList(C.Block(dd, a.decoder_heads) for _ in range(a.decoder_depth))
         self.decoder_norm, self.decoder_pred = nn.LayerNorm(dd, eps=1e-6), nn.Linear(dd, p * p * 3)
-        C.init_weights(self)
-        nn.init.normal_(self.mask_token, std=0.02)
+        C.init_weights(self, "xavier")                                        # MAE: the whole model
+        C.init_token(self.mask_token, "xavier")
 
     def forward(self, x_noisy, sigma, ids_keep, ids_restore):
         """x_noisy (B, 3, H, W), sigma (B,). Returns x^ (B, N, p*p*3) and u (B, proj_dim)."""
@@ -182,7 +194,7 @@ class TwoViews:
     def __init__(self, a):
         from torchvision import transforms as T
         self.view = T.Compose([T.RandomResizedCrop(a.img_size, scale=a.crop_scale, interpolation=T.InterpolationMode.BICUBIC),
-                               T.RandomHorizontalFlip(), C.color_augment(a.img_size), C.to_uint8])
+                               T.RandomHorizontalFlip(), C.color_augment(), C.to_uint8])
 
     def __call__(self, img):
         return self.view(img), self.view(img)

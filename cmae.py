@@ -15,8 +15,8 @@ Launch.
 Paper -> code.
   Pixel-shifted view pair, Sec 3.3 ......... PixelShiftViews
   Masked online encoder F_s, Sec 3.1 ....... CMAE.forward: encoder(x_s, ids_keep), 2x2-block mask
-  Pixel decoder G_p, L_r (Eq. 1) ........... Decoder(depth 8) + reconstruction_loss (norm-pix MSE)
-  Feature decoder G_f, y_s ................. Decoder(depth 2), mean over all patch tokens
+  Pixel decoder G_p, L_r (Eq. 1) ........... CMAE.pixel_decoder (depth 8) + reconstruction_loss (norm-pix MSE)
+  Feature decoder G_f, y_s ................. CMAE.feature_decoder (depth 2, own parameters), mean of patch tokens
   Projection + prediction heads ............ CMAE.projector / CMAE.predictor
   Momentum target encoder F_t, z_t ......... target (EMA of encoder + projector), mean patch token
   L_c InfoNCE (Eq. 3), L = L_r + l_c L_c ... cmae_contrastive_loss, train()
@@ -24,11 +24,18 @@ Paper -> code.
 Where this file follows the official code (ZhichengHuang/CMAE) rather than the paper, or differs:
   - InfoNCE is scaled by 2 * tau (official), one direction, targets all-gathered as negatives.
   - Target encoder features are taken before the final LayerNorm, mean of patch tokens (official).
-  - The feature decoder's output width equals the encoder width (official: a fixed 768, which
-    only fits ViT-B); identical for ViT-B. The two decoders share the input embedding, mask token
-    and position embeddings (visible latents + mask tokens + pos-embeds, as in the paper).
+  - Two decoders with non-shared parameters, as official (two MAEPretrainDecoder) and the paper:
+    each has its own input embedding, [M] token, blocks, norm and output layer; the fixed sin-cos
+    position table is the same function for both (a buffer each, no parameter).
+  - The feature decoder's output width equals the encoder width (official: p*p*3 = 768, the pixel
+    width, which equals the projector's input only for ViT-B/16); identical for ViT-B/16.
+  - Initialisation as official: encoder and decoders MAE-style (xavier-uniform Linear and patch
+    embedding, normal(0.02) cls / mask tokens); projector and predictor keep PyTorch's default
+    Linear init, BatchNorm eps 1e-6. Weight decay as official (paramwise custom_keys): none on
+    biases, LayerNorms, pos_embed, mask and cls tokens; the heads' BatchNorm weights ARE decayed.
   - Masks are per image in 2x2-patch units (`--mask-unit 1` for per-patch MAE masking).
-  - BatchNorm in the heads is per process on CPU/gloo; on multi-GPU CUDA it is SyncBatchNorm.
+  - BatchNorm in the heads is per process on CPU/gloo; on multi-GPU CUDA it is SyncBatchNorm
+    (official: SyncBN).
   - bf16 autocast on GPU (official fp16 AMP; `--precision fp16` is available).
 """
 import copy
@@ -84,53 +91,62 @@ class Args(C.RunArgs):
 # Model
 # ----------------------------------------------------------------------------------------------
 def mlp_head(d_in, hidden, d_out):
-    """Linear-BN-ReLU-Linear(no bias): CMAE's projector and predictor."""
-    return nn.Sequential(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
+    """Linear-BN(eps 1e-6)-ReLU-Linear(no bias): CMAE's projector and predictor (NonLinearNeck),
+    PyTorch's default Linear init as official."""
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden, eps=1e-6), nn.ReLU(inplace=True),
                          nn.Linear(hidden, d_out, bias=False))
 
 
 class Decoder(nn.Module):
-    """Transformer blocks + norm + linear output over (B, 1+N, d) decoder tokens."""
+    """MAE decoder with its own parameters: embed the visible latents, fill the masked slots with
+    its [M] token, unshuffle, add fixed sin-cos pos-embeds, blocks, norm, linear output.
+    (B, 1+n_vis, D), ids_restore (B, N) -> (B, 1+N, d_out)."""
 
-    def __init__(self, dim, depth, heads, d_out):
+    def __init__(self, D, grid, dim, depth, heads, d_out):
         super().__init__()
+        self.embed = nn.Linear(D, dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.register_buffer("pos_embed", torch.cat([torch.zeros(1, dim), C.sincos_pos_embed(dim, grid)])[None])
         self.blocks = nn.ModuleList(C.Block(dim, heads) for _ in range(depth))
         self.norm, self.out = nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, d_out)
+        C.init_weights(self, "xavier")
+        C.init_token(self.mask_token, "xavier")
 
-    def forward(self, x):
+    def forward(self, latent, ids_restore):
+        x = C.restore_tokens(self.embed(latent), self.mask_token, ids_restore) + self.pos_embed
         for blk in self.blocks:
             x = blk(x)
         return self.out(self.norm(x))
 
 
 class CMAE(nn.Module):
-    """Online branch: encoder F_s, shared decoder input, pixel decoder G_p, feature decoder G_f,
-    projector and predictor."""
+    """Online branch: encoder F_s, pixel decoder G_p, feature decoder G_f, projector, predictor."""
 
     def __init__(self, a):
         super().__init__()
-        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos")
+        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos",
+                                  init="xavier")
         D, g, p = self.encoder.dim, self.encoder.grid, a.patch_size
-        self.decoder_embed = nn.Linear(D, a.decoder_dim)
-        self.mask_token = nn.Parameter(torch.zeros(1, 1, a.decoder_dim))
-        pe = torch.cat([torch.zeros(1, a.decoder_dim), C.sincos_pos_embed(a.decoder_dim, g)])[None]
-        self.register_buffer("decoder_pos_embed", pe)
-        self.pixel_decoder = Decoder(a.decoder_dim, a.decoder_depth, a.decoder_heads, p * p * 3)
-        self.feature_decoder = Decoder(a.decoder_dim, a.feature_decoder_depth, a.decoder_heads, D)
+        self.pixel_decoder = Decoder(D, g, a.decoder_dim, a.decoder_depth, a.decoder_heads, p * p * 3)
+        self.feature_decoder = Decoder(D, g, a.decoder_dim, a.feature_decoder_depth, a.decoder_heads, D)
         self.projector = mlp_head(D, a.proj_hidden, a.proj_dim)
         self.predictor = mlp_head(a.proj_dim, a.proj_hidden, a.proj_dim)
-        C.init_weights(self)                   # Linear / LayerNorm / patch projection only
-        nn.init.normal_(self.mask_token, std=0.02)
 
     def forward(self, x, ids_keep, ids_restore):
         """x (B, 3, H, W) source view. Returns pixel predictions (B, N, p*p*3) and the online
         prediction u (B, proj_dim) of the feature branch."""
         latent = self.encoder(x, ids_keep)                                     # (B, 1+n_vis, D)
-        tokens = C.restore_tokens(self.decoder_embed(latent), self.mask_token, ids_restore)
-        tokens = tokens + self.decoder_pos_embed                               # (B, 1+N, d_dec)
-        pred = self.pixel_decoder(tokens)[:, 1:]                               # (B, N, p*p*3)
-        y_s = self.feature_decoder(tokens)[:, 1:].mean(1)                      # (B, D) all patch tokens
+        pred = self.pixel_decoder(latent, ids_restore)[:, 1:]                  # (B, N, p*p*3)
+        y_s = self.feature_decoder(latent, ids_restore)[:, 1:].mean(1)         # (B, D) all patch tokens
         return pred, self.predictor(self.projector(y_s))
+
+
+def no_decay_rule(model):
+    """Official paramwise custom_keys: no decay on biases, LayerNorms ('ln'), pos_embed, mask and
+    cls tokens. The heads' BatchNorm weights are decayed."""
+    ln = C.param_ids(model, nn.LayerNorm)
+    return lambda name, p: (id(p) in ln or name.endswith(".bias")
+                            or any(k in name for k in ("pos_embed", "mask_token", "cls_token")))
 
 
 class Target(nn.Module):
@@ -187,7 +203,7 @@ class PixelShiftViews:
         self.master = T.Compose([T.RandomResizedCrop(a.master_size, scale=(0.2, 1.0),
                                                      interpolation=T.InterpolationMode.BICUBIC),
                                  T.RandomHorizontalFlip()])
-        self.color = C.color_augment(a.img_size) if color else (lambda im: im)
+        self.color = C.color_augment() if color else (lambda im: im)
 
     def __call__(self, img):
         m = self.master(img)
@@ -214,7 +230,7 @@ def train(args):
     target = Target(model).to(dev)
     if run.world > 1 and dev.type == "cuda":
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
-    opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
+    opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev, no_decay_rule(model))
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
     start_epoch = C.resume_run(run, "cmae", args, model, opt, scaler, target)
     online, target_fwd = (torch.compile(model), torch.compile(target)) if args.compile else (model, target)

@@ -48,9 +48,15 @@ class Attention(nn.Module):
         return self.proj(x.transpose(1, 2).reshape(B, N, D))
 
 
-class Mlp(nn.Sequential):
+class Mlp(nn.Module):
+    """fc1 -> GELU -> fc2 (timm's key names, so encoders load into timm's VisionTransformer)."""
+
     def __init__(self, dim, hidden):
-        super().__init__(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
 
 
 def drop_path(x, p, training):
@@ -97,37 +103,69 @@ def sincos_pos_embed(dim, grid):
     return torch.cat(parts, dim=1).float()                          # [x sin, x cos, y sin, y cos]
 
 
-def init_weights(module):
-    """trunc-normal(0.02) Linear, unit LayerNorm, xavier patch projection (MAE / DeiT)."""
+def init_weights(module, style="trunc"):
+    """Initialise every Linear / Conv2d / LayerNorm under `module` as an official code base does.
+
+    "trunc":  DeiT / MSN (facebookresearch/msn src/deit.py): Linear trunc-normal(std 0.02) (timm's,
+              cut at +-2 absolute, i.e. untruncated in practice); Conv2d (patch embedding)
+              kaiming-normal (fan_in, relu).
+    "xavier": MAE (models_mae.py; also CMAE, CAN, SiamMAE re-implementations): Linear
+              xavier-uniform; the patch embedding xavier-uniform on its (D, C*p*p) view.
+    "beit":   BEiT / ConMIM: Linear and Conv2d trunc-normal(std 0.02) cut at +-1 std
+              (a = -0.02, b = 0.02). The block rescaling (fix_init_weight) is ViT.rescale_blocks.
+    Biases 0 (the MAE patch-embedding bias keeps PyTorch's default, as MAE), LayerNorm 1 / 0.
+    BatchNorm layers are left at PyTorch's defaults.
+    """
+    if style not in ("trunc", "xavier", "beit"):
+        raise ValueError(f"unknown init style {style!r}")
     for m in module.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            conv = isinstance(m, nn.Conv2d)
+            if style == "beit":
+                nn.init.trunc_normal_(m.weight, std=0.02, a=-0.02, b=0.02)
+            elif style == "xavier":
+                nn.init.xavier_uniform_(m.weight.view(m.weight.shape[0], -1) if conv else m.weight)
+            elif conv:
+                nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
+            else:
+                nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None and not (conv and style == "xavier"):
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.LayerNorm) and m.elementwise_affine:
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Conv2d):
-            nn.init.xavier_uniform_(m.weight.view(m.weight.shape[0], -1))
-            nn.init.zeros_(m.bias)
+
+
+def init_token(t, style):
+    """cls / mask tokens and learned pos-embeds: normal(0.02) (MAE), trunc-normal(0.02) (DeiT),
+    trunc-normal cut at +-1 std (BEiT)."""
+    if style == "xavier":
+        nn.init.normal_(t, std=0.02)
+    elif style == "beit":
+        nn.init.trunc_normal_(t, std=0.02, a=-0.02, b=0.02)
+    else:
+        nn.init.trunc_normal_(t, std=0.02)
 
 
 class ViT(nn.Module):
-    """Vision Transformer trunk (CLS token + patch tokens), MAE/DeiT style.
+    """Vision Transformer trunk (CLS token + patch tokens), MAE/DeiT style, with timm's key names
+    (its state dict loads with strict=True into timm's VisionTransformer of the same size).
 
-    pos_embed: "learned" (trunc-normal, DeiT/MSN) or "sincos" (fixed, MAE). The table is
-    interpolated bicubically for inputs of another resolution (MSN's 96 px focal views).
-    forward(x, ids_keep=None, mask=None, norm=True) -> (B, 1 + n, D), CLS first:
+    pos_embed: "learned" (DeiT/MSN/BEiT) or "sincos" (fixed, MAE). The table is interpolated
+    bicubically for inputs of another resolution (MSN's 96 px focal views).
+    init: "trunc" | "xavier" | "beit" (see init_weights); "beit" also rescales each block's
+    output projections by 1/sqrt(2 * layer) (BEiT's fix_init_weight).
+    forward(x, ids_keep=None, mask=None, mask_token=None, norm=True) -> (B, 1 + n, D), CLS first:
       ids_keep (B, n): indices of the patches to keep (MAE-style dropping, see random_masking);
-      mask (B, N), 1 = masked: those patch embeddings are replaced by the learned mask token
-      (SimMIM/BEiT style; needs mask_token=True).
+      mask (B, N), 1 = masked: those patch embeddings are replaced by mask_token (1, 1, D), a
+      parameter the caller owns (SimMIM/BEiT style), so the encoder holds no training-only tensor.
     """
 
     def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, mlp_ratio=4.0,
-                 drop_path=0.0, pos_embed="learned", mask_token=False):
+                 drop_path=0.0, pos_embed="learned", init="trunc"):
         super().__init__()
         self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
-                           mlp_ratio=mlp_ratio, pos_embed=pos_embed, mask_token=mask_token)
+                           mlp_ratio=mlp_ratio, pos_embed=pos_embed, init=init)
         self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
         self.patch_embed = PatchEmbed(patch_size, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
@@ -137,15 +175,21 @@ class ViT(nn.Module):
             self.register_buffer("pos_embed", table)
         else:
             self.pos_embed = nn.Parameter(torch.zeros(1, 1 + n, dim))
-            nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        self.mask_token = nn.Parameter(torch.zeros(1, 1, dim)) if mask_token else None
+            init_token(self.pos_embed, init)
         dpr = torch.linspace(0, drop_path, depth).tolist()           # stochastic depth decay rule
         self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, p) for p in dpr)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
-        init_weights(self)
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
-        if self.mask_token is not None:
-            nn.init.trunc_normal_(self.mask_token, std=0.02)
+        init_weights(self, init)
+        init_token(self.cls_token, init)
+        if init == "beit":
+            self.rescale_blocks()
+
+    @torch.no_grad()
+    def rescale_blocks(self):
+        """BEiT's fix_init_weight: block l (1-based) divides attn.proj and mlp.fc2 by sqrt(2 l)."""
+        for layer, blk in enumerate(self.blocks, start=1):
+            blk.attn.proj.weight.div_(math.sqrt(2.0 * layer))
+            blk.mlp.fc2.weight.div_(math.sqrt(2.0 * layer))
 
     def patch_pos_embed(self, gh, gw):                               # (1, gh*gw, D)
         pe = self.pos_embed[:, 1:]
@@ -155,12 +199,12 @@ class ViT(nn.Module):
         pe = F.interpolate(pe.float(), size=(gh, gw), mode="bicubic", align_corners=False)
         return pe.permute(0, 2, 3, 1).reshape(1, gh * gw, self.dim).to(self.pos_embed.dtype)
 
-    def forward(self, x, ids_keep=None, mask=None, norm=True):
+    def forward(self, x, ids_keep=None, mask=None, mask_token=None, norm=True):
         gh, gw = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
         x = self.patch_embed(x)                                      # (B, N, D)
         if mask is not None:                                         # replace masked embeddings
             w = mask.unsqueeze(-1).to(x.dtype)
-            x = x * (1 - w) + self.mask_token.to(x.dtype) * w
+            x = x * (1 - w) + mask_token.to(x.dtype) * w
         x = x + self.patch_pos_embed(gh, gw)
         if ids_keep is not None:                                     # keep a subset of patches
             x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
@@ -279,18 +323,27 @@ def linear_schedule(step, total, start, end):
     return start + (end - start) * min(1.0, step / max(1, total))
 
 
-NO_DECAY = ("pos_embed", "cls_token", "mask_token", "prototypes")
+def no_decay_1d(name, p):
+    """timm's add_weight_decay rule (MAE, CAN, SiamMAE): no decay for biases and 1-d tensors
+    (norm weights); tokens and everything else are decayed."""
+    return p.ndim <= 1 or name.endswith(".bias")
 
 
-def make_optimizer(model, lr, weight_decay, betas, device, eps=1e-8):
-    """AdamW with no weight decay on biases, norms (1-d tensors), pos-embeds and special tokens."""
-    decay, no_decay = [], []
+def make_optimizer(model, lr, weight_decay, betas, device, no_decay=no_decay_1d, eps=1e-8):
+    """AdamW with two groups: weight decay on every trainable tensor except those for which
+    no_decay(name, param) is true (each method passes its official code's rule)."""
+    decay, skip = [], []
     for n, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim <= 1 or any(k in n for k in NO_DECAY) else decay).append(p)
+            (skip if no_decay(n, p) else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay, "apply_wd": True},
-              {"params": no_decay, "weight_decay": 0.0, "apply_wd": False}]
+              {"params": skip, "weight_decay": 0.0, "apply_wd": False}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device.type == "cuda")
+
+
+def param_ids(model, types):
+    """ids of the parameters of every sub-module of one of `types` (e.g. nn.LayerNorm)."""
+    return {id(p) for m in model.modules() if isinstance(m, types) for p in m.parameters(recurse=False)}
 
 
 def set_hparams(optimizer, lr, weight_decay=None):
@@ -319,18 +372,42 @@ def to_uint8(img):
     return torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1)
 
 
-def blur_kernel(img_size):
-    """Gaussian-blur kernel size of the photometric augmentation: odd, ~10% of the image, >= 3."""
-    return max(3, int(0.1 * img_size) // 2 * 2 + 1)
+BLUR_SIGMA = (0.1, 2.0)
 
 
-def color_augment(img_size, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5,
+def blur_taps(sigma_max=BLUR_SIGMA[1], size=None):
+    """Taps of the batched Gaussian blur: odd, covering +-3 sigma_max (13 for sigma 2), whatever
+    the image size (a kernel of ~10% of the image, torchvision's SimCLR habit, truncates the
+    Gaussian on small views: 9 taps at 96 px cut sigma 2 to about 1.85). Capped below the image
+    size, which reflect padding needs."""
+    k = 2 * math.ceil(3 * sigma_max) + 1
+    return k if size is None else min(k, (size - 1) // 2 * 2 + 1)
+
+
+class GaussianBlur:
+    """With probability p, PIL's Gaussian blur with sigma ~ U[0.1, 2] (as MSN's / DINO's official
+    pipelines: PIL's blur is untruncated, and ~5x faster than torchvision's on PIL images).
+    Draws from torch's RNG, so it is seeded by `Views` like every other augmentation."""
+
+    def __init__(self, p=0.5, sigma=BLUR_SIGMA):
+        self.p, self.sigma = p, sigma
+
+    def __call__(self, img):
+        if torch.rand(()) >= self.p:
+            return img
+        from PIL import ImageFilter
+        s = self.sigma[0] + float(torch.rand(())) * (self.sigma[1] - self.sigma[0])
+        return img.filter(ImageFilter.GaussianBlur(radius=s))
+
+
+def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5,
                   p_solarize=0.0):
-    """SimCLR/BYOL photometric augmentation on PIL images; blur kernel ~10% of the image."""
+    """SimCLR/BYOL photometric augmentation on PIL images: colour jitter, greyscale, PIL Gaussian
+    blur (sigma U[0.1, 2] px, untruncated) and solarisation."""
     from torchvision import transforms as T
     ops = [T.RandomApply([T.ColorJitter(*jitter)], p=p_jitter), T.RandomGrayscale(p=p_gray)]
     if p_blur > 0:
-        ops.append(T.RandomApply([T.GaussianBlur(blur_kernel(img_size), sigma=(0.1, 2.0))], p=p_blur))
+        ops.append(GaussianBlur(p_blur))
     if p_solarize > 0:
         ops.append(T.RandomSolarize(128, p=p_solarize))
     return T.Compose(ops)
@@ -368,7 +445,7 @@ def color_jitter_batch(x, fb, fc, fs, fh, order):
 
 
 def blur_batch(x, sigma, k):
-    """Per-image Gaussian blur (torchvision GaussianBlur: k taps, reflect padding); sigma (B,), 0 = off."""
+    """Per-image separable Gaussian blur, k taps, reflect padding; sigma (B,), 0 = off."""
     B, C3, H, W = x.shape
     t = torch.arange(k, device=x.device, dtype=x.dtype) - (k - 1) / 2
     w = torch.exp(-0.5 * (t / sigma.clamp_min(1e-6)[:, None]) ** 2)  # (B, k); sigma 0 -> delta
@@ -382,7 +459,7 @@ def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2
     """Batched, on-device twin of `color_augment` for uint8 or [0, 1] float (B, 3, H, W) -> float
     [0, 1]. Each image draws its own parameters from the torchvision distributions: ColorJitter
     with probability p_jitter (factors U[1-j, 1+j], hue U[-h, h], the four ops in a random order),
-    RandomGrayscale, GaussianBlur (sigma U[0.1, 2], kernel ~10% of the image) and RandomSolarize(128).
+    RandomGrayscale, Gaussian blur (sigma U[0.1, 2], blur_taps() taps: +-3 sigma) and RandomSolarize(128).
     It works in float, so unlike the PIL pipeline there is no rounding to uint8 between ops."""
     x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
     B, dev = x.shape[0], x.device
@@ -394,8 +471,8 @@ def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2
     x = color_jitter_batch(x, fb, fc, fs, fh, order)
     x = torch.where(torch.rand(B, 1, 1, 1, device=dev) < p_gray, _gray(x).expand_as(x), x)
     if p_blur > 0:
-        sigma = torch.empty(B, device=dev).uniform_(0.1, 2.0) * (torch.rand(B, device=dev) < p_blur)
-        x = blur_batch(x, sigma, blur_kernel(x.shape[-1]))
+        sigma = torch.empty(B, device=dev).uniform_(*BLUR_SIGMA) * (torch.rand(B, device=dev) < p_blur)
+        x = blur_batch(x, sigma, blur_taps(size=min(x.shape[-2:])))
     if p_solarize > 0:
         x = torch.where((torch.rand(B, 1, 1, 1, device=dev) < p_solarize) & (x >= 128 / 255), 1 - x, x)
     return x

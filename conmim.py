@@ -13,8 +13,8 @@ Launch.
   torchrun --nproc_per_node=8 conmim.py --data /imagenet  # 8 GPUs (--batch-size is per GPU)
 
 Paper -> code.
-  Corrupted input x^ (masked patches -> [MASK]) ... C.ViT(mask_token=True), forward(mask=...)
-  Backbone f and slowly progressing teacher ......... ConMIM.student / teacher (EMA, cosine momentum)
+  Corrupted input x^ (masked patches -> [MASK]) ... Net.mask_token, C.ViT.forward(mask=, mask_token=)
+  Backbone f and slowly progressing teacher ......... Net (student) / make_teacher (EMA, cosine momentum)
   Patch-level dynamic dictionary, Eq. (2) ........... conmim_loss (keys: the image's own patches)
   Asymmetric augmentation (strong teacher input) ..... WeakStrongViews
   Evaluated network: the teacher ..................... checkpoint["encoder"] = teacher encoder
@@ -22,15 +22,24 @@ Paper -> code.
 Where this file follows the official code (TencentARC/ConMIM) rather than the paper, or differs:
   - Random 75% masking in 2x2-patch units (the README recipe), not the code's default blockwise
     BEiT masking. `--mask-unit 1` masks single patches.
-  - Projector on all patch tokens, Linear(D,4096,no bias)-BN-ReLU-Linear-BN-ReLU-Linear(4096,256)-
-    BN(affine=False), as official; its BatchNorm normalises over all B*N tokens of the process.
-    Official training uses plain (per-GPU) BatchNorm here too, so under DDP the statistics are per
-    process in both; the DDP equivalence test therefore checks the loss, which has no cross-rank term.
+  - Projector as official: Linear(D,4096)-BN-ReLU-Linear(4096,4096)-BN-ReLU-Linear(4096,256)-
+    BN(affine=False), no bias in any Linear, applied to every token, the CLS token included (the
+    loss reads the patch tokens only); its BatchNorm normalises over all B*(1+N) tokens of the
+    process. Official training uses plain (per-GPU) BatchNorm here too, so under DDP the statistics
+    are per process in both; the DDP equivalence test therefore checks the loss, which has no
+    cross-rank term.
+  - Teacher: an EMA copy of encoder + projector with drop path switched off whatever --drop-path
+    says (DINO / iBOT teachers), so its targets are deterministic in train mode. Official deep-copies
+    the student; with its pre-training drop_path 0 (our default too) the two agree.
+  - Initialisation as official (BEiT): trunc-normal(0.02) cut at +-1 std for every Linear, the
+    patch embedding, cls / mask tokens and pos-embeds, then each block's attn.proj and mlp.fc2
+    divided by sqrt(2 * layer). Weight decay as official: all but biases, 1-d tensors, pos_embed and
+    cls_token (the mask token is decayed).
   - DEVIATION: a plain ViT with learned absolute position embeddings and no layer scale; official
     uses BEiT's relative position bias and layer scale 0.1.
   - Default lr 7.5e-4 (absolute, for a 2048 global batch) and clip 1.0 are the official ViT-L
     recipe; we use them for the default ViT-B as well.
-  - bf16 autocast on GPU; the loss runs in fp32.
+  - bf16 autocast on GPU (official: fp16 AMP, `--precision fp16` is available); the loss runs in fp32.
 """
 import copy
 import itertools
@@ -66,7 +75,7 @@ class Args(C.RunArgs):
     proj_dim: int = 256
     tau: float = 0.1
     crop_scale: tuple = (0.08, 1.0)
-    drop_path: float = 0.1
+    drop_path: float = field(default=0.0, metadata={"help": "student only (official pre-training: 0; 0.1 is fine-tuning's)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial teacher at the end (default: on for synthetic)"})
 
     # --data synthetic: batch 32 x 800 steps (k-NN 23.1% vs 16.7% at init) learned more than 64 x 400
@@ -80,15 +89,14 @@ class Args(C.RunArgs):
 # Model
 # ----------------------------------------------------------------------------------------------
 class Projector(nn.Module):
-    """Per-token 3-layer MLP with BN (official ConMIM head), (B, N, D) -> (B, N, d)."""
+    """Per-token 3-layer MLP with BN, no Linear bias (official ConMIM head), (B, T, D) -> (B, T, d)."""
 
     def __init__(self, D, hidden, d):
         super().__init__()
         self.mlp = nn.Sequential(
             nn.Linear(D, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
-            nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
-            nn.Linear(hidden, d), nn.BatchNorm1d(d, affine=False))
-        C.init_weights(self)
+            nn.Linear(hidden, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
+            nn.Linear(hidden, d, bias=False), nn.BatchNorm1d(d, affine=False))
 
     def forward(self, x):
         B, N, D = x.shape
@@ -96,15 +104,34 @@ class Projector(nn.Module):
 
 
 class Net(nn.Module):
-    """Student f (and, as an EMA copy, the teacher): ViT with [MASK] token -> per-patch projector."""
+    """Student f (and, as an EMA copy, the teacher): ViT with a [MASK] token -> per-token projector.
+    The [MASK] embedding lives here, not in the encoder, so the checkpoint's encoder is a plain ViT."""
 
     def __init__(self, a):
         super().__init__()
-        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, mask_token=True)
+        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, init="beit")
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, self.encoder.dim))
         self.projector = Projector(self.encoder.dim, a.proj_hidden, a.proj_dim)
+        C.init_token(self.mask_token, "beit")
+        C.init_weights(self.projector, "beit")
 
     def forward(self, x, mask=None):                                    # -> (B, N, d) patch features
-        return self.projector(self.encoder(x, mask=mask)[:, 1:])
+        tokens = self.encoder(x, mask=mask, mask_token=self.mask_token)  # (B, 1+N, D)
+        return self.projector(tokens)[:, 1:]                            # CLS projected too (official)
+
+
+def make_teacher(model):
+    """EMA teacher: a copy of the student with drop path off, so its targets are deterministic."""
+    teacher = copy.deepcopy(model).requires_grad_(False)
+    for blk in teacher.encoder.blocks:
+        blk.drop_path = 0.0
+    return teacher
+
+
+def no_decay(name, p):
+    """Official (BEiT get_parameter_groups): biases, 1-d tensors and no_weight_decay() = {pos_embed,
+    cls_token}; the mask token is decayed."""
+    return C.no_decay_1d(name, p) or name in ("encoder.pos_embed", "encoder.cls_token")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,7 +163,7 @@ class WeakStrongViews:
         from torchvision import transforms as T
         self.crop = T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(
             a.img_size, scale=a.crop_scale, interpolation=T.InterpolationMode.BICUBIC)])
-        self.strong = C.color_augment(a.img_size, jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)
+        self.strong = C.color_augment(jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)
 
     def __call__(self, img):
         img = self.crop(img)
@@ -155,8 +182,8 @@ def train(args):
     total = args.epochs * ipe
 
     model = Net(args).to(dev)
-    teacher = copy.deepcopy(model).requires_grad_(False)
-    opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev)
+    teacher = make_teacher(model)
+    opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
     start_epoch = C.resume_run(run, "conmim", args, model, opt, scaler, teacher)
     student, teacher_fwd = (torch.compile(model), torch.compile(teacher)) if args.compile else (model, teacher)

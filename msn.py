@@ -35,11 +35,16 @@ differs from both, and why:
     with gloo on CPU BN statistics stay per process (SyncBN has no CPU kernel).
   - Focal views are not patch-masked (official: patch_drop applies to the first group only).
   - Masks are drawn per image (official: one permutation per GPU batch). Same ratio, same count.
-  - No weight decay on pos-embed / cls token (official decays them); prototypes not decayed (both).
+  - Weight decay as official: every weight but biases, 1-d tensors and the prototypes (pos-embed
+    and cls token are decayed).
+  - Initialisation as official (DeiT, src/deit.py): trunc-normal(0.02) Linear (encoder and head),
+    kaiming-normal patch embedding, trunc-normal cls token and pos-embed.
   - bf16 autocast on GPU (official: fp32). The loss itself runs in fp32.
   - `--gpu-aug` (off by default) moves colour jitter / grey / blur from the PIL workers to batched
     device ops with per-image parameters (common.color_augment_batch): the same distributions, in
     float without uint8 rounding between ops. The 12-view CPU pipeline is otherwise the bottleneck.
+    Blur: PIL's untruncated Gaussian blur, sigma U[0.1, 2] px, on every view (as official); the
+    --gpu-aug path uses a 13-tap (+-3 sigma) kernel.
   - The official extra entropy term (weight 0 in every released config) is omitted.
 """
 import copy
@@ -109,13 +114,13 @@ class Net(nn.Module):
 
     def __init__(self, a):
         super().__init__()
-        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path)
+        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, init="trunc")
         d = self.encoder.dim
         self.head = nn.Sequential(
             nn.Linear(d, a.head_hidden), nn.BatchNorm1d(a.head_hidden), nn.GELU(),
             nn.Linear(a.head_hidden, a.head_hidden), nn.BatchNorm1d(a.head_hidden), nn.GELU(),
             nn.Linear(a.head_hidden, a.head_dim))
-        C.init_weights(self.head)
+        C.init_weights(self.head, "trunc")
 
     def forward(self, x, ids_keep=None):                             # (B, 3, H, W) -> (B, d)
         return self.head(self.encoder(x, ids_keep)[:, 0])
@@ -142,6 +147,11 @@ class MSN(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Loss
 # ----------------------------------------------------------------------------------------------
+def no_decay(name, p):
+    """Official: no weight decay on biases, 1-d tensors and the prototypes."""
+    return C.no_decay_1d(name, p) or name == "prototypes"
+
+
 @torch.no_grad()
 def sinkhorn(P, iters=3):
     """Sinkhorn-Knopp on target probabilities P (B, K) over the GLOBAL batch (sums all-reduced).
@@ -197,7 +207,7 @@ class MultiView:
     def __init__(self, a):
         from torchvision import transforms as T
         def view(size, scale):                                       # --gpu-aug: colour in the loop
-            color = [] if a.gpu_aug else [C.color_augment(size)]
+            color = [] if a.gpu_aug else [C.color_augment()]
             return T.Compose([T.RandomResizedCrop(size, scale=scale), T.RandomHorizontalFlip(), *color, C.to_uint8])
         self.rand, self.focal = view(a.img_size, a.rand_scale), view(a.focal_size, a.focal_scale)
         self.n_rand, self.n_focal = 1 + a.rand_views, a.focal_views
@@ -222,7 +232,7 @@ def train(args):
     target = copy.deepcopy(model.net).requires_grad_(False)          # f_theta_bar: EMA of f_theta
     if run.world > 1 and dev.type == "cuda":
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
-    opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev)
+    opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
     start_epoch = C.resume_run(run, "msn", args, model, opt, scaler, target)
     online, target_fwd = model, target

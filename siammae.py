@@ -24,8 +24,19 @@ Choices (no official code; see ../shared/methods/siammae.md): pre-norm decoder b
 x += CA(LN(x), LN(f1)); x += SA(LN(x)); x += MLP(LN(x)), decoder position embeddings on both
 streams, CLS tokens kept in both streams; not the unofficial repos' post-norm / weight-tied blocks.
 Joint decoder: self-attention over [f1 tokens, f2 tokens] with a learned stream embedding added to
-f1's tokens so the two streams are distinguishable. `--repeated-sampling R` draws R pairs per
-video visit (the batch holds R x batch-size pairs).
+f1's tokens so the two streams are distinguishable.
+
+Epochs, batch and lr (MAE-ST convention, which SiamMAE's repeated sampling comes from):
+`--repeated-sampling R` draws R pairs per video visit, so a step holds R x batch-size pairs;
+`--batch-size` counts videos, and lr = blr x (videos per step, all processes) / 256. One pass over
+the videos shows each video R times, so `--epochs` and `--warmup-epochs` count EFFECTIVE epochs
+(passes x R): the default 400 is 200 passes of R = 2 (`--stop-epoch` counts passes).
+Decoder 4 blocks x 256 wide x 8 heads: CropMAE's ViT-S setting (the paper states only that the
+other settings follow MAE, whose decoder is 8 x 512; `--decoder-depth 8 --decoder-dim 512`).
+The frame gap 4..48 counts stored frames: for frame dumps sub-sampled from the video's frame rate,
+scale `--gap` accordingly (the paper samples from 30 fps Kinetics).
+Initialisation and weight decay follow MAE's code (xavier-uniform Linear and patch embedding;
+no decay on biases and 1-d tensors only, so cls / mask tokens are decayed).
 """
 import itertools
 import os
@@ -48,13 +59,13 @@ class Args(C.RunArgs):
     model: str = field(default="small", metadata={"help": "ViT size: " + "|".join(C.SIZES)})
     patch_size: int = 16
     img_size: int = 224
-    epochs: int = 400
+    epochs: int = field(default=400, metadata={"help": "effective epochs = passes over the videos x repeated-sampling"})
     batch_size: int = field(default=64, metadata={"help": "videos per process per step (x repeated-sampling pairs)"})
     repeated_sampling: int = 2
-    lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global pairs / 256)"})
+    lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global videos per step / 256)"})
     blr: float = 1.5e-4
     min_lr: float = 0.0
-    warmup_epochs: int = 40
+    warmup_epochs: int = field(default=40, metadata={"help": "effective epochs, like --epochs"})
     weight_decay: float = 0.05
     betas: tuple = (0.9, 0.95)
     mask_ratio: float = 0.95
@@ -68,8 +79,8 @@ class Args(C.RunArgs):
 
     # --data synthetic: 64 px, the clips' native size, so that eval_video (which runs on native
     # frames) sees the patch scale the encoder was trained at (a 32 px run fell below random init
-    # there); nano keeps it about 6 min on 2 CPU cores (8 epochs of 62 steps).
-    SYNTHETIC = dict(model="nano", patch_size=4, img_size=64, epochs=8, batch_size=32, blr=1.5e-3, warmup_epochs=1,
+    # there); nano keeps it about 6 min on 2 CPU cores (16 effective epochs = 8 passes of 62 steps).
+    SYNTHETIC = dict(model="nano", patch_size=4, img_size=64, epochs=16, batch_size=32, blr=3e-3, warmup_epochs=2,
                      decoder_dim=64, decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2, log_every=20)
 
 
@@ -248,7 +259,8 @@ class SiamMAE(nn.Module):
         super().__init__()
         if a.decoder not in ("cross-self", "cross", "joint"):
             raise C.UserError(f"--decoder must be cross-self, cross or joint, got {a.decoder!r}")
-        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos")
+        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos",
+                                  init="xavier")
         D, dd, p = self.encoder.dim, a.decoder_dim, a.patch_size
         self.kind = a.decoder
         self.decoder_embed = nn.Linear(D, dd)
@@ -262,8 +274,8 @@ class SiamMAE(nn.Module):
             self.blocks = nn.ModuleList(CrossSelfBlock(dd, a.decoder_heads, self.kind == "cross-self")
                                         for _ in range(a.decoder_depth))
         self.norm, self.pred = nn.LayerNorm(dd, eps=1e-6), nn.Linear(dd, p * p * 3)
-        C.init_weights(self)
-        nn.init.normal_(self.mask_token, std=0.02)
+        C.init_weights(self, "xavier")                                        # MAE: the whole model
+        C.init_token(self.mask_token, "xavier")
 
     def forward(self, f1, f2, ids_keep, ids_restore):
         """f1, f2 (B, 3, H, W); f2 keeps ids_keep. Returns predicted f2 patches (B, N, p*p*3)."""
@@ -300,9 +312,16 @@ def train(args):
     dataset = video_dataset(args.data)
     loader = C.make_loader(C.Views(dataset, FramePair(args), args.seed), args.batch_size, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
-    total = args.epochs * ipe
-    pairs = args.batch_size * args.repeated_sampling * run.world
-    lr = args.lr or args.blr * pairs / 256
+    R = args.repeated_sampling
+    if args.epochs % R:
+        raise C.UserError(f"--epochs {args.epochs} counts effective epochs (passes x --repeated-sampling {R}): "
+                          "make it a multiple of it")
+    passes = args.epochs // R
+    total = passes * ipe
+    videos = args.batch_size * run.world                               # MAE-ST: lr scales with videos
+    pairs = videos * R
+    lr = args.lr or args.blr * videos / 256
+    warmup = round(args.warmup_epochs / R * ipe)
 
     model = SiamMAE(args).to(dev)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
@@ -312,16 +331,17 @@ def train(args):
     if run.world > 1:
         net = nn.parallel.DistributedDataParallel(net, device_ids=[dev] if dev.type == "cuda" else None)
     log = C.Logger(run.out, total, pairs, args.log_every, start_epoch * ipe)
-    C.print0(f"{len(dataset)} videos, {ipe} steps/epoch, {total} steps, {pairs} pairs/step, lr {lr:.3g}")
+    C.print0(f"{len(dataset)} videos, {args.epochs} effective epochs = {passes} passes of {ipe} steps, {total} steps, "
+             f"{videos} videos = {pairs} pairs/step, lr {lr:.3g} (blr x {videos} videos / 256)")
     p, grid = args.patch_size, model.encoder.grid
 
-    for epoch in range(start_epoch, args.stop_epoch or args.epochs):
+    for epoch in range(start_epoch, args.stop_epoch or passes):            # epoch = one pass over the videos
         loader.sampler.set_epoch(epoch)
         C.seed_epoch(args.seed, epoch, run.rank)
         model.train()
         for it, (clips, _) in enumerate(itertools.islice(loader, ipe)):
             step = epoch * ipe + it
-            C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
+            C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, warmup))
             x = C.normalize(clips.to(dev, non_blocking=True).flatten(0, 1))    # (B*R, 2, 3, S, S)
             f1, f2 = x[:, 0], x[:, 1]
             ids_keep, ids_restore, mask = C.random_masking(f2.shape[0], grid, args.mask_ratio, device=dev)

@@ -92,7 +92,7 @@ def setup(method, a, dev):
             return lr + mod.cmae_contrastive_loss(u.float(), v.float()), lambda: C.ema_update(target, target.online_params(model), 0.996)
     elif method == "conmim":
         model = mod.Net(args).to(dev)
-        teacher = copy.deepcopy(model).requires_grad_(False)
+        teacher = mod.make_teacher(model)
         fm, ft = comp(model), comp(teacher)
         xw, xs = x(B), x(B)
         proj = N * lin(D, args.proj_hidden, args.proj_hidden, args.proj_dim)

@@ -76,7 +76,7 @@ def test_davis_layout_end_to_end_and_palette_output(tmp_path):
     from PIL import Image
     import siammae
     siammae.train(siammae.Args(data="synthetic", output_dir=str(tmp_path / "run"), model="nano", patch_size=4,
-                               img_size=16, epochs=1, steps_per_epoch=1, batch_size=2, decoder_dim=16,
+                               img_size=16, epochs=2, steps_per_epoch=1, batch_size=2, decoder_dim=16,
                                decoder_depth=1, decoder_heads=2, workers=0, gap=(1, 2)))
     root = tmp_path / "davis"
     clip = siammae.SyntheticClip(3, "val", n_frames=5, size=32)

@@ -13,7 +13,7 @@ from helpers import exact_resume, one_line_error, run_cli
 
 
 def tiny_args(tmp="/tmp/unused", **kw):
-    base = dict(data="synthetic", output_dir=str(tmp), model="nano", patch_size=4, img_size=16, epochs=2,
+    base = dict(data="synthetic", output_dir=str(tmp), model="nano", patch_size=4, img_size=16, epochs=4,
                 steps_per_epoch=2, batch_size=4, repeated_sampling=2, warmup_epochs=1, decoder_dim=32,
                 decoder_depth=2, decoder_heads=2, gap=(2, 8), workers=0, log_every=1)
     base.update(kw)
@@ -144,7 +144,7 @@ def test_end_to_end_resume_png(tmp_path):
 
 
 def test_bad_input(tmp_path):
-    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "2", "--epochs", "1",
+    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "2", "--epochs", "2",
             "--steps-per-epoch", "1", "--decoder-dim", "32", "--decoder-heads", "2"]
     one_line_error(run_cli("siammae.py", "--data", str(tmp_path / "nope"), *tiny), "no such directory")
     os.makedirs(tmp_path / "empty" / "v1")

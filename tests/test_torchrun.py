@@ -17,7 +17,8 @@ EXTRA = {"cmae": ["--master-size", "20", "--decoder-dim", "32", "--decoder-depth
          "conmim": ["--proj-hidden", "32", "--proj-dim", "16", "--no-knn"],
          "can": ["--decoder-dim", "32", "--decoder-depth", "1", "--decoder-heads", "2", "--proj-hidden", "32",
                  "--proj-dim", "16", "--no-knn"],
-         "siammae": ["--decoder-dim", "32", "--decoder-depth", "1", "--decoder-heads", "2", "--gap", "1", "4"]}
+         "siammae": ["--decoder-dim", "32", "--decoder-depth", "1", "--decoder-heads", "2", "--gap", "1", "4",
+                     "--repeated-sampling", "1"]}
 
 
 @pytest.mark.parametrize("method", sorted(EXTRA))
