@@ -224,9 +224,16 @@ def make_vit(model, img_size, patch_size, **kw):
     return ViT(img_size, patch_size, dim, depth, heads, **kw)
 
 
-def pool(tokens, how):
-    """(B, 1+N, D) -> (B, D): the CLS token or the mean of the patch tokens."""
-    return tokens[:, 0] if how == "cls" else tokens[:, 1:].mean(1)
+POOLS = ("cls", "cls-prenorm", "mean")
+
+
+def features_of(encoder, x, how):
+    """(B, 3, H, W) -> (B, D): "cls" the CLS token after the final norm, "cls-prenorm" before it
+    (MSN's evaluations), "mean" the mean of the normed patch tokens."""
+    if how not in POOLS:
+        raise UserError(f"--pool must be one of {', '.join(POOLS)}, got {how!r}")
+    tokens = encoder(x, norm=how != "cls-prenorm")
+    return tokens[:, 1:].mean(1) if how == "mean" else tokens[:, 0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -864,7 +871,7 @@ def extract_features(encoder, loader, device, how="cls", autocast=contextlib.nul
     feats, labels = [], []
     for x, y in loader:
         with autocast:
-            f = pool(encoder(normalize(x.to(device, non_blocking=True))), how)
+            f = features_of(encoder, normalize(x.to(device, non_blocking=True)), how)
         feats.append(f.float().cpu())
         labels.append(y)
     return torch.cat(feats), torch.cat(labels)                       # raw (un-normalised) features

@@ -2,22 +2,39 @@
 low-shot logistic regression.
 
   python eval_linear.py --ckpt runs/msn/checkpoint.pth --data /imagenet --mode all
+  python eval_linear.py --ckpt runs/msn/checkpoint.pth --data /imagenet --mode lowshot \
+      --subset-file msn/imagenet_subsets1/5imgs_class.txt          # MSN's official 5-image split
   python eval_linear.py --ckpt runs/msn/checkpoint.pth --data synthetic --mode all
   python eval_linear.py --ckpt runs/msn/checkpoint.pth --data synthetic --random-init   # baseline
 
 The checkpoint's `encoder` (the network the paper evaluates) is rebuilt from its `vit` config.
-Features are computed once (Resize img*256/224 + CenterCrop, bf16 on GPU) and cached under
-<ckpt dir>/features/, keyed by checkpoint file (path, size, mtime), pooling, image size and split.
-Pooling default per method: CLS for MSN (as its paper), mean of patch tokens for the MAE-style
-methods (CMAE, ConMIM, CAN).
+Features are computed once (Resize img*256/224, bicubic, + CenterCrop; bf16 on GPU) and cached
+under <ckpt dir>/features/, keyed by checkpoint file (path, size, mtime), pooling, image size and
+split. Pooling default per method: for MSN the CLS token BEFORE the final LayerNorm, as MSN's
+logistic_eval.py and linear_eval.py (deit.forward_blocks with 1 block: the last block's CLS, no
+norm); the mean of the (normed) patch tokens for the MAE-style methods (CMAE, ConMIM, CAN).
 
 Modes.
-  knn     weighted k-NN (k=20, T=0.07, cosine on L2-normalised features), top-1 / top-5
-  linear  linear classifier on standardised features, SGD + momentum, cosine lr, top-1 / top-5
-  lowshot MSN protocol: features centred (train mean) and L2-normalised, multinomial logistic
-          regression with an L2 penalty (full-batch L-BFGS), on --shots images per class or
-          --percent % of the train set, over --seeds random subsets: mean +- std top-1
+  knn     weighted k-NN (k=20, T=0.07, cosine on L2-normalised features), top-1 / top-5; classes
+          that got no vote never count as a top-5 hit (matters when k < 5)
+  linear  linear classifier on standardised cached centre-crop features, SGD + momentum 0.9, cosine
+          lr, 100 epochs, batch 1024, top-1 / top-5. NOT MAE's protocol (LARS, BatchNorm without
+          affine, RandomResizedCrop + flip, 90 epochs, batch 16384) nor MSN's (SGD on the pre-norm
+          CLS with random crops): a fast, deterministic frozen-feature probe; compare numbers
+          across checkpoints with it, not with the papers' linear-probe tables.
+  lowshot MSN's protocol (logistic_eval.py with cyanure): each feature row centred (its own mean
+          subtracted) and L2-normalised (cyanure preprocess(normalize=True, columns=False,
+          centering=True)); multinomial logistic regression without intercept minimising
+          mean CE + (lambd / n) / 2 ||W||^2, n = number of training images (MSN passes --lambd
+          0.0025 and divides it by n), solved full-batch by L-BFGS. Training images: --shots per
+          class or --percent % of each class over --seeds random subsets (mean +- std), or the
+          images listed in --subset-file (MSN's imagenet_subsets*/*.txt format: one file name or
+          relative path per line).
   all     all of the above
+
+Protocol differences from the official evaluations, not fixed: MSN resizes bilinearly to 256,
+we resize bicubically to img*256/224 (= 256 at 224) for every method, as MAE's evaluation does.
+cyanure's solver (tol 1e-3, at most 300 epochs) is replaced by L-BFGS on the same objective.
 """
 import hashlib
 import json
@@ -29,7 +46,7 @@ import torch.nn.functional as F
 
 import common as C
 
-DEFAULT_POOL = {"msn": "cls", "cmae": "mean", "conmim": "mean", "can": "mean", "siammae": "mean"}
+DEFAULT_POOL = {"msn": "cls-prenorm", "cmae": "mean", "conmim": "mean", "can": "mean", "siammae": "mean"}
 
 
 @dataclass
@@ -38,7 +55,7 @@ class Args:
     ckpt: str = field(default=None, metadata={"help": "checkpoint.pth written by one of the method files"})
     data: str = field(default=None, metadata={"help": "image folder with train/ and val/, or 'synthetic'"})
     mode: str = field(default="knn", metadata={"help": "knn | linear | lowshot | all"})
-    pool: str = field(default=None, metadata={"help": "cls | mean (default: per method)"})
+    pool: str = field(default=None, metadata={"help": "cls | cls-prenorm | mean (default: per method)"})
     img_size: int = field(default=None, metadata={"help": "default: the checkpoint's training size"})
     random_init: bool = field(default=False, metadata={"help": "evaluate the same ViT at its default random "
                               "initialisation (run's seed; may differ from the run's exact initial weights)"})
@@ -50,7 +67,10 @@ class Args:
     shots: int = field(default=1, metadata={"help": "images per class for lowshot (ignored with --percent)"})
     percent: float = field(default=0.0, metadata={"help": "use this %% of train images per class for lowshot"})
     seeds: int = field(default=3, metadata={"help": "random subsets for lowshot"})
-    lambd: float = field(default=0.0025, metadata={"help": "L2 penalty of the logistic regression"})
+    lambd: float = field(default=0.0025, metadata={"help": "L2 penalty of the logistic regression, divided by "
+                         "the number of training images (MSN protocol)"})
+    subset_file: str = field(default=None, metadata={"help": "lowshot: train only on the images listed here "
+                             "(one file name or relative path per line, as MSN's imagenet_subsets)"})
     batch_size: int = 256
     workers: int = field(default=min(8, os.cpu_count() or 1), metadata={"help": "DataLoader workers (default: min(8, CPUs))"})
     device: str = None
@@ -81,11 +101,14 @@ def features(a, enc, ckpt, split, device):
 
 
 def topk(scores, y, k):
-    return 100.0 * (scores.topk(min(k, scores.shape[1]), dim=1).indices == y[:, None]).any(1).float().mean().item()
+    """Top-k accuracy (%); entries at -inf (no vote) never count as a hit."""
+    val, idx = scores.topk(min(k, scores.shape[1]), dim=1)
+    return 100.0 * ((idx == y[:, None]) & (val > float("-inf"))).any(1).float().mean().item()
 
 
 def knn(train_f, train_y, val_f, val_y, num_classes, k=20, T=0.07):
     s = C.knn_predict(F.normalize(train_f, dim=1), train_y, F.normalize(val_f, dim=1), num_classes, k, T)
+    s = s.masked_fill(s <= 0, float("-inf"))                       # classes without a vote
     return {"knn_top1": topk(s, val_y, 1), "knn_top5": topk(s, val_y, 5)}
 
 
@@ -112,19 +135,29 @@ def linear_probe(train_f, train_y, val_f, val_y, num_classes, epochs=100, lr=0.1
     return {"linear_top1": topk(s, val_y, 1), "linear_top5": topk(s, val_y, 5)}
 
 
-def logistic_regression(x, y, num_classes, lambd=0.0025, iters=300):
-    """Multinomial logistic regression, mean CE + lambd/2 ||W||^2 (bias unpenalised), full-batch L-BFGS."""
-    W = torch.zeros(x.shape[1], num_classes, requires_grad=True)
-    b = torch.zeros(num_classes, requires_grad=True)
-    opt = torch.optim.LBFGS([W, b], lr=1, max_iter=iters, line_search_fn="strong_wolfe")
+def msn_preprocess(x):
+    """cyanure preprocess(normalize=True, columns=False, centering=True): per row, subtract the row's
+    own mean, then scale to unit L2 norm."""
+    return F.normalize(x - x.mean(dim=1, keepdim=True), dim=1)
+
+
+def logistic_regression(x, y, num_classes, lambd=0.0025, iters=500):
+    """MSN's low-shot classifier: W (D, C) minimising mean_i CE(x_i W, y_i) + (lambd / n) / 2 ||W||^2,
+    no intercept, n = len(x) (logistic_eval.py divides --lambd by the number of training images).
+    Full-batch L-BFGS in float64. Returns W."""
+    x = x.double()
+    W = torch.zeros(x.shape[1], num_classes, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([W], lr=1, max_iter=iters, tolerance_grad=1e-9, tolerance_change=1e-12,
+                            history_size=20, line_search_fn="strong_wolfe")
+    reg = lambd / len(x)
 
     def closure():
         opt.zero_grad()
-        loss = F.cross_entropy(x @ W + b, y) + 0.5 * lambd * (W ** 2).sum()
+        loss = F.cross_entropy(x @ W, y) + 0.5 * reg * (W ** 2).sum()
         loss.backward()
         return loss
     opt.step(closure)
-    return lambda z: z @ W.detach() + b.detach()
+    return W.detach()
 
 
 def lowshot_subset(labels, num_classes, shots=1, percent=0.0, seed=0):
@@ -140,17 +173,44 @@ def lowshot_subset(labels, num_classes, shots=1, percent=0.0, seed=0):
     return torch.cat(out)
 
 
-def lowshot(train_f, train_y, val_f, val_y, num_classes, shots=1, percent=0.0, seeds=3, lambd=0.0025):
+def subset_from_file(path, data):
+    """Indices into the train split of the images listed in `path` (MSN's imagenet_subsets format):
+    each line a file name or a path relative to the train root; a line matches a relative path
+    exactly, else a unique file name."""
+    if not os.path.isfile(path):
+        raise C.UserError(f"--subset-file {path} does not exist")
+    ds = C.image_dataset(data, "train")
+    if not isinstance(ds, C.ImageFiles):
+        raise C.UserError("--subset-file needs an image folder as --data (the synthetic set has no file names)")
+    root = os.path.join(data, "train") if os.path.isdir(os.path.join(data, "train")) else data
+    rel = {os.path.relpath(p, root).replace(os.sep, "/"): i for i, (p, _) in enumerate(ds.samples)}
+    base = {}
+    for r, i in rel.items():
+        base.setdefault(os.path.basename(r), []).append(i)
+    names = [ln.strip() for ln in open(path) if ln.strip()]
+    idx, missing = [], []
+    for n in names:
+        hit = rel.get(n.replace(os.sep, "/"))
+        if hit is None and len(base.get(os.path.basename(n), [])) == 1:
+            hit = base[os.path.basename(n)][0]
+        (missing if hit is None else idx).append(n if hit is None else hit)
+    if missing:
+        raise C.UserError(f"--subset-file {path}: {len(missing)} of {len(names)} images not found (or "
+                          f"ambiguous) under {root}, e.g. {missing[0]!r}")
+    return torch.tensor(idx)
+
+
+def lowshot(train_f, train_y, val_f, val_y, num_classes, shots=1, percent=0.0, seeds=3, lambd=0.0025, subset=None):
+    """MSN protocol on `subset` (indices) or on `seeds` random subsets; mean +- std top-1 (%)."""
+    subsets = [subset] if subset is not None else [lowshot_subset(train_y, num_classes, shots, percent, s)
+                                                    for s in range(seeds)]
     accs = []
-    for s in range(seeds):
-        idx = lowshot_subset(train_y, num_classes, shots, percent, s)
-        mean = train_f[idx].mean(0)
-        xt, xv = F.normalize(train_f[idx] - mean, dim=1), F.normalize(val_f - mean, dim=1)
-        clf = logistic_regression(xt, train_y[idx], num_classes, lambd)
-        accs.append(topk(clf(xv), val_y, 1))
+    for idx in subsets:
+        W = logistic_regression(msn_preprocess(train_f[idx]), train_y[idx], num_classes, lambd)
+        accs.append(topk(msn_preprocess(val_f).double() @ W, val_y, 1))
     t = torch.tensor(accs)
-    name = f"lowshot_{percent:g}pct" if percent else f"lowshot_{shots}shot"
-    return {f"{name}_mean": t.mean().item(), f"{name}_std": t.std().item() if seeds > 1 else 0.0}
+    name = "lowshot_file" if subset is not None else f"lowshot_{percent:g}pct" if percent else f"lowshot_{shots}shot"
+    return {f"{name}_mean": t.mean().item(), f"{name}_std": t.std().item() if len(accs) > 1 else 0.0}
 
 
 def evaluate(a):
@@ -172,7 +232,8 @@ def evaluate(a):
     if a.mode in ("linear", "all"):
         res.update(linear_probe(ftr, ytr, fva, yva, nc, a.linear_epochs, a.linear_lr, a.linear_batch))
     if a.mode in ("lowshot", "all"):
-        res.update(lowshot(ftr, ytr, fva, yva, nc, a.shots, a.percent, a.seeds, a.lambd))
+        subset = subset_from_file(a.subset_file, a.data) if a.subset_file else None
+        res.update(lowshot(ftr, ytr, fva, yva, nc, a.shots, a.percent, a.seeds, a.lambd, subset))
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}))
     return res
 

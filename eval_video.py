@@ -5,10 +5,25 @@
 
 The first frame's object masks are propagated through each video with the frozen encoder's
 patch features (last layer, after the final norm, L2-normalised). For frame t, each patch takes a
-soft label from its top-k most similar patches among the context frames (the first frame and the
-last 19 predicted frames), restricted to a spatial radius, with weights softmax(affinity / T).
-Soft labels are upsampled bilinearly to the frame and argmax'ed. Flags: --n-last 19 --topk 7
---radius 20 --temperature 0.7 (values of ../shared/methods/siammae.md).
+soft label from its top-k most similar patches among the context frames, with weights
+softmax(affinity / T). Flags: --n-context 20 --topk 7 --radius 20 --temperature 0.7 (top-k and T
+from ../shared/methods/siammae.md).
+
+Context (as CRW's test.py, which SiamMAE / CropMAE evaluate with): the first frame as long-term
+memory, matched over the whole frame, plus the previous n-context frames, matched only within a
+spatial radius (cells at distance < radius). Difference: CRW pads the start of the video with
+n-context copies of the first frame, so early frames draw their top-k from duplicates of it; here
+the short-term memory holds only the frames seen so far (the first frame once).
+
+Label geometry. Frames are resized (short side --short-side, aspect kept) and cropped at the
+bottom/right to a multiple of the patch size; the patch grid covers that crop. First-frame labels
+get the same resize (nearest) and crop, then each cell takes the label at its patch's centre pixel
+(index p/2 inside the patch). Propagated soft labels are upsampled bilinearly with
+align_corners=False (cell values sit at patch centres, as sampled), the uncovered bottom/right
+border (< p pixels) repeats the last row/column, then argmax, and a nearest resize back to the
+annotation size. DINO instead stretches frames and labels to multiples of 64 px and samples
+labels with PIL's nearest (also patch centres); CRW downsamples labels to the feature grid. All
+three sample at patch centres; ours does not stretch the aspect ratio.
 
 Data: DAVIS-2017 layout (JPEGImages/480p/<video>/*.jpg, Annotations/480p/<video>/*.png palette
 masks, ImageSets/2017/val.txt), or `synthetic` (moving-shape clips of siammae.py, val split).
@@ -35,7 +50,7 @@ class Args:
     data: str = field(default=None, metadata={"help": "DAVIS-2017 root, or 'synthetic'"})
     split: str = field(default="val", metadata={"help": "ImageSets/2017/<split>.txt"})
     short_side: int = field(default=480, metadata={"help": "resize frames so the short side is this (0 = native)"})
-    n_last: int = 19
+    n_context: int = field(default=20, metadata={"help": "previous frames in the short-term memory (radius-limited)"})
     topk: int = 7
     radius: float = 20.0
     temperature: float = 0.7
@@ -47,28 +62,31 @@ class Args:
 # ----------------------------------------------------------------------------------------------
 # Propagation
 # ----------------------------------------------------------------------------------------------
-def propagate(feats, labels0, n_last=19, topk=7, radius=20.0, temperature=0.7):
+def propagate(feats, labels0, n_context=20, topk=7, radius=20.0, temperature=0.7):
     """feats (T, h, w, D) L2-normalised patch features; labels0 (h, w, C) first-frame soft labels.
-    Returns soft labels (T, h, w, C); frame 0 keeps labels0."""
+    Context of frame t: frame 0 (any position) + frames max(0, t - n_context) .. t - 1 (positions
+    at distance < radius cells). Returns soft labels (T, h, w, C); frame 0 keeps labels0."""
     T, h, w, D = feats.shape
     yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
     pos = torch.stack([yy.flatten(), xx.flatten()], 1).float()
-    near = torch.cdist(pos, pos) <= radius                                     # (hw, hw) spatial window
-    ctx_f, ctx_l = [feats[0].reshape(h * w, D)], [labels0.reshape(h * w, -1)]
+    near = torch.cdist(pos, pos) < radius                                      # (hw, hw) spatial window
+    f0, l0 = feats[0].reshape(h * w, D), labels0.reshape(h * w, -1)
+    mem_f, mem_l = [f0], [l0]                                                  # short-term memory
     out = [labels0]
     for t in range(1, T):
         f = feats[t].reshape(h * w, D)
-        kf = torch.stack(ctx_f)                                                # (M, hw, D)
-        aff = torch.einsum("nd,mkd->nmk", f, kf) / temperature                 # (hw, M, hw)
-        aff = aff.masked_fill(~near[:, None, :], float("-inf")).reshape(h * w, -1)
+        kf = torch.stack([f0] + mem_f)                                         # (1 + M, hw, D)
+        aff = torch.einsum("nd,mkd->nmk", f, kf) / temperature                 # (hw, 1 + M, hw)
+        aff[:, 1:] = aff[:, 1:].masked_fill(~near[:, None, :], float("-inf"))  # long-term: no radius
+        aff = aff.reshape(h * w, -1)
         val, idx = aff.topk(min(topk, aff.shape[1]), dim=1)                    # (hw, k)
         wgt = torch.softmax(val, dim=1)
-        lab = (wgt[..., None] * torch.cat(ctx_l)[idx]).sum(1)                  # (hw, C)
+        lab = (wgt[..., None] * torch.cat([l0] + mem_l)[idx]).sum(1)           # (hw, C)
         out.append(lab.reshape(h, w, -1))
-        ctx_f.append(f)
-        ctx_l.append(lab)
-        if len(ctx_f) > n_last + 1:                                            # first frame + last n
-            del ctx_f[1], ctx_l[1]
+        mem_f.append(f)
+        mem_l.append(lab)
+        if len(mem_f) > n_context:
+            del mem_f[0], mem_l[0]
     return torch.stack(out)
 
 
@@ -148,15 +166,23 @@ PALETTE = [v for i in range(256) for v in
 # ----------------------------------------------------------------------------------------------
 # Evaluation
 # ----------------------------------------------------------------------------------------------
+def resize_short(im, short_side, resample):
+    """PIL image with its short side resized to short_side (0 = unchanged), aspect kept."""
+    if not short_side:
+        return im
+    W, H = im.size
+    s = short_side / min(W, H)
+    return im.resize((round(W * s), round(H * s)), resample)
+
+
 @torch.no_grad()
 def frame_features(enc, frames, short_side, device):
-    """List of PIL frames -> (T, h, w, D) L2-normalised last-layer patch tokens (after the final norm)."""
-    from torchvision.transforms import functional as TF
+    """List of PIL frames -> (T, h, w, D) L2-normalised last-layer patch tokens (after the final norm)
+    of each frame resized to short_side and cropped at the bottom/right to (h p, w p)."""
     p = enc.patch_size
     out = []
     for im in frames:
-        if short_side:
-            im = TF.resize(im, short_side, antialias=True)
+        im = resize_short(im, short_side, Image.BILINEAR)
         W, H = im.size
         x = C.normalize(C.to_uint8(im)[:, :H // p * p, :W // p * p][None].to(device))
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
@@ -165,20 +191,43 @@ def frame_features(enc, frames, short_side, device):
     return torch.stack(out)
 
 
+def labels_to_grid(gt0, ids, p, short_side):
+    """(H, W) first-frame ids -> (h, w, C) one-hot labels at the patch centres of the frame grid
+    (same resize and crop as frame_features), C = 1 + len(ids) with background first."""
+    lab = np.asarray(resize_short(Image.fromarray(gt0), short_side, Image.NEAREST))
+    h, w = lab.shape[0] // p, lab.shape[1] // p
+    centre = lab[p // 2:h * p:p, p // 2:w * p:p]                                       # (h, w)
+    return torch.stack([torch.from_numpy(centre == i) for i in [0] + ids], -1).float()
+
+
+def grid_to_frame(soft, p, size, out_size):
+    """(T, h, w, C) soft labels -> (T, H, W) argmax class index: bilinear to (h p, w p) with cell values
+    at patch centres, the uncovered border (< p px) repeats the edge, nearest resize to out_size."""
+    T, h, w, _ = soft.shape
+    up = F.interpolate(soft.permute(0, 3, 1, 2), scale_factor=p, mode="bilinear", align_corners=False)
+    W, H = size
+    up = F.pad(up, (0, W - w * p, 0, H - h * p), mode="replicate")                     # (T, C, H, W)
+    idx = up.argmax(1)
+    if (H, W) != tuple(out_size):
+        idx = F.interpolate(idx[:, None].float(), size=tuple(out_size), mode="nearest-exact")[:, 0].long()
+    return idx
+
+
 def evaluate_video(enc, frames, masks, a, short_side, device):
     gt0 = masks[0]
     H, W = gt0.shape
     ids = [int(i) for i in np.unique(gt0) if i not in (0, 255)]
-    feats = frame_features(enc, frames, short_side, device)
-    T, h, w, _ = feats.shape
-    onehot = torch.stack([torch.from_numpy(gt0 == i) for i in [0] + ids], -1).float()        # (H, W, C)
-    lab0 = F.interpolate(onehot.permute(2, 0, 1)[None], size=(h, w), mode="nearest")[0].permute(1, 2, 0)
-    soft = propagate(feats, lab0, a.n_last, a.topk, a.radius, a.temperature)               # (T, h, w, C)
-    up = F.interpolate(soft.permute(0, 3, 1, 2), size=(H, W), mode="bilinear", align_corners=False)
-    pred = torch.tensor([0] + ids)[up.argmax(1)].numpy().astype(np.uint8)                  # (T, H, W)
+    feats = frame_features(enc, frames, short_side, device)                   # (T, h, w, D)
+    p = enc.patch_size
+    lab0 = labels_to_grid(gt0, ids, p, short_side)                            # (h, w, C)
+    assert lab0.shape[:2] == feats.shape[1:3], (lab0.shape, feats.shape)
+    soft = propagate(feats, lab0, a.n_context, a.topk, a.radius, a.temperature)   # (T, h, w, C)
+    size = resize_short(frames[0], short_side, Image.BILINEAR).size
+    pred = torch.tensor([0] + ids)[grid_to_frame(soft, p, size, (H, W))].numpy().astype(np.uint8)
     pred[0] = gt0
+    T = len(frames)
     J, Fm = {i: [] for i in ids}, {i: [] for i in ids}
-    for t in range(1, T - 1):                                                              # DAVIS: not first / last
+    for t in range(1, T - 1):                                                  # DAVIS: not first / last
         if masks[t] is None:
             continue
         for i in ids:

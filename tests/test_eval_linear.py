@@ -31,10 +31,75 @@ def test_logistic_regression_separates_separable_data():
     centres = torch.randn(5, 16, generator=g) * 4
     y = torch.arange(5).repeat(20)
     x = centres[y] + torch.randn(100, 16, generator=g) * 0.3
-    clf = E.logistic_regression(x, y, 5, lambd=1e-4)
-    assert (clf(x).argmax(1) == y).float().mean() == 1.0
+    W = E.logistic_regression(E.msn_preprocess(x), y, 5, lambd=1e-4)
+    assert ((E.msn_preprocess(x).double() @ W).argmax(1) == y).float().mean() == 1.0
     res = E.linear_probe(x, y, x, y, 5, epochs=20, batch=32)
     assert res["linear_top1"] == 100.0
+
+
+def test_knn_top5_never_counts_a_class_without_votes():
+    """k = 1: one class gets a vote; the other four of the top 5 would be arbitrary zero-score classes."""
+    tr = torch.eye(6)[:3]                                      # 3 train points, classes 0, 1, 2
+    ytr = torch.tensor([0, 1, 2])
+    te = torch.eye(6)[:2] + 0.01                               # nearest: train 0 and train 1
+    yte = torch.tensor([3, 4])                                  # classes nobody voted for
+    res = E.knn(tr, ytr, te, yte, 6, k=1)
+    assert res["knn_top1"] == 0 and res["knn_top5"] == 0
+
+
+def test_msn_preprocess_centres_each_row_and_normalises():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 5, generator=g) + torch.arange(7.0)[:, None]    # rows with different offsets
+    z = E.msn_preprocess(x)
+    torch.testing.assert_close(z.mean(1), torch.zeros(7), atol=1e-6, rtol=0)
+    torch.testing.assert_close(z.norm(dim=1), torch.ones(7))
+    torch.testing.assert_close(E.msn_preprocess(x + 3.0), z)          # a per-row shift is removed
+
+
+@pytest.mark.parametrize("n", [10, 80])
+def test_lowshot_penalty_is_lambd_over_n(n):
+    """Independent reference: the solution must satisfy the optimality condition of
+    mean CE + (lambd / n) / 2 ||W||^2 (no intercept), written out here with explicit softmax sums;
+    a penalty of lambd (not divided by n, n times too strong) does not."""
+    g = torch.Generator().manual_seed(n)
+    C_, D, lambd = 4, 6, 0.25
+    y = torch.arange(C_).repeat(n // C_ + 1)[:n]
+    x = E.msn_preprocess(torch.randn(C_, D, generator=g)[y] + 0.8 * torch.randn(n, D, generator=g)).double()
+    W = E.logistic_regression(x, y, C_, lambd)
+
+    def grad(W, reg):                                           # d/dW [ mean_i CE_i + reg/2 |W|^2 ]
+        logits = x @ W
+        p = torch.exp(logits - logits.max(1, keepdim=True).values)
+        p = p / p.sum(1, keepdim=True)
+        onehot = torch.zeros(n, C_, dtype=torch.float64)
+        onehot[torch.arange(n), y] = 1
+        return x.T @ (p - onehot) / n + reg * W
+    assert grad(W, lambd / n).abs().max() < 1e-6
+    assert grad(W, lambd).abs().max() > 1e-3
+    assert not hasattr(W, "bias") and W.shape == (D, C_)        # no intercept
+
+
+def test_subset_file_selects_the_listed_images(tmp_path):
+    data = tiny_folder(tmp_path / "data")
+    (tmp_path / "subset.txt").write_text("c0/1.png\nc1/0.png\n2.png\n")   # relative path or file name
+    with pytest.raises(C.UserError, match="ambiguous"):                      # 2.png exists in every class
+        E.subset_from_file(str(tmp_path / "subset.txt"), data)
+    (tmp_path / "subset.txt").write_text("c0/1.png\nc1/0.png\nc2/2.png\n")
+    idx = E.subset_from_file(str(tmp_path / "subset.txt"), data)
+    ds = C.image_dataset(data, "train")
+    assert [os.path.relpath(ds.samples[i][0], os.path.join(data, "train")) for i in idx] == \
+        ["c0/1.png", "c1/0.png", "c2/2.png"]
+    (tmp_path / "subset.txt").write_text("c0/1.png\nnope.png\n")
+    with pytest.raises(C.UserError, match="1 of 2 images not found"):
+        E.subset_from_file(str(tmp_path / "subset.txt"), data)
+
+
+def test_msn_features_are_the_cls_token_before_the_final_norm():
+    enc = C.ViT(16, 4, 32, 2, 2).eval()
+    x = torch.randn(3, 3, 16, 16)
+    assert E.DEFAULT_POOL["msn"] == "cls-prenorm"
+    torch.testing.assert_close(C.features_of(enc, x, "cls-prenorm"), enc(x, norm=False)[:, 0])
+    torch.testing.assert_close(C.features_of(enc, x, "cls"), enc.norm(enc(x, norm=False))[:, 0])
 
 
 @pytest.mark.parametrize("shots,percent", [(1, 0), (2, 0), (5, 0), (0, 10)])
@@ -75,6 +140,9 @@ def test_each_method_checkpoint_evaluates(method, tmp_path):
     assert res["method"] == method and res["pool"] == E.DEFAULT_POOL[method]
     for k in ("knn_top1", "linear_top1", "lowshot_1shot_mean"):
         assert 0 <= res[k] <= 100
+    (tmp_path / "subset.txt").write_text("c0/0.png\nc1/0.png\nc2/0.png\nc0/1.png\nc1/1.png\nc2/1.png\n")
+    sub = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="lowshot", workers=0, subset_file=str(tmp_path / "subset.txt")))
+    assert 0 <= sub["lowshot_file_mean"] <= 100
     cached = os.listdir(tmp_path / "run" / "features")
     assert len(cached) == 2                                             # train + val, reused next time
     res2 = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="knn", workers=0, k=3))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 import common as C
 import eval_video as V
@@ -58,18 +59,56 @@ def test_propagation_identical_frames_keeps_labels_exactly():
     assert torch.equal(out, lab.expand(5, -1, -1, -1))
 
 
-def test_propagation_follows_a_shift_and_respects_radius():
+def test_propagation_follows_a_shift_through_the_unrestricted_first_frame():
+    """The first frame is long-term memory matched at any distance (CRW): a 5-cell shift is followed
+    even with radius 1.5, which limits only the short-term memory."""
     g = torch.Generator().manual_seed(1)
     f0 = F.normalize(torch.randn(6, 8, 16, generator=g), dim=-1)
-    f1 = torch.roll(f0, 1, dims=1)                      # everything moves one cell right
     lab = torch.zeros(6, 8, 2)
     lab[..., 0] = 1
     lab[2:4, 2:4] = torch.tensor([0.0, 1])
-    out = V.propagate(torch.stack([f0, f1]), lab, topk=1, radius=20)
-    assert torch.equal(out[1], torch.roll(lab, 1, dims=1))
-    # radius 0: a patch may only copy from its own position
-    out0 = V.propagate(torch.stack([f0, f1]), lab, topk=1, radius=0)
-    assert torch.equal(out0[1], lab)
+    for shift, radius in ((1, 20), (5, 1.5)):
+        out = V.propagate(torch.stack([f0, torch.roll(f0, shift, dims=1)]), lab, topk=1, radius=radius)
+        assert torch.equal(out[1], torch.roll(lab, shift, dims=1))
+
+
+def test_short_term_memory_respects_radius_and_length():
+    """Frame 2 copies frame 1's labels 3 cells away (short-term memory) only if 3 < radius, and only if
+    frame 1 is still in the memory (n_context)."""
+    g = torch.Generator().manual_seed(2)
+    f0, f1 = (F.normalize(torch.randn(6, 8, 16, generator=g), dim=-1) for _ in range(2))
+    feats = torch.stack([f0, f1, torch.roll(f1, 3, dims=1)])
+    lab = torch.zeros(6, 8, 3)
+    lab[..., 0] = 1
+    lab[:3, :4] = torch.tensor([0.0, 1, 0])
+    lab[3:, 5:] = torch.tensor([0.0, 0, 1])
+    out = V.propagate(feats, lab, topk=1, radius=20)
+    assert torch.equal(out[2], torch.roll(out[1], 3, dims=1))
+    assert not torch.equal(V.propagate(feats, lab, topk=1, radius=3)[2], torch.roll(out[1], 3, dims=1))
+    assert torch.equal(V.propagate(feats, lab, topk=1, radius=20, n_context=1)[2], out[2])   # holds frame 1
+    feats4 = torch.stack([f0, f1, F.normalize(torch.randn(6, 8, 16, generator=g), dim=-1), torch.roll(f1, 3, dims=1)])
+    out4 = V.propagate(feats4, lab, topk=1, radius=20, n_context=1)   # frame 1 has left the memory at t = 3
+    assert not torch.equal(out4[3], torch.roll(out4[1], 3, dims=1))
+    assert torch.equal(V.propagate(feats4, lab, topk=1, radius=20, n_context=2)[3], torch.roll(out4[1], 3, dims=1))
+
+
+def test_static_clip_at_davis_geometry_keeps_labels_in_place():
+    """Identical textured frames at DAVIS 480p geometry (854 x 480, patch 16: a 30 x 53 grid), top-1:
+    propagation copies the first frame's grid labels, so J&F measures only the label geometry (grid
+    sampling and upsampling back). Labels sampled at patch corners instead of centres (half a patch
+    off) score about 73."""
+    H, W = 480, 854
+    rng = np.random.default_rng(0)
+    frame = Image.fromarray(rng.integers(0, 256, (H, W, 3), dtype=np.uint8))
+    gt = np.zeros((H, W), np.uint8)
+    yy, xx = np.mgrid[:H, :W]
+    gt[((yy - 200) / 120) ** 2 + ((xx - 250) / 180) ** 2 < 1] = 1                 # ellipse
+    gt[250:430, 500:780] = 2                                                      # rectangle
+    enc = C.ViT(224, 16, 32, 1, 2).eval()
+    pred, per_obj = V.evaluate_video(enc, [frame] * 3, [gt] * 3, V.Args(topk=1), 480, torch.device("cpu"))
+    jf = 100 * np.mean([(j + f) / 2 for j, f in per_obj.values()])
+    assert sorted(per_obj) == [1, 2] and jf >= 90, per_obj
+    assert pred.shape == (3, H, W)
 
 
 def test_davis_layout_end_to_end_and_palette_output(tmp_path):
