@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -810,20 +811,41 @@ def save_checkpoint(path, state):
     os.replace(tmp, path)
 
 
-def load_checkpoint(path, method=None):
-    """Load a checkpoint of the common format; clear errors for missing / foreign / other-method files."""
+def _read(path):
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UserError(f"{path} is not a readable checkpoint ({type(e).__name__}); was it written "
-                        "by one of these scripts?") from None
+                        "by one of these scripts, or is it a state dict?") from None
+
+
+def _legacy_keys(sd):
+    """State dicts written before the encoder used timm's names: blocks.i.mlp.0/2 -> mlp.fc1/fc2, and
+    ConMIM's [MASK] token moved from encoder.mask_token to mask_token."""
+    out = {}
+    for k, v in sd.items():
+        k = re.sub(r"(blocks\.\d+\.mlp\.)0\.", r"\1fc1.", re.sub(r"(blocks\.\d+\.mlp\.)2\.", r"\1fc2.", k))
+        out["mask_token" if k == "encoder.mask_token" else k] = v
+    return out
+
+
+def load_checkpoint(path, method=None):
+    """Load a checkpoint of the common format (older ones are remapped to today's key names); clear
+    errors for missing / foreign / other-method files."""
+    ckpt = _read(path)
     if not isinstance(ckpt, dict) or "method" not in ckpt or "encoder" not in ckpt:
         raise UserError(f"{path} is not a checkpoint of this project (no 'method'/'encoder' keys)")
     if method and ckpt["method"] != method:
         raise UserError(f"{path} is a {ckpt['method']} checkpoint, not {method}: use another "
                         "--output-dir or --resume a checkpoint of this method")
+    for key in ("encoder", "model", "target"):
+        if isinstance(ckpt.get(key), dict):
+            ckpt[key] = _legacy_keys(ckpt[key])
+    ckpt["encoder"].pop("mask_token", None)
+    if "vit" in ckpt:
+        ckpt["vit"].pop("mask_token", None)
     return ckpt
 
 
@@ -941,14 +963,59 @@ def build_vit(config):
     return ViT(**config)
 
 
-def load_encoder(path, random_init=False):
-    """(encoder, checkpoint) of a checkpoint file; random_init: the same ViT at its default
-    initialisation drawn with the run's seed (weights not loaded). Returned in eval mode."""
-    ckpt = load_checkpoint(path)
+# A ViT's own tensors in timm / DeiT / MAE / MSN naming (heads, decoders, prototypes are not).
+VIT_KEY = re.compile(r"cls_token|pos_embed|patch_embed\.proj\.(weight|bias)|norm\.(weight|bias)|"
+                     r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)")
+HEADS = {192: 3, 384: 6, 768: 12, 1024: 16}                       # timm's ViT-Ti/S/B/L
+
+
+def foreign_encoder(obj, path, model=None, patch_size=None):
+    """(layout, ViT config, ViT state dict) of a checkpoint not written here: the official MSN file
+    (`target_encoder`, `module.` prefix), an MAE-style file (`model`: MAE, CAN, DeiT and many MAE
+    derivatives) or a plain timm / DeiT state dict. The architecture comes from the tensor shapes;
+    the heads from --model (else timm's default for the width)."""
+    if not isinstance(obj, dict):
+        raise UserError(f"{path}: not a dict of tensors")
+    layout, sd = next(((k, obj[k]) for k in ("target_encoder", "model") if isinstance(obj.get(k), dict)), ("timm", obj))
+    sd = {k.removeprefix("module."): v for k, v in sd.items() if torch.is_tensor(v)}
+    vit = {k: v for k, v in sd.items() if VIT_KEY.fullmatch(k)}
+    if "cls_token" not in vit or "patch_embed.proj.weight" not in vit or "blocks.0.attn.qkv.weight" not in vit:
+        raise UserError(f"{path}: unknown checkpoint layout (keys: {', '.join(list(obj)[:6])}{', ...' if len(obj) > 6 else ''}); "
+                        "expected this project's format, MSN's target_encoder, an MAE-style 'model' or a timm ViT state dict")
+    dim, p = vit["cls_token"].shape[-1], vit["patch_embed.proj.weight"].shape[-1]
+    depth = 1 + max(int(k.split(".")[1]) for k in vit if k.startswith("blocks."))
+    grid = math.isqrt(vit["pos_embed"].shape[1] - 1)
+    if model is not None:
+        if model not in SIZES or SIZES[model][0] != dim:
+            raise UserError(f"--model {model} does not match {path} (width {dim})")
+    if patch_size is not None and patch_size != p:
+        raise UserError(f"--patch-size {patch_size} does not match {path} (patch {p})")
+    heads = SIZES[model][2] if model else HEADS.get(dim)
+    if heads is None:
+        raise UserError(f"{path}: width {dim} is not a standard ViT size; give --model")
+    config = dict(img_size=grid * p, patch_size=p, dim=dim, depth=depth, heads=heads,
+                  mlp_ratio=vit["blocks.0.mlp.fc1.weight"].shape[0] / dim, pos_embed="learned")
+    return {"target_encoder": "msn", "model": "mae-style"}.get(layout, "timm"), config, vit
+
+
+def load_encoder(path, random_init=False, model=None, patch_size=None):
+    """(encoder, checkpoint) of a checkpoint file: this project's format, or (see foreign_encoder)
+    the official MSN layout, an MAE-style `model` dict or a timm/DeiT state dict, whose `method` is
+    then "msn", "mae-style" or "timm". random_init: the same ViT at its default initialisation drawn
+    with the run's seed (weights not loaded). Returned in eval mode."""
+    obj = _read(path)
+    if isinstance(obj, dict) and "method" in obj and "encoder" in obj:
+        ckpt = load_checkpoint(path)
+    else:
+        method, config, sd = foreign_encoder(obj, path, model, patch_size)
+        ckpt = {"method": method, "vit": config, "encoder": sd, "args": {"seed": 0}}
     torch.manual_seed(ckpt["args"].get("seed", 0))
     enc = build_vit(ckpt["vit"])
     if not random_init:
-        enc.load_state_dict(ckpt["encoder"])
+        try:
+            enc.load_state_dict(ckpt["encoder"])
+        except RuntimeError as e:
+            raise UserError(f"{path}: the encoder does not fit a ViT ({' '.join(str(e).split())[:300]})") from None
     return enc.eval(), ckpt
 
 

@@ -52,11 +52,16 @@ DEFAULT_POOL = {"msn": "cls-prenorm", "cmae": "mean", "conmim": "mean", "can": "
 @dataclass
 class Args:
     """Frozen-feature evaluation (k-NN / linear / low-shot) of a checkpoint's encoder."""
-    ckpt: str = field(default=None, metadata={"help": "checkpoint.pth written by one of the method files"})
+    ckpt: str = field(default=None, metadata={"help": "checkpoint.pth written by one of the method files, the "
+                      "official MSN file, an MAE-style ('model') file or a timm/DeiT ViT state dict"})
     data: str = field(default=None, metadata={"help": "image folder with train/ and val/, or 'synthetic'"})
     mode: str = field(default="knn", metadata={"help": "knn | linear | lowshot | all"})
     pool: str = field(default=None, metadata={"help": "cls | cls-prenorm | mean (default: per method)"})
     img_size: int = field(default=None, metadata={"help": "default: the checkpoint's training size"})
+    model: str = field(default=None, metadata={"help": "for a checkpoint of another code base: ViT size "
+                       "(tiny|small|base|large); default: inferred from the width"})
+    patch_size: int = field(default=None, metadata={"help": "for a checkpoint of another code base: checked "
+                            "against its patch embedding"})
     random_init: bool = field(default=False, metadata={"help": "evaluate the same ViT at its default random "
                               "initialisation (run's seed; may differ from the run's exact initial weights)"})
     k: int = 20
@@ -221,7 +226,7 @@ def evaluate(a):
     if a.mode not in ("knn", "linear", "lowshot", "all"):
         raise C.UserError(f"--mode must be knn, linear, lowshot or all, got {a.mode!r}")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    enc, ckpt = C.load_encoder(a.ckpt, a.random_init)
+    enc, ckpt = C.load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
     enc = enc.to(device)
     (ftr, ytr), (fva, yva) = (features(a, enc, ckpt, s, device) for s in ("train", "val"))
     nc = int(max(ytr.max(), yva.max())) + 1

@@ -54,6 +54,10 @@ class Args:
     topk: int = 7
     radius: float = 20.0
     temperature: float = 0.7
+    model: str = field(default=None, metadata={"help": "for a checkpoint of another code base: ViT size "
+                       "(tiny|small|base|large); default: inferred from the width"})
+    patch_size: int = field(default=None, metadata={"help": "for a checkpoint of another code base: checked "
+                            "against its patch embedding"})
     random_init: bool = False
     output: str = field(default=None, metadata={"help": "write predicted masks as DAVIS palette PNGs here"})
     device: str = None
@@ -240,7 +244,7 @@ def evaluate(a):
     if not a.ckpt or not a.data:
         raise C.UserError("--ckpt and --data are required (a DAVIS-2017 root or 'synthetic')")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    enc, ckpt = C.load_encoder(a.ckpt, a.random_init)
+    enc, ckpt = C.load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
     enc = enc.to(device)
     synthetic = a.data == "synthetic"
     short_side = 0 if synthetic else a.short_side                  # synthetic clips: native 64 px

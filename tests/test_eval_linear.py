@@ -156,4 +156,4 @@ def test_bad_checkpoints(tmp_path):
     (tmp_path / "junk.pth").write_bytes(b"junk")
     one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "junk.pth"), "--data", "synthetic"), "not a readable checkpoint")
     torch.save({"state_dict": {}}, tmp_path / "foreign.pth")
-    one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "foreign.pth"), "--data", "synthetic"), "not a checkpoint of this project")
+    one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "foreign.pth"), "--data", "synthetic"), "unknown checkpoint layout")

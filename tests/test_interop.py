@@ -1,0 +1,145 @@
+"""Interoperability: the checkpoint's encoder uses timm's key names (and loads into timm when it is
+installed), older checkpoints still load, and the evaluations read the official MSN layout, MAE-style
+`model` files and plain timm / DeiT state dicts, ignoring heads and decoders."""
+import importlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import common as C
+import eval_linear as E
+import eval_video as V
+from helpers import one_line_error, run_cli
+from test_eval_linear import TINY, tiny_folder
+
+
+def timm_keys(depth):
+    """timm VisionTransformer(num_classes=0) state-dict keys, written out."""
+    keys = {"cls_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias", "norm.weight", "norm.bias"}
+    for i in range(depth):
+        for m in ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2"):
+            keys |= {f"blocks.{i}.{m}.weight", f"blocks.{i}.{m}.bias"}
+    return keys
+
+
+@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can"])
+def test_every_checkpoint_encoder_has_timm_keys_only(method, tmp_path):
+    mod = importlib.import_module(method)
+    mod.train(mod.Args(data="synthetic", output_dir=str(tmp_path), model="nano", patch_size=4, img_size=16,
+                       epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, **TINY[method]))
+    ckpt = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), method)
+    assert set(ckpt["encoder"]) == timm_keys(2)                     # no mask token, no head
+    timm = pytest.importorskip("timm")
+    from timm.models.vision_transformer import VisionTransformer
+    enc = C.build_vit(ckpt["vit"]).eval()
+    enc.load_state_dict(ckpt["encoder"])
+    tm = VisionTransformer(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=2, num_classes=0).eval()
+    tm.load_state_dict(ckpt["encoder"], strict=True)
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(tm(x), enc(x)[:, 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("size", ["tiny", "small", "base", "large"])
+def test_encoder_loads_into_timm_named_models(size):
+    timm = pytest.importorskip("timm")
+    enc = C.make_vit(size, 32, 16).eval()                           # img/patch size via timm's kwargs
+    tm = timm.create_model(f"vit_{size}_patch16_224", pretrained=False, num_classes=0, img_size=32).eval()
+    tm.load_state_dict(enc.state_dict(), strict=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(tm(x), enc(x)[:, 0], atol=1e-4, rtol=1e-4)
+
+
+def _old_format(sd):
+    """This project's key names before timm naming: Sequential MLP."""
+    return {k.replace(".mlp.fc1.", ".mlp.0.").replace(".mlp.fc2.", ".mlp.2."): v for k, v in sd.items()}
+
+
+def test_checkpoints_written_before_the_renaming_still_load(tmp_path):
+    import conmim
+    from test_conmim import tiny_args
+    conmim.train(tiny_args(tmp_path, epochs=1, steps_per_epoch=1))
+    new = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
+    old = dict(new)                                                 # old configs: mask_token, no init
+    old["vit"] = {k: v for k, v in new["vit"].items() if k != "init"} | {"mask_token": True}
+    old["encoder"] = _old_format(new["encoder"]) | {"mask_token": new["model"]["mask_token"]}
+    for key in ("model", "target"):
+        sd = _old_format(new[key])
+        sd["encoder.mask_token"] = sd.pop("mask_token")
+        old[key] = sd
+    torch.save(old, tmp_path / "old.pth")
+    enc, _ = C.load_encoder(str(tmp_path / "old.pth"))
+    ref, _ = C.load_encoder(str(tmp_path / "checkpoint.pth"))
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(enc(x), ref(x))
+    ck = C.load_checkpoint(str(tmp_path / "old.pth"), "conmim")     # resume path: model / target keys
+    model = conmim.Net(tiny_args(tmp_path))
+    model.load_state_dict(ck["model"])
+    model.load_state_dict(ck["target"])
+
+
+def _layouts(enc):
+    """The encoder's state dict as the official MSN file, an MAE-style file and a timm state dict
+    name it, each with extra heads / decoders / optimiser state that must be ignored."""
+    sd = enc.state_dict()
+    D = enc.dim
+    msn = {"target_encoder": {"module." + k: v for k, v in sd.items()} |
+           {"module.fc.fc1.weight": torch.randn(8, D), "module.fc.bn1.running_mean": torch.zeros(8)},
+           "encoder": {"module." + k: torch.zeros_like(v) for k, v in sd.items()},   # the online copy: not it
+           "prototypes": torch.randn(4, 8), "epoch": 3, "lr": 1e-3}
+    mae = {"model": sd | {"mask_token": torch.randn(1, 1, 16), "decoder_embed.weight": torch.randn(16, D),
+                          "decoder_blocks.0.norm1.weight": torch.ones(16), "decoder_norm.weight": torch.ones(16),
+                          "decoder_pos_embed": torch.randn(1, 17, 16)}, "epoch": 3}
+    timm = sd | {"head.weight": torch.randn(10, D), "head.bias": torch.zeros(10)}
+    return {"msn": msn, "mae-style": mae, "timm": timm}
+
+
+@pytest.mark.parametrize("layout", ["msn", "mae-style", "timm"])
+def test_foreign_layouts_load_with_the_same_features(layout, tmp_path):
+    torch.manual_seed(1)
+    enc = C.ViT(16, 4, 192, 2, 3).eval()                            # width 192: timm's ViT-Ti heads (3)
+    torch.save(_layouts(enc)[layout], tmp_path / "w.pth")
+    loaded, ckpt = C.load_encoder(str(tmp_path / "w.pth"))
+    assert ckpt["method"] == layout and ckpt["vit"]["img_size"] == 16 and ckpt["vit"]["patch_size"] == 4
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(loaded(x), enc(x))
+    with pytest.raises(C.UserError, match="--model small does not match"):
+        C.load_encoder(str(tmp_path / "w.pth"), model="small")
+    with pytest.raises(C.UserError, match="--patch-size 16 does not match"):
+        C.load_encoder(str(tmp_path / "w.pth"), patch_size=16)
+
+
+def test_nonstandard_width_needs_model_flag(tmp_path):
+    enc = C.ViT(16, 4, 64, 2, 2).eval()
+    torch.save(enc.state_dict(), tmp_path / "w.pth")
+    with pytest.raises(C.UserError, match="give --model"):
+        C.load_encoder(str(tmp_path / "w.pth"))
+    loaded, _ = C.load_encoder(str(tmp_path / "w.pth"), model="nano")
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(loaded(x), enc(x))
+
+
+def test_eval_linear_and_eval_video_read_foreign_checkpoints(tmp_path):
+    torch.manual_seed(2)
+    enc = C.ViT(16, 4, 192, 1, 3).eval()
+    lay = _layouts(enc)
+    torch.save(lay["msn"], tmp_path / "msn.pth")
+    data = tiny_folder(tmp_path / "data")
+    res = E.evaluate(E.Args(ckpt=str(tmp_path / "msn.pth"), data=data, mode="knn", workers=0, k=3))
+    assert res["method"] == "msn" and res["pool"] == "cls-prenorm"  # MSN's own evaluation features
+    train = C.image_dataset(data, "train")
+    tf = C.eval_transform(16)
+    x = torch.stack([C.normalize(tf(train.load(i)[0])) for i in range(2)])
+    feats = torch.load(next((tmp_path / "features").glob("*_train.pt")), weights_only=True)[0]
+    torch.testing.assert_close(feats[:2], enc(x, norm=False)[:, 0], atol=1e-5, rtol=1e-5)
+    torch.save(lay["timm"], tmp_path / "timm.pth")
+    res = V.evaluate(V.Args(ckpt=str(tmp_path / "timm.pth"), data="synthetic", n_context=2))
+    assert res["method"] == "timm" and res["videos"] == 20
+
+
+def test_unknown_layout_is_a_one_line_error_listing_keys(tmp_path):
+    torch.save({"state_dict": {"backbone.x": torch.zeros(1)}, "meta": 1}, tmp_path / "odd.pth")
+    r = run_cli("eval_linear.py", "--ckpt", str(tmp_path / "odd.pth"), "--data", "synthetic")
+    one_line_error(r, "unknown checkpoint layout", "state_dict, meta")
