@@ -46,6 +46,7 @@ Where this file follows the paper rather than the official code, and other diffe
     embedding, normal(0.02) cls / mask tokens; no decay on biases and 1-d tensors only (timm
     add_weight_decay), so cls and mask tokens are decayed.
 """
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ class Args(C.RunArgs):
     patch_size: int = 16
     img_size: int = 224
     epochs: int = 800
-    batch_size: int = field(default=256, metadata={"help": "per process (paper global batch 4096)"})
+    batch_size: int = field(default=4096, metadata={"help": "GLOBAL batch of images (2 views each), all processes (paper 4096)"})
     lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global batch / 256)"})
     blr: float = 1.5e-4
     min_lr: float = 0.0
@@ -129,6 +130,7 @@ class CAN(nn.Module):
         self.register_buffer("decoder_pos_embed", pe)
         self.noise_embed = NoiseEmbed(dd)
         self.decoder = nn.ModuleList(C.Block(dd, a.decoder_heads) for _ in range(a.decoder_depth))
+        self.grad_ckpt = False
         self.decoder_norm, self.decoder_pred = nn.LayerNorm(dd, eps=1e-6), nn.Linear(dd, p * p * 3)
         C.init_weights(self, "xavier")                                        # MAE: the whole model
         C.init_token(self.mask_token, "xavier")
@@ -139,8 +141,7 @@ class CAN(nn.Module):
         u = self.projector(latent[:, 1:].mean(1))                             # mean of visible tokens
         t = C.restore_tokens(self.decoder_embed(latent), self.mask_token, ids_restore)
         t = t + self.decoder_pos_embed + self.noise_embed(sigma)[:, None].to(t.dtype)   # every token
-        for blk in self.decoder:
-            t = blk(t)
+        t = C.run_blocks(self.decoder, t, self.grad_ckpt)
         return self.decoder_pred(self.decoder_norm(t))[:, 1:], u
 
 
@@ -201,28 +202,71 @@ class TwoViews:
 
 
 # ----------------------------------------------------------------------------------------------
+# The training step: views -> noise, masks -> network -> losses, forward and backward
+# ----------------------------------------------------------------------------------------------
+def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
+               autocast=contextlib.nullcontext(), scale=None, ddp=None):
+    """One CAN step on this process's B images (2 views each); gradients are left in the network.
+
+    x (2, B, 3, H, W): the two CLEAN views; sigma (2, B) and noise (2, B, 3, H, W) = sigma e; masks
+    (2, B, ...) as C.random_masking. The encoder sees x + noise at the visible patches; L_rec reads
+    the predictions at the MASKED patches against the CLEAN x, L_denoise at the VISIBLE patches
+    against the noise; InfoNCE pairs the two views of an image. Same total as can_loss.
+    micro: images per forward/backward; InfoNCE stays over the whole (all-gathered) batch.
+    """
+    B = x.shape[1]
+    rows = lambda t, sl: t[:, sl].flatten(0, 1)                             # (2, b, ...) -> (2b, ...) view-major
+    target = C.patchify(x.flatten(0, 1), a.patch_size).view(2, B, -1, 3 * a.patch_size ** 2)
+    target = C.norm_pix(target) if a.norm_pix else target
+    noise_px = C.patchify(noise.flatten(0, 1), a.patch_size).view_as(target)
+
+    def forward(sl, local):
+        with autocast:
+            pred, u = net(rows(x + noise, sl), rows(sigma, sl), rows(ids_keep, sl), rows(ids_restore, sl))
+        u = u.float().view(2, -1, u.shape[-1]).transpose(0, 1)                # (b, 2, r)
+        if not local:
+            return None, u, {}
+        share = len(u) / B
+        l_r = reconstruction_loss(pred.float(), rows(target, sl), rows(mask, sl)) * share
+        l_n = denoising_loss(pred.float(), rows(noise_px, sl), rows(mask, sl)) * share
+        return a.weights[1] * l_r + a.weights[2] * l_n, u, {"rec": l_r.detach(), "denoise": l_n.detach()}
+
+    def coupled(u):                                                         # (B, 2, r)
+        l_c = info_nce(u[:, 0], u[:, 1], a.tau)
+        return a.weights[0] * l_c, {"infonce": l_c.detach()}
+
+    loss, parts = C.accumulate(forward, coupled, B, micro or B, scale, ddp)
+    return loss, {"loss": loss, **parts}
+
+
+# ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = C.setup(args, "can")
     dev = run.device
+    per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {2 * args.batch_size - 2} negatives per view "
+                              "instead of 8190")
     dataset = C.image_dataset(args.data, "train")
-    loader = C.make_loader(C.Views(dataset, TwoViews(args), args.seed), args.batch_size, args.workers, args.seed)
+    loader = C.make_loader(C.Views(dataset, TwoViews(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
-    lr = args.lr or args.blr * args.batch_size * run.world / 256
+    lr = args.lr or args.blr * args.batch_size / 256
 
     model = CAN(args).to(dev)
     if run.world > 1 and dev.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
     start_epoch = C.resume_run(run, "can", args, model, opt, scaler)
     net = torch.compile(model) if args.compile else model
+    ddp = None
     if run.world > 1:
-        net = nn.parallel.DistributedDataParallel(net, device_ids=[dev] if dev.type == "cuda" else None)
-    log = C.Logger(run.out, total, args.batch_size * run.world, args.log_every, start_epoch * ipe)
-    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}")
+        net = ddp = nn.parallel.DistributedDataParallel(net, device_ids=[dev] if dev.type == "cuda" else None)
+    log = C.Logger(run.out, total, args.batch_size, args.log_every, start_epoch * ipe)
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
+             + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"))
     p, grid = args.patch_size, model.encoder.grid
 
     for epoch in range(start_epoch, args.stop_epoch or args.epochs):
@@ -232,28 +276,25 @@ def train(args):
         for it, ((v1, v2), _) in enumerate(itertools.islice(loader, ipe)):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
-            x = C.normalize(torch.cat([v1, v2]).to(dev, non_blocking=True))   # (2B, 3, H, W), clean
-            B2 = x.shape[0]
-            sigma = torch.rand(B2, device=dev) * args.sigma_max                # sigma_v ~ U[0, sigma_max]
-            noise = sigma.view(-1, 1, 1, 1) * torch.randn_like(x)              # sigma_v e_v
-            ids_keep, ids_restore, mask = C.random_masking(B2, grid, args.mask_ratio, device=dev)
-            with run.autocast:
-                pred, u = net(x + noise, sigma, ids_keep, ids_restore)
-            target = C.patchify(x, p)
-            target = C.norm_pix(target) if args.norm_pix else target
-            loss, parts = can_loss(u[:B2 // 2].float(), u[B2 // 2:].float(), pred.float(), target,
-                                   C.patchify(noise, p), mask, args.tau, args.weights)
+            x = C.normalize(torch.stack([v1, v2]).to(dev, non_blocking=True))   # (2, B, 3, H, W), clean
+            B = x.shape[1]
+            sigma = torch.rand(2 * B, device=dev).view(2, B) * args.sigma_max   # sigma_v ~ U[0, sigma_max]
+            noise = sigma.view(2, B, 1, 1, 1) * torch.randn_like(x)             # sigma_v e_v
+            ids_keep, ids_restore, mask = (t.view(2, B, -1) for t in C.random_masking(2 * B, grid, args.mask_ratio, device=dev))
             opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+            loss, parts = train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, args, micro, run.autocast,
+                                     scaler.scale, ddp)
             scaler.step(opt)
             scaler.update()
             log.step(step + 1, epoch, parts, lr=opt.param_groups[0]["lr"])
         C.save_run(run, "can", args, epoch + 1, (epoch + 1) * ipe, model.encoder, model, opt, scaler)
-        n, m = min(8, B2 // 2), mask[:min(8, B2 // 2), :, None]              # clean / noisy+masked input /
-        xp, pr = C.patchify(x[:n], p), pred[:n].detach().float()             # reconstruction / noise / sigma_max
+        n, m = min(8, B), mask[0, :min(8, B), :, None]                        # clean / noisy+masked input /
+        with torch.no_grad(), run.autocast:                                  # reconstruction / noise / sigma_max
+            pr = model.eval()(x[0, :n] + noise[0, :n], sigma[0, :n], ids_keep[0, :n], ids_restore[0, :n])[0].float()
+        xp = C.patchify(x[0, :n], p)
         pr_px = C.unnorm_pix(pr, xp) if args.norm_pix else pr
         C.save_image_grid(f"{run.out}/recon_ep{epoch + 1:04d}.png", [
-            x[:n], C.unpatchify(C.patchify(x[:n] + noise[:n], p) * (1 - m), p),
+            x[0, :n], C.unpatchify(C.patchify(x[0, :n] + noise[0, :n], p) * (1 - m), p),
             C.unpatchify(torch.where(m.bool(), pr_px, xp), p), C.unpatchify(pr * (1 - m) / args.sigma_max, p)])
 
     C.knn_report(args, run, log, model.encoder, lambda: CAN(args).encoder, "mean", "encoder, mean patch token")

@@ -38,6 +38,7 @@ Where this file follows the official code (ZhichengHuang/CMAE) rather than the p
     (official: SyncBN).
   - bf16 autocast on GPU (official fp16 AMP; `--precision fp16` is available).
 """
+import contextlib
 import copy
 import itertools
 import math
@@ -60,7 +61,7 @@ class Args(C.RunArgs):
     img_size: int = 224
     master_size: int = field(default=256, metadata={"help": "master crop; target shift is 0..master-img-1 px"})
     epochs: int = 300
-    batch_size: int = field(default=256, metadata={"help": "per process (official 256 x 16 GPUs = 4096)"})
+    batch_size: int = field(default=4096, metadata={"help": "GLOBAL batch, all processes (official 256 x 16 GPUs)"})
     lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global batch / 256)"})
     blr: float = 1.5e-4
     min_lr: float = 0.0
@@ -109,14 +110,13 @@ class Decoder(nn.Module):
         self.register_buffer("pos_embed", torch.cat([torch.zeros(1, dim), C.sincos_pos_embed(dim, grid)])[None])
         self.blocks = nn.ModuleList(C.Block(dim, heads) for _ in range(depth))
         self.norm, self.out = nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, d_out)
+        self.grad_ckpt = False
         C.init_weights(self, "xavier")
         C.init_token(self.mask_token, "xavier")
 
     def forward(self, latent, ids_restore):
         x = C.restore_tokens(self.embed(latent), self.mask_token, ids_restore) + self.pos_embed
-        for blk in self.blocks:
-            x = blk(x)
-        return self.out(self.norm(x))
+        return self.out(self.norm(C.run_blocks(self.blocks, x, self.grad_ckpt)))
 
 
 class CMAE(nn.Module):
@@ -132,11 +132,11 @@ class CMAE(nn.Module):
         self.projector = mlp_head(D, a.proj_hidden, a.proj_dim)
         self.predictor = mlp_head(a.proj_dim, a.proj_hidden, a.proj_dim)
 
-    def forward(self, x, ids_keep, ids_restore):
-        """x (B, 3, H, W) source view. Returns pixel predictions (B, N, p*p*3) and the online
-        prediction u (B, proj_dim) of the feature branch."""
+    def forward(self, x, ids_keep, ids_restore, pixels=True):
+        """x (B, 3, H, W) source view. Returns pixel predictions (B, N, p*p*3) (None if not pixels)
+        and the online prediction u (B, proj_dim) of the feature branch."""
         latent = self.encoder(x, ids_keep)                                     # (B, 1+n_vis, D)
-        pred = self.pixel_decoder(latent, ids_restore)[:, 1:]                  # (B, N, p*p*3)
+        pred = self.pixel_decoder(latent, ids_restore)[:, 1:] if pixels else None   # (B, N, p*p*3)
         y_s = self.feature_decoder(latent, ids_restore)[:, 1:].mean(1)         # (B, D) all patch tokens
         return pred, self.predictor(self.projector(y_s))
 
@@ -215,29 +215,69 @@ class PixelShiftViews:
 
 
 # ----------------------------------------------------------------------------------------------
+# The training step: views -> networks -> losses, forward and backward
+# ----------------------------------------------------------------------------------------------
+def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=None,
+               autocast=contextlib.nullcontext(), scale=None, ddp=None):
+    """One CMAE step on this process's B images; gradients are left in the online parameters.
+
+    x_s (B, 3, H, W): source view -> online encoder (visible patches ids_keep), both decoders; L_r
+      reads the decoder's predictions at the MASKED patches (mask (B, N), 1 = masked) against x_s's
+      own norm-pix patches;
+    x_t (B, 3, H, W): pixel-shifted, colour-augmented view -> EMA target only, unmasked, no grad.
+    micro: images per forward/backward; InfoNCE stays over the whole (all-gathered) batch.
+    """
+    B = x_s.shape[0]
+    micro = micro or B
+    with torch.no_grad(), autocast:
+        v = torch.cat([target(x_t[i:i + micro]) for i in range(0, B, micro)]).float()   # (B, d)
+    px = C.norm_pix(C.patchify(x_s, a.patch_size))                          # (B, N, p*p*3) targets
+
+    def forward(sl, local):
+        with autocast:
+            pred, u = online(x_s[sl], ids_keep[sl], ids_restore[sl], pixels=local)
+        if not local:
+            return None, u.float(), {}
+        l_r = reconstruction_loss(pred.float(), px[sl], mask[sl]) * (len(px[sl]) / B)   # share of the mean
+        return l_r, u.float(), {"l_r": l_r.detach()}
+
+    def coupled(u):
+        l_c = cmae_contrastive_loss(u, v, a.tau)
+        return a.lambda_c * l_c, {"l_c": l_c.detach()}
+
+    loss, parts = C.accumulate(forward, coupled, B, micro, scale, ddp)
+    return loss, {"loss": loss, **parts}
+
+
+# ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = C.setup(args, "cmae")
     dev = run.device
+    per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {args.batch_size - 1} negatives per image instead "
+                              "of 4095")
     dataset = C.image_dataset(args.data, "train")
-    loader = C.make_loader(C.Views(dataset, PixelShiftViews(args), args.seed), args.batch_size, args.workers, args.seed)
+    loader = C.make_loader(C.Views(dataset, PixelShiftViews(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
-    lr = args.lr or args.blr * args.batch_size * run.world / 256
+    lr = args.lr or args.blr * args.batch_size / 256
 
     model = CMAE(args).to(dev)
     target = Target(model).to(dev)
     if run.world > 1 and dev.type == "cuda":
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
+    C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev, no_decay_rule(model))
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
     start_epoch = C.resume_run(run, "cmae", args, model, opt, scaler, target)
     online, target_fwd = (torch.compile(model), torch.compile(target)) if args.compile else (model, target)
+    ddp = None
     if run.world > 1:
-        online = nn.parallel.DistributedDataParallel(online, device_ids=[dev] if dev.type == "cuda" else None)
-    log = C.Logger(run.out, total, args.batch_size * run.world, args.log_every, start_epoch * ipe)
-    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}")
+        online = ddp = nn.parallel.DistributedDataParallel(online, device_ids=[dev] if dev.type == "cuda" else None)
+    log = C.Logger(run.out, total, args.batch_size, args.log_every, start_epoch * ipe)
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
+             + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"))
     p, grid = args.patch_size, model.encoder.grid
 
     for epoch in range(start_epoch, args.stop_epoch or args.epochs):
@@ -249,24 +289,19 @@ def train(args):
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             x_s, x_t = C.normalize(x_s.to(dev, non_blocking=True)), C.normalize(x_t.to(dev, non_blocking=True))
             ids_keep, ids_restore, mask = C.random_masking(x_s.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
-            with run.autocast:
-                pred, u = online(x_s, ids_keep, ids_restore)
-                with torch.no_grad():
-                    v = target_fwd(x_t)
-            loss_r = reconstruction_loss(pred.float(), C.norm_pix(C.patchify(x_s, p)), mask)
-            loss_c = cmae_contrastive_loss(u.float(), v.float(), args.tau)
-            loss = loss_r + args.lambda_c * loss_c
             opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+            loss, parts = train_step(online, target_fwd, x_s, x_t, ids_keep, ids_restore, mask, args, micro,
+                                     run.autocast, scaler.scale, ddp)
             scaler.step(opt)
             scaler.update()
             C.ema_update(target, target.online_params(model), args.ema)
-            log.step(step + 1, epoch, {"loss": loss.detach(), "l_r": loss_r.detach(), "l_c": loss_c.detach()},
-                     lr=opt.param_groups[0]["lr"])
+            log.step(step + 1, epoch, parts, lr=opt.param_groups[0]["lr"])
         C.save_run(run, "cmae", args, epoch + 1, (epoch + 1) * ipe, model.encoder, model, opt, scaler, target)
         n = min(8, x_s.shape[0])                                              # original / masked / recon
+        with torch.no_grad(), run.autocast:
+            pred = model.eval()(x_s[:n], ids_keep[:n], ids_restore[:n])[0].float()
         target_px = C.patchify(x_s[:n], p)
-        recon = C.unpatchify(torch.where(mask[:n, :, None].bool(), C.unnorm_pix(pred[:n].float(), target_px), target_px), p)
+        recon = C.unpatchify(torch.where(mask[:n, :, None].bool(), C.unnorm_pix(pred, target_px), target_px), p)
         C.save_image_grid(f"{run.out}/recon_ep{epoch + 1:04d}.png",
                           [x_s[:n], C.unpatchify(target_px * (1 - mask[:n, :, None]), p), recon])
 

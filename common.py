@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from PIL import Image
 
 
@@ -80,6 +81,26 @@ class Block(nn.Module):
     def forward(self, x):
         x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
         return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+
+
+def run_blocks(blocks, x, checkpoint=False, *ctx):
+    """x through each block (blk(x, *ctx)). checkpoint: activation checkpointing per block (only
+    when grad is on); the RNG state is replayed in the recomputation, so drop-path draws are the
+    same and gradients equal the plain run's."""
+    for blk in blocks:
+        if checkpoint and torch.is_grad_enabled():
+            x = torch.utils.checkpoint.checkpoint(blk, x, *ctx, use_reentrant=False, preserve_rng_state=True)
+        else:
+            x = blk(x, *ctx)
+    return x
+
+
+def set_grad_checkpointing(model, on=True):
+    """Turn activation checkpointing on for every sub-module that runs blocks (attribute grad_ckpt)."""
+    for m in model.modules():
+        if hasattr(m, "grad_ckpt"):
+            m.grad_ckpt = on
+    return model
 
 
 class PatchEmbed(nn.Module):
@@ -179,6 +200,7 @@ class ViT(nn.Module):
             init_token(self.pos_embed, init)
         dpr = torch.linspace(0, drop_path, depth).tolist()           # stochastic depth decay rule
         self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, p) for p in dpr)
+        self.grad_ckpt = False                                       # set_grad_checkpointing
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         init_weights(self, init)
         init_token(self.cls_token, init)
@@ -210,9 +232,7 @@ class ViT(nn.Module):
         if ids_keep is not None:                                     # keep a subset of patches
             x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         cls = (self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1)
-        x = torch.cat([cls, x], dim=1)
-        for blk in self.blocks:
-            x = blk(x)
+        x = run_blocks(self.blocks, torch.cat([cls, x], dim=1), self.grad_ckpt)
         return self.norm(x) if norm else x
 
 
@@ -359,6 +379,95 @@ def set_hparams(optimizer, lr, weight_decay=None):
         g["lr"] = lr
         if weight_decay is not None and g["apply_wd"]:
             g["weight_decay"] = weight_decay
+
+
+# ----------------------------------------------------------------------------------------------
+# One optimiser step over a batch in micro-batches (exact gradient accumulation)
+# ----------------------------------------------------------------------------------------------
+class RNGState:
+    """Snapshot of the CPU and current CUDA generators, to replay a forward's random draws."""
+
+    def __init__(self):
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+    def restore(self):
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+
+
+def allreduce_grads(params):
+    """Average .grad over processes (what DDP does), for steps that bypass DDP's reducer."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if world_size() == 1 or not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= world_size()
+    for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(r)
+
+
+def accumulate(forward, coupled, n, micro, scale=None, ddp=None):
+    """Forward + backward of one optimiser step over this process's n samples, micro at a time.
+
+    forward(sl, local) -> (local_loss, emb, parts) for the samples sl (a slice):
+      local_loss: the per-sample loss terms of sl, as their share of the batch loss (summed over
+        the micro-batches it is the batch value); None if the method has none, and may be None
+        when local is False (pass 1 skips what only the local terms need);
+      emb: (len(sl), ...) the rows that enter the batch-coupled term, or None;
+      parts: dict of 0-d tensors to log (summed over micro-batches, like local_loss).
+    coupled(emb of all n samples) -> (loss, parts): the batch-coupled term (Sinkhorn, ME-MAX,
+      InfoNCE: anything that is not a sum over samples), or coupled = None.
+    One micro-batch: local + coupled, one backward. k > 1 (gradient cache, Gao et al. 2021): a
+    no-grad pass embeds every micro-batch (each one's RNG state saved); coupled and its gradient G
+    w.r.t. the embeddings are computed once on all n rows (parameters used directly in it, such
+    as MSN's prototypes, get their gradient there); then each micro-batch is run again with
+    gradient from its saved RNG state (same drop-path draws) and back-propagates
+    local + <emb, G>. The gradient equals the one-pass gradient of local + coupled up to float
+    rounding, except for BatchNorm, whose statistics are per micro-batch.
+    scale: GradScaler.scale for fp16. ddp: the DistributedDataParallel wrapper, if any: with k > 1
+    its reducer is bypassed (no_sync) and gradients are averaged once at the end.
+    Returns the loss and the parts, detached.
+    """
+    scale = scale or (lambda t: t)
+    slices = [slice(i, min(i + micro, n)) for i in range(0, n, micro)]
+    if len(slices) == 1:
+        local, emb, parts = forward(slices[0], True)
+        loss, cparts = coupled(emb) if coupled else (0.0, {})
+        total = loss if local is None else local + loss
+        scale(total).backward()
+        return total.detach(), {**parts, **cparts}
+    sync = ddp.no_sync if ddp is not None else contextlib.nullcontext
+    states, G, cparts, total = [], None, {}, 0.0
+    if coupled is not None:
+        embs = []
+        with torch.no_grad():
+            for sl in slices:
+                states.append(RNGState())
+                embs.append(forward(sl, False)[1])
+        E = torch.cat(embs).float().requires_grad_()
+        loss, cparts = coupled(E)
+        with sync():
+            scale(loss).backward()
+        G, total = E.grad, loss.detach()
+    parts = {}
+    for i, sl in enumerate(slices):
+        if states:
+            states[i].restore()
+        with sync():
+            local, emb, p = forward(sl, True)
+            t = 0.0 if local is None else scale(local)
+            if G is not None:
+                t = t + (emb.float() * G[sl]).sum()
+            t.backward()
+        total = total if local is None else total + local.detach()
+        for k, v in p.items():
+            parts[k] = parts.get(k, 0.0) + v.detach()
+    if ddp is not None:
+        allreduce_grads(list(ddp.parameters()))
+    return total, {**parts, **cparts}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -729,6 +838,10 @@ class RunArgs:
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the networks"})
     log_every: int = 50
     device: str = None
+    micro_batch: int = dataclasses.field(default=0, metadata={"help": "samples per forward/backward in each "
+                                          "process (0 = the whole per-process batch); the step stays exact"})
+    grad_ckpt: bool = dataclasses.field(default=False, metadata={"help": "activation checkpointing of every "
+                                        "transformer block (encoder and decoders): less memory, ~30% more compute"})
     steps_per_epoch: int = dataclasses.field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
     stop_epoch: int = dataclasses.field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
 
@@ -790,6 +903,25 @@ def setup(args, method):
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision,
                               autocast=autocast, out=out, ckpt=os.path.join(out, "checkpoint.pth"))
+
+
+def batch_plan(args, run, recipe, weakens, unit="images"):
+    """Per-process batch and micro-batch from the GLOBAL --batch-size: (per_process, micro). Prints
+    the plan; warns (no error) when the global batch is below the recipe's, saying what it weakens."""
+    B, W = args.batch_size, run.world
+    if B <= 0 or args.micro_batch < 0:
+        raise UserError(f"--batch-size must be positive and --micro-batch >= 0, got {B} and {args.micro_batch}")
+    if B % W:
+        raise UserError(f"--batch-size {B} is the GLOBAL batch: it must be divisible by the {W} processes")
+    per = B // W
+    micro = min(args.micro_batch or per, per)
+    if per % micro:
+        raise UserError(f"--micro-batch {micro} must divide the per-process batch {per} (= {B} / {W} processes)")
+    print0(f"global batch {B} {unit} = {W} process(es) x {per} per process = {per // micro} micro-batch(es) of "
+           f"{micro}{' with activation checkpointing' if args.grad_ckpt else ''}")
+    if B < recipe:
+        print0(f"warning: global batch {B} < the recipe's {recipe}: {weakens}")
+    return per, micro
 
 
 def seed_epoch(seed, epoch, rank):

@@ -41,6 +41,7 @@ Where this file follows the official code (TencentARC/ConMIM) rather than the pa
     recipe; we use them for the default ViT-B as well.
   - bf16 autocast on GPU (official: fp16 AMP, `--precision fp16` is available); the loss runs in fp32.
 """
+import contextlib
 import copy
 import itertools
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ class Args(C.RunArgs):
     patch_size: int = 16
     img_size: int = 224
     epochs: int = 800
-    batch_size: int = field(default=128, metadata={"help": "per process (official global batch 2048)"})
+    batch_size: int = field(default=2048, metadata={"help": "GLOBAL batch, all processes (official 2048)"})
     lr: float = field(default=7.5e-4, metadata={"help": "absolute peak lr (not scaled with batch)"})
     min_lr: float = 1e-5
     warmup_epochs: int = 10
@@ -171,26 +172,57 @@ class WeakStrongViews:
 
 
 # ----------------------------------------------------------------------------------------------
+# The training step: views -> networks -> loss, forward and backward
+# ----------------------------------------------------------------------------------------------
+def train_step(student, teacher, x_weak, x_strong, mask, a, micro=None, autocast=contextlib.nullcontext(),
+               scale=None, ddp=None):
+    """One ConMIM step on this process's B images; gradients are left in the student.
+
+    x_weak (B, 3, H, W): weak view -> student, its patches at mask (B, N) (1 = masked) replaced by [MASK];
+    x_strong (B, 3, H, W): strong view of the same crop -> teacher only, whole image, no mask, no grad.
+    The loss reads the student's features at the masked positions. Per image, so micro-batches
+    accumulate directly (BatchNorm statistics of the projectors are per micro-batch).
+    """
+    B = x_weak.shape[0]
+
+    def forward(sl, local):
+        with autocast:
+            s = student(x_weak[sl], mask[sl])                                  # (b, N, d)
+            with torch.no_grad():
+                t = teacher(x_strong[sl])                                      # (b, N, d), full image
+        loss = conmim_loss(s.float(), t.float(), mask[sl], a.tau) * (len(s) / B)   # share of the mean
+        return loss, None, {}
+
+    loss, _ = C.accumulate(forward, None, B, micro or B, scale, ddp)
+    return loss, {"loss": loss}
+
+
+# ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = C.setup(args, "conmim")
     dev = run.device
+    per, micro = C.batch_plan(args, run, 2048, "the loss is per image, so only the gradient noise and the "
+                              "lr / batch pairing of the recipe change")
     dataset = C.image_dataset(args.data, "train")
-    loader = C.make_loader(C.Views(dataset, WeakStrongViews(args), args.seed), args.batch_size, args.workers, args.seed)
+    loader = C.make_loader(C.Views(dataset, WeakStrongViews(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
 
     model = Net(args).to(dev)
     teacher = make_teacher(model)
+    C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
     start_epoch = C.resume_run(run, "conmim", args, model, opt, scaler, teacher)
     student, teacher_fwd = (torch.compile(model), torch.compile(teacher)) if args.compile else (model, teacher)
+    ddp = None
     if run.world > 1:
-        student = nn.parallel.DistributedDataParallel(student, device_ids=[dev] if dev.type == "cuda" else None)
-    log = C.Logger(run.out, total, args.batch_size * run.world, args.log_every, start_epoch * ipe)
-    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps")
+        student = ddp = nn.parallel.DistributedDataParallel(student, device_ids=[dev] if dev.type == "cuda" else None)
+    log = C.Logger(run.out, total, args.batch_size, args.log_every, start_epoch * ipe)
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute, for the "
+             "official global batch 2048; not rescaled)")
     grid = model.encoder.grid
 
     for epoch in range(start_epoch, args.stop_epoch or args.epochs):
@@ -204,20 +236,16 @@ def train(args):
             C.set_hparams(opt, lr)
             x_weak, x_strong = C.normalize(x_weak.to(dev, non_blocking=True)), C.normalize(x_strong.to(dev, non_blocking=True))
             _, _, mask = C.random_masking(x_weak.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
-            with run.autocast:
-                s = student(x_weak, mask)                                    # (B, N, d)
-                with torch.no_grad():
-                    t = teacher_fwd(x_strong)                                # (B, N, d), full image
-            loss = conmim_loss(s.float(), t.float(), mask, args.tau)
             opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+            loss, parts = train_step(student, teacher_fwd, x_weak, x_strong, mask, args, micro, run.autocast,
+                                     scaler.scale, ddp)
             if args.clip_grad:
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             scaler.step(opt)
             scaler.update()
             C.ema_update(teacher, model, m)
-            log.step(step + 1, epoch, {"loss": loss.detach()}, lr=lr, mom=m)
+            log.step(step + 1, epoch, parts, lr=lr, mom=m)
         C.save_run(run, "conmim", args, epoch + 1, (epoch + 1) * ipe, teacher.encoder, model, opt, scaler, teacher)
 
     C.knn_report(args, run, log, teacher.encoder, lambda: Net(args).encoder, "mean", "teacher encoder, mean patch token")

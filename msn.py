@@ -47,9 +47,9 @@ differs from both, and why:
     --gpu-aug path uses a 13-tap (+-3 sigma) kernel.
   - The official extra entropy term (weight 0 in every released config) is omitted.
 """
+import contextlib
 import copy
 import itertools
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -69,7 +69,7 @@ class Args(C.RunArgs):
     patch_size: int = 16
     img_size: int = field(default=224, metadata={"help": "target / random anchor view size"})
     epochs: int = 800
-    batch_size: int = field(default=64, metadata={"help": "per process (official 64 x 16 GPUs)"})
+    batch_size: int = field(default=1024, metadata={"help": "GLOBAL batch, all processes (official 64 x 16 GPUs)"})
     lr: float = field(default=1e-3, metadata={"help": "peak lr (not scaled with batch size)"})
     start_lr: float = field(default=2e-4, metadata={"help": "lr at the start of warm-up"})
     min_lr: float = 1e-6
@@ -137,11 +137,11 @@ class MSN(nn.Module):
 
     def forward(self, rand_views, focal_views, ids_keep):
         """rand_views (R*B, 3, S, S) masked by ids_keep, focal_views (F*B, 3, s, s) or None.
-        Returns anchor embeddings z (M*B, d), view-major, and the prototypes (so DDP sees them)."""
+        Returns anchor embeddings z (M*B, d), view-major."""
         z = [self.net(rand_views, ids_keep)]                          # head per resolution group
         if focal_views is not None:
             z.append(self.net(focal_views))
-        return torch.cat(z), self.prototypes
+        return torch.cat(z)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,13 +217,50 @@ class MultiView:
 
 
 # ----------------------------------------------------------------------------------------------
+# The training step: views -> networks -> loss, forward and backward
+# ----------------------------------------------------------------------------------------------
+def train_step(online, target, x_target, x_rand, x_focal, ids_keep, a, micro=None,
+               autocast=contextlib.nullcontext(), scale=None, ddp=None):
+    """One MSN step on this process's B images; gradients are left in the online parameters.
+
+    x_target (B, 3, S, S): the target view, seen ONLY by the target network f_theta_bar, unmasked,
+      without gradient;
+    x_rand (R, B, 3, S, S): random anchors, masked by ids_keep (R, B, n_keep) (kept patch indices);
+    x_focal (F, B, 3, s, s) or None: focal anchors, unmasked. Anchors go to the online network.
+    online: MSN (or its DDP / compiled wrapper); target: Net. micro: images per forward/backward
+    (Sinkhorn and ME-MAX stay over the whole batch, C.accumulate). Returns (loss, parts).
+    """
+    B = x_target.shape[0]
+    micro = micro or B
+    prototypes = C.unwrap(online).prototypes
+    with torch.no_grad(), autocast:                                    # p+ from the target view
+        z_plus = torch.cat([target(x_target[i:i + micro]) for i in range(0, B, micro)]).float()  # (B, d)
+
+    def forward(sl, local):
+        with autocast:
+            z = online(x_rand[:, sl].flatten(0, 1), x_focal[:, sl].flatten(0, 1) if x_focal is not None else None,
+                       ids_keep[:, sl].flatten(0, 1))                  # (M*b, d) view-major
+        b = ids_keep[:, sl].shape[1]
+        return None, z.float().view(-1, b, z.shape[-1]).transpose(0, 1), {}   # (b, M, d) image-major
+
+    def coupled(z):                                                    # z (B, M, d) -> (M*B, d) view-major
+        return msn_loss(z.transpose(0, 1).reshape(-1, z.shape[-1]), z_plus, prototypes.float(), a.tau,
+                        a.tau_plus, a.me_max_weight, a.sinkhorn_iters)
+
+    return C.accumulate(forward, coupled, B, micro, scale, ddp)
+
+
+# ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = C.setup(args, "msn")
     dev, R = run.device, args.rand_views
+    per, micro = C.batch_plan(args, run, 1024, f"Sinkhorn targets and the ME-MAX mean are statistics of the "
+                              f"global batch; with {args.batch_size} images against {args.num_prototypes} "
+                              "prototypes the targets flatten and the prototype marginal is noisier")
     dataset = C.image_dataset(args.data, "train")
-    loader = C.make_loader(C.Views(dataset, MultiView(args), args.seed), args.batch_size, args.workers, args.seed)
+    loader = C.make_loader(C.Views(dataset, MultiView(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
     sched = int(args.ipe_scale * total)                              # schedules over 1.25x, stop at 80%
@@ -232,17 +269,20 @@ def train(args):
     target = copy.deepcopy(model.net).requires_grad_(False)          # f_theta_bar: EMA of f_theta
     if run.world > 1 and dev.type == "cuda":
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
+    C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
     start_epoch = C.resume_run(run, "msn", args, model, opt, scaler, target)
     online, target_fwd = model, target
     if args.compile:
         online, target_fwd = torch.compile(model), torch.compile(target)
+    ddp = None
     if run.world > 1:
-        online = nn.parallel.DistributedDataParallel(online, device_ids=[dev] if dev.type == "cuda" else None)
-    log = C.Logger(run.out, total, args.batch_size * run.world, args.log_every, start_epoch * ipe)
-    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps "
-             f"({args.epochs} epochs; schedules span {sched}), {1 + R + args.focal_views} views/image")
+        online = ddp = nn.parallel.DistributedDataParallel(online, device_ids=[dev] if dev.type == "cuda" else None)
+    log = C.Logger(run.out, total, args.batch_size, args.log_every, start_epoch * ipe)
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps ({args.epochs} epochs; schedules span "
+             f"{sched}), {1 + R + args.focal_views} views/image; lr {args.start_lr:g} -> {args.lr:g} -> "
+             f"{args.min_lr:g} (absolute, not scaled with the batch, as official)")
 
     for epoch in range(start_epoch, args.stop_epoch or args.epochs):
         loader.sampler.set_epoch(epoch)
@@ -259,17 +299,13 @@ def train(args):
             if args.gpu_aug:                                          # same distribution, batched
                 views = [C.color_augment_batch(v) for v in views]
             views = [C.normalize(v) for v in views]
-            x_target, x_rand = views[0], torch.cat(views[1:1 + R])
-            x_focal = torch.cat(views[1 + R:]) if args.focal_views else None
-            ids_keep, _, _ = C.random_masking(x_rand.shape[0], model.net.encoder.grid, args.mask_ratio, device=dev)
-            with run.autocast:
-                z, prototypes = online(x_rand, x_focal, ids_keep)      # (M*B, d), (K, d)
-                with torch.no_grad():
-                    z_plus = target_fwd(x_target)                     # (B, d)
-            loss, parts = msn_loss(z.float(), z_plus.float(), prototypes.float(), args.tau,
-                                   args.tau_plus, args.me_max_weight, args.sinkhorn_iters)
+            x_target, x_rand = views[0], torch.stack(views[1:1 + R])  # (B, ...), (R, B, ...)
+            x_focal = torch.stack(views[1 + R:]) if args.focal_views else None
+            B = x_target.shape[0]
+            ids_keep, _, _ = C.random_masking(R * B, model.net.encoder.grid, args.mask_ratio, device=dev)
             opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+            loss, parts = train_step(online, target_fwd, x_target, x_rand, x_focal, ids_keep.view(R, B, -1), args,
+                                     micro, run.autocast, scaler.scale, ddp)
             if args.clip_grad:
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.net.parameters(), args.clip_grad)

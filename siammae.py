@@ -38,6 +38,7 @@ scale `--gap` accordingly (the paper samples from 30 fps Kinetics).
 Initialisation and weight decay follow MAE's code (xavier-uniform Linear and patch embedding;
 no decay on biases and 1-d tensors only, so cls / mask tokens are decayed).
 """
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -60,7 +61,8 @@ class Args(C.RunArgs):
     patch_size: int = 16
     img_size: int = 224
     epochs: int = field(default=400, metadata={"help": "effective epochs = passes over the videos x repeated-sampling"})
-    batch_size: int = field(default=64, metadata={"help": "videos per process per step (x repeated-sampling pairs)"})
+    batch_size: int = field(default=1024, metadata={"help": "GLOBAL videos per step, all processes (x repeated-sampling "
+                            "pairs: 1024 x 2 = the paper's 2048, read as pairs)"})
     repeated_sampling: int = 2
     lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global videos per step / 256)"})
     blr: float = 1.5e-4
@@ -273,6 +275,7 @@ class SiamMAE(nn.Module):
         else:
             self.blocks = nn.ModuleList(CrossSelfBlock(dd, a.decoder_heads, self.kind == "cross-self")
                                         for _ in range(a.decoder_depth))
+        self.grad_ckpt = False
         self.norm, self.pred = nn.LayerNorm(dd, eps=1e-6), nn.Linear(dd, p * p * 3)
         C.init_weights(self, "xavier")                                        # MAE: the whole model
         C.init_token(self.mask_token, "xavier")
@@ -283,14 +286,10 @@ class SiamMAE(nn.Module):
         h2 = C.restore_tokens(self.decoder_embed(self.encoder(f2, ids_keep)), self.mask_token, ids_restore)
         h2 = h2 + self.decoder_pos_embed                                                 # (B, 1+N, dd)
         if self.kind == "joint":
-            x = torch.cat([h1 + self.stream_embed, h2], dim=1)
-            for blk in self.blocks:
-                x = blk(x)
+            x = C.run_blocks(self.blocks, torch.cat([h1 + self.stream_embed, h2], dim=1), self.grad_ckpt)
             x = x[:, h1.shape[1]:]
         else:
-            x = h2
-            for blk in self.blocks:
-                x = blk(x, h1)
+            x = C.run_blocks(self.blocks, h2, self.grad_ckpt, h1)                      # f2 attends to f1
         return self.pred(self.norm(x))[:, 1:]
 
 
@@ -304,13 +303,39 @@ def siammae_loss(pred, target, mask):
 
 
 # ----------------------------------------------------------------------------------------------
+# The training step: frame pair -> network -> loss, forward and backward
+# ----------------------------------------------------------------------------------------------
+def train_step(net, f1, f2, ids_keep, ids_restore, mask, a, micro=None, autocast=contextlib.nullcontext(),
+               scale=None, ddp=None):
+    """One SiamMAE step on this process's P pairs; gradients are left in the network.
+
+    f1 (P, 3, S, S): the earlier frame, encoded whole (0% masked), read by the decoder as context;
+    f2 (P, 3, S, S): the later frame, encoded at ids_keep only; the loss reads the predictions at
+    f2's MASKED patches (mask (P, N), 1 = masked) against f2's own norm-pix patches. Per pair, so
+    micro-batches (micro pairs) accumulate directly.
+    """
+    P = f1.shape[0]
+    target = C.norm_pix(C.patchify(f2, a.patch_size))                      # (P, N, p*p*3)
+
+    def forward(sl, local):
+        with autocast:
+            pred = net(f1[sl], f2[sl], ids_keep[sl], ids_restore[sl])
+        return siammae_loss(pred.float(), target[sl], mask[sl]) * (len(pred) / P), None, {}
+
+    loss, _ = C.accumulate(forward, None, P, micro or P, scale, ddp)
+    return loss, {"loss": loss}
+
+
+# ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = C.setup(args, "siammae")
     dev = run.device
+    per, micro = C.batch_plan(args, run, 1024, "the loss is per pair, so only the gradient noise and the "
+                              "lr / batch pairing of the recipe change", unit="videos")
     dataset = video_dataset(args.data)
-    loader = C.make_loader(C.Views(dataset, FramePair(args), args.seed), args.batch_size, args.workers, args.seed)
+    loader = C.make_loader(C.Views(dataset, FramePair(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     R = args.repeated_sampling
     if args.epochs % R:
@@ -318,18 +343,20 @@ def train(args):
                           "make it a multiple of it")
     passes = args.epochs // R
     total = passes * ipe
-    videos = args.batch_size * run.world                               # MAE-ST: lr scales with videos
+    videos = args.batch_size                                           # MAE-ST: lr scales with videos
     pairs = videos * R
     lr = args.lr or args.blr * videos / 256
     warmup = round(args.warmup_epochs / R * ipe)
 
     model = SiamMAE(args).to(dev)
+    C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
     start_epoch = C.resume_run(run, "siammae", args, model, opt, scaler)
     net = torch.compile(model) if args.compile else model
+    ddp = None
     if run.world > 1:
-        net = nn.parallel.DistributedDataParallel(net, device_ids=[dev] if dev.type == "cuda" else None)
+        net = ddp = nn.parallel.DistributedDataParallel(net, device_ids=[dev] if dev.type == "cuda" else None)
     log = C.Logger(run.out, total, pairs, args.log_every, start_epoch * ipe)
     C.print0(f"{len(dataset)} videos, {args.epochs} effective epochs = {passes} passes of {ipe} steps, {total} steps, "
              f"{videos} videos = {pairs} pairs/step, lr {lr:.3g} (blr x {videos} videos / 256)")
@@ -345,21 +372,19 @@ def train(args):
             x = C.normalize(clips.to(dev, non_blocking=True).flatten(0, 1))    # (B*R, 2, 3, S, S)
             f1, f2 = x[:, 0], x[:, 1]
             ids_keep, ids_restore, mask = C.random_masking(f2.shape[0], grid, args.mask_ratio, device=dev)
-            with run.autocast:
-                pred = net(f1, f2, ids_keep, ids_restore)
-            target = C.norm_pix(C.patchify(f2, p))
-            loss = siammae_loss(pred.float(), target, mask)
             opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+            loss, parts = train_step(net, f1, f2, ids_keep, ids_restore, mask, args, micro * R, run.autocast,
+                                     scaler.scale, ddp)
             scaler.step(opt)
             scaler.update()
-            log.step(step + 1, epoch, {"loss": loss.detach()}, lr=opt.param_groups[0]["lr"])
+            log.step(step + 1, epoch, parts, lr=opt.param_groups[0]["lr"])
         C.save_run(run, "siammae", args, epoch + 1, (epoch + 1) * ipe, model.encoder, model, opt, scaler)
         n, m = min(8, f2.shape[0]), mask[:min(8, f2.shape[0]), :, None]      # f1 / masked f2 / predicted f2
+        with torch.no_grad(), run.autocast:
+            pred = model.eval()(f1[:n], f2[:n], ids_keep[:n], ids_restore[:n]).float()
         xp = C.patchify(f2[:n], p)
         C.save_image_grid(f"{run.out}/pairs_ep{epoch + 1:04d}.png", [
-            f1[:n], C.unpatchify(xp * (1 - m), p),
-            C.unpatchify(torch.where(m.bool(), C.unnorm_pix(pred[:n].detach().float(), xp), xp), p)])
+            f1[:n], C.unpatchify(xp * (1 - m), p), C.unpatchify(torch.where(m.bool(), C.unnorm_pix(pred, xp), xp), p)])
 
 
 if __name__ == "__main__":

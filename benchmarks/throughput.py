@@ -3,9 +3,9 @@
   python benchmarks/throughput.py --method all --model small --batch-size 64
   python benchmarks/throughput.py --method msn --model base --precision bf16 --compile
 
-Times the full step (forward, loss, backward, optimizer step, EMA) after warm-up, with the
-method's own model classes and loss functions and its default recipe (views, masking ratios,
-decoder sizes). Reports img/s (pairs/s for SiamMAE), peak CUDA memory, and on CUDA the model
+Times the full step (forward, loss, backward, optimizer step, EMA) after warm-up: each method's
+own train_step (its default recipe: views, masking ratios, decoder sizes; --micro-batch and
+--grad-ckpt as in training). Reports img/s (pairs/s for SiamMAE), peak CUDA memory, and on CUDA the model
 FLOPs utilisation against --peak-tflops.
 
 FLOP count (analytic, multiply-add = 2 FLOPs). A transformer block of width D on N tokens costs
@@ -15,6 +15,7 @@ QK^T + AV 2N^2D. Patch embedding: 2 N (3 p^2) D. A trained pass costs 3x its for
 layers; the optimizer and EMA are not counted.
 """
 import argparse
+import copy
 import os
 import sys
 import time
@@ -34,42 +35,41 @@ def lin(*dims):
 
 
 def setup(method, a, dev):
-    """Returns (step(), images per step, FLOPs per step) for the method's default recipe."""
+    """Returns (step(), images per step, FLOPs per step) for the method's default recipe; the step is
+    the method's own train_step (forward + backward, micro-batches, checkpointing) + AdamW + EMA."""
     import importlib
     mod = importlib.import_module(method)
-    args = mod.Args(data="synthetic", model=a.model, batch_size=a.batch_size)
+    args = mod.Args(data="synthetic", model=a.model, batch_size=a.batch_size, grad_ckpt=a.grad_ckpt)
     B, S, p = a.batch_size, args.img_size, args.patch_size
+    micro = a.micro_batch or B
     g = S // p
     D, depth, _ = C.SIZES[a.model]
     N = g * g
-    x = lambda n, s=S: torch.randn(n, 3, s, s, device=dev)                       # noqa: E731
+    x = lambda *n, s=S: torch.randn(*n, 3, s, s, device=dev)                     # noqa: E731
     amp = torch.autocast(dev.type, torch.bfloat16) if a.precision == "bf16" else torch.autocast(dev.type, enabled=False)
     comp = (lambda m: torch.compile(m)) if a.compile else (lambda m: m)
-    import copy
+    ema = None
     if method == "msn":
         model = mod.MSN(args).to(dev)
         target = copy.deepcopy(model.net).requires_grad_(False)
         fm, ft = comp(model), comp(target)
-        xt, xr, xf = x(B), x(B * args.rand_views), x(B * args.focal_views, args.focal_size)
+        R, F_ = args.rand_views, args.focal_views
+        xt, xr, xf = x(B), x(R, B), x(F_, B, s=args.focal_size)
         nk = int(N * (1 - args.mask_ratio))
         nf = (args.focal_size // p) ** 2
         head = lin(D, args.head_hidden, args.head_hidden, args.head_dim)
-        flops = 3 * (vit_flops(D, depth, nk + 1, p) * B * args.rand_views + vit_flops(D, depth, nf + 1, p) * B * args.focal_views
-                     + head * B * (args.rand_views + args.focal_views)) + (vit_flops(D, depth, N + 1, p) + head) * B
-
+        flops = 3 * (vit_flops(D, depth, nk + 1, p) * B * R + vit_flops(D, depth, nf + 1, p) * B * F_
+                     + head * B * (R + F_)) + (vit_flops(D, depth, N + 1, p) + head) * B
         if a.gpu_aug:                                                # uint8 views, colour on the device
             u8 = [torch.randint(0, 256, v.shape, dtype=torch.uint8, device=dev) for v in (xt, xr, xf)]
 
-        def loss():
+        def train_step():
             nonlocal xt, xr, xf
             if a.gpu_aug:
-                xt, xr, xf = (C.normalize(C.color_augment_batch(v)) for v in u8)
-            ids, _, _ = C.random_masking(xr.shape[0], g, args.mask_ratio, device=dev)
-            with amp:
-                z, q = fm(xr, xf, ids)
-                with torch.no_grad():
-                    zt = ft(xt)
-            return mod.msn_loss(z.float(), zt.float(), q.float())[0], lambda: C.ema_update(target, model.net, 0.996)
+                xt, xr, xf = (C.normalize(C.color_augment_batch(v.flatten(0, -4)).view(v.shape)) for v in u8)
+            ids, _, _ = C.random_masking(R * B, g, args.mask_ratio, device=dev)
+            mod.train_step(fm, ft, xt, xr, xf, ids.view(R, B, -1), args, micro, amp)
+        ema = lambda: C.ema_update(target, model.net, 0.996)        # noqa: E731
     elif method == "cmae":
         model = mod.CMAE(args).to(dev)
         target = mod.Target(model).to(dev)
@@ -79,48 +79,39 @@ def setup(method, a, dev):
         dd = args.decoder_dim
         proj = lin(D, args.proj_hidden, args.proj_dim)
         flops = 3 * B * (vit_flops(D, depth, nk + 1, p) + vit_flops(dd, args.decoder_depth + args.feature_decoder_depth, N + 1, 0)
-                         + (N + 1) * (lin(D, dd) + lin(dd, p * p * 3) + lin(dd, D)) + proj + lin(args.proj_dim, args.proj_hidden, args.proj_dim)) \
+                         + (N + 1) * (2 * lin(D, dd) + lin(dd, p * p * 3) + lin(dd, D)) + proj + lin(args.proj_dim, args.proj_hidden, args.proj_dim)) \
             + B * (vit_flops(D, depth, N + 1, p) + proj)
 
-        def loss():
+        def train_step():
             ids, rest, mask = C.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
-            with amp:
-                pred, u = fm(xs, ids, rest)
-                with torch.no_grad():
-                    v = ft(xt)
-            lr = mod.reconstruction_loss(pred.float(), C.norm_pix(C.patchify(xs, p)), mask)
-            return lr + mod.cmae_contrastive_loss(u.float(), v.float()), lambda: C.ema_update(target, target.online_params(model), 0.996)
+            mod.train_step(fm, ft, xs, xt, ids, rest, mask, args, micro, amp)
+        ema = lambda: C.ema_update(target, target.online_params(model), 0.996)   # noqa: E731
     elif method == "conmim":
         model = mod.Net(args).to(dev)
         teacher = mod.make_teacher(model)
         fm, ft = comp(model), comp(teacher)
         xw, xs = x(B), x(B)
-        proj = N * lin(D, args.proj_hidden, args.proj_hidden, args.proj_dim)
+        proj = (N + 1) * lin(D, args.proj_hidden, args.proj_hidden, args.proj_dim)
         flops = 3 * B * (vit_flops(D, depth, N + 1, p) + proj) + B * (vit_flops(D, depth, N + 1, p) + proj)
 
-        def loss():
+        def train_step():
             _, _, mask = C.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
-            with amp:
-                s = fm(xw, mask)
-                with torch.no_grad():
-                    t = ft(xs)
-            return mod.conmim_loss(s.float(), t.float(), mask), lambda: C.ema_update(teacher, model, 0.996)
+            mod.train_step(fm, ft, xw, xs, mask, args, micro, amp)
+        ema = lambda: C.ema_update(teacher, model, 0.996)            # noqa: E731
     elif method == "can":
         model = mod.CAN(args).to(dev)
         fm = comp(model)
-        xx = x(2 * B)
+        xx = x(2, B)
         nk = int(N * (1 - args.mask_ratio))
         dd = args.decoder_dim
         flops = 3 * 2 * B * (vit_flops(D, depth, nk + 1, p) + vit_flops(dd, args.decoder_depth, N + 1, 0)
                              + (N + 1) * (lin(D, dd) + lin(dd, p * p * 3)) + lin(D, args.proj_hidden, args.proj_dim))
 
-        def loss():
-            sig = torch.rand(2 * B, device=dev) * 0.05
-            noise = sig.view(-1, 1, 1, 1) * torch.randn_like(xx)
-            ids, rest, mask = C.random_masking(2 * B, g, args.mask_ratio, device=dev)
-            with amp:
-                pred, u = fm(xx + noise, sig, ids, rest)
-            return mod.can_loss(u[:B].float(), u[B:].float(), pred.float(), C.patchify(xx, p), C.patchify(noise, p), mask)[0], None
+        def train_step():
+            sig = torch.rand(2, B, device=dev) * args.sigma_max
+            noise = sig.view(2, B, 1, 1, 1) * torch.randn_like(xx)
+            ids, rest, mask = (t.view(2, B, -1) for t in C.random_masking(2 * B, g, args.mask_ratio, device=dev))
+            mod.train_step(fm, xx, sig, noise, ids, rest, mask, args, micro, amp)
     else:                                                                            # siammae: B pairs
         model = mod.SiamMAE(args).to(dev)
         fm = comp(model)
@@ -131,18 +122,16 @@ def setup(method, a, dev):
         flops = 3 * B * (vit_flops(D, depth, N + 1, p) + vit_flops(D, depth, nk + 1, p) + vit_flops(dd, L, N + 1, 0)
                          + cross + 2 * (N + 1) * lin(D, dd) + (N + 1) * lin(dd, p * p * 3))
 
-        def loss():
+        def train_step():
             ids, rest, mask = C.random_masking(B, g, args.mask_ratio, device=dev)
-            with amp:
-                pred = fm(f1, f2, ids, rest)
-            return mod.siammae_loss(pred.float(), C.norm_pix(C.patchify(f2, p)), mask), None
+            mod.train_step(fm, f1, f2, ids, rest, mask, args, micro, amp)
 
+    C.set_grad_checkpointing(model, a.grad_ckpt)
     opt = C.make_optimizer(model, 1e-4, 0.05, (0.9, 0.95), dev)
 
     def step():
-        l, ema = loss()
         opt.zero_grad(set_to_none=True)
-        l.backward()
+        train_step()
         opt.step()
         if ema:
             ema()
@@ -153,7 +142,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="all", help="msn|cmae|conmim|can|siammae|all")
     ap.add_argument("--model", default="small")
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=64, help="images (pairs for siammae) per step")
+    ap.add_argument("--micro-batch", type=int, default=0, help="images per forward/backward (0 = the batch)")
+    ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing of every block")
     ap.add_argument("--precision", default=None, help="bf16|fp32 (default bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--gpu-aug", action="store_true", help="msn: include the batched colour augmentation in the step")
@@ -168,8 +159,9 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     methods = ["msn", "cmae", "conmim", "can", "siammae"] if a.method == "all" else [a.method]
     name = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"device: {name}, torch {torch.__version__}, model {a.model}, batch {a.batch_size}, {a.precision}"
-          f"{', compile' if a.compile else ''}{', gpu-aug' if a.gpu_aug else ''}")
+    print(f"device: {name}, torch {torch.__version__}, model {a.model}, batch {a.batch_size}"
+          f"{f' (micro {a.micro_batch})' if a.micro_batch else ''}, {a.precision}{', compile' if a.compile else ''}"
+          f"{', grad-ckpt' if a.grad_ckpt else ''}{', gpu-aug' if a.gpu_aug else ''}")
     print("| method | img/s (pairs/s siammae) | step ms | peak mem GB | TFLOP/step | MFU |")
     print("|---|---|---|---|---|---|")
     for m in methods:
