@@ -34,12 +34,13 @@ Where this file follows the official code (ZhichengHuang/CMAE) rather than the p
     Linear init, BatchNorm eps 1e-6. Weight decay as official (paramwise custom_keys): none on
     biases, LayerNorms, pos_embed, mask and cls tokens; the heads' BatchNorm weights ARE decayed.
   - Masks are per image in 2x2-patch units (`--mask-unit 1` for per-patch MAE masking).
+  - The EMA target never applies drop path (official builds it with the backbone's settings;
+    identical at the recipe's drop_path 0), so its embeddings are deterministic in train mode.
   - BatchNorm in the heads is per process on CPU/gloo; on multi-GPU CUDA it is SyncBatchNorm
     (official: SyncBN).
   - bf16 autocast on GPU (official fp16 AMP; `--precision fp16` is available).
 """
 import contextlib
-import copy
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -154,8 +155,7 @@ class Target(nn.Module):
 
     def __init__(self, online):
         super().__init__()
-        self.encoder, self.projector = copy.deepcopy(online.encoder), copy.deepcopy(online.projector)
-        self.requires_grad_(False)
+        self.encoder, self.projector = C.frozen_copy(online.encoder), C.frozen_copy(online.projector)
 
     def forward(self, x):
         z_t = self.encoder(x, norm=False)[:, 1:].mean(1)                      # (B, D)

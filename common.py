@@ -330,6 +330,18 @@ def save_image_grid(path, rows):
 # ----------------------------------------------------------------------------------------------
 # EMA, schedules, optimiser
 # ----------------------------------------------------------------------------------------------
+def frozen_copy(module):
+    """EMA target / teacher: a deep copy without gradients and with drop path off in every block, so
+    that its outputs are deterministic in train mode (DINO / iBOT teachers; BatchNorm stays in train
+    mode where a method wants batch statistics)."""
+    import copy
+    target = copy.deepcopy(module).requires_grad_(False)
+    for m in target.modules():
+        if isinstance(m, Block):
+            m.drop_path = 0.0
+    return target
+
+
 @torch.no_grad()
 def ema_update(target, online, m):
     """theta_t <- m * theta_t + (1 - m) * theta_o for every parameter (buffers are not touched)."""

@@ -42,7 +42,6 @@ Where this file follows the official code (TencentARC/ConMIM) rather than the pa
   - bf16 autocast on GPU (official: fp16 AMP, `--precision fp16` is available); the loss runs in fp32.
 """
 import contextlib
-import copy
 import itertools
 from dataclasses import dataclass, field
 
@@ -123,10 +122,7 @@ class Net(nn.Module):
 
 def make_teacher(model):
     """EMA teacher: a copy of the student with drop path off, so its targets are deterministic."""
-    teacher = copy.deepcopy(model).requires_grad_(False)
-    for blk in teacher.encoder.blocks:
-        blk.drop_path = 0.0
-    return teacher
+    return C.frozen_copy(model)
 
 
 def no_decay(name, p):

@@ -34,6 +34,8 @@ differs from both, and why:
     BatchNorm statistics are per group, as the official forward does. SyncBN under multi-GPU CUDA;
     with gloo on CPU BN statistics stay per process (SyncBN has no CPU kernel).
   - Focal views are not patch-masked (official: patch_drop applies to the first group only).
+  - The target network never applies drop path (official deep-copies the encoder; identical at
+    the recipe's drop_path 0), so its targets are deterministic in train mode.
   - Masks are drawn per image (official: one permutation per GPU batch). Same ratio, same count.
   - Weight decay as official: every weight but biases, 1-d tensors and the prototypes (pos-embed
     and cls token are decayed).
@@ -48,7 +50,6 @@ differs from both, and why:
   - The official extra entropy term (weight 0 in every released config) is omitted.
 """
 import contextlib
-import copy
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -266,7 +267,7 @@ def train(args):
     sched = int(args.ipe_scale * total)                              # schedules over 1.25x, stop at 80%
 
     model = MSN(args).to(dev)                                        # seeded in setup: same on all ranks
-    target = copy.deepcopy(model.net).requires_grad_(False)          # f_theta_bar: EMA of f_theta
+    target = C.frozen_copy(model.net)                                # f_theta_bar: EMA of f_theta, no drop path
     if run.world > 1 and dev.type == "cuda":
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
     C.set_grad_checkpointing(model, args.grad_ckpt)

@@ -1,0 +1,167 @@
+"""The training step of every method under the global-batch machinery: k accumulated micro-batches
+give the loss and every parameter's gradient of one step at the whole batch (batch-coupled terms
+included, via the gradient cache), activation checkpointing changes nothing (drop path included),
+and 2 processes x k micro-batches equal 1 process. BatchNorm layers are put in eval mode, where
+their output does not depend on how the batch is split (in training their statistics are per
+micro-batch, as each docstring says)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import can
+import cmae
+import common as C
+import conmim
+import msn
+import siammae
+from ddp import spawn
+from test_can import tiny_args as can_args
+from test_cmae import tiny_args as cmae_args
+from test_conmim import tiny_args as conmim_args
+from test_msn import tiny_args as msn_args
+from test_siammae import tiny_args as siammae_args
+
+METHODS = ["msn", "cmae", "conmim", "can", "siammae"]
+B = 8
+
+
+def bn_eval(*modules):
+    for mod in modules:
+        for m in mod.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+
+
+def case(method, drop_path=0.0, grad_ckpt=False):
+    """(online model, step(net, rows, micro, ddp) -> (loss, parts)) on fixed random inputs of B samples;
+    rows: which samples this process holds."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = lambda *s: torch.randn(*s, generator=g)                                # noqa: E731
+    if method == "msn":
+        a = msn_args("/tmp/unused", drop_path=drop_path)
+        model = msn.MSN(a)
+        target = copy.deepcopy(model.net).requires_grad_(False)
+        bn_eval(model, target)
+        xt, xr, xf = x(B, 3, 16, 16), x(1, B, 3, 16, 16), x(2, B, 3, 8, 8)
+        ids = C.random_masking(B, 4, 0.15)[0].view(1, B, -1)
+        step = lambda net, r, micro, ddp: msn.train_step(net, target, xt[r], xr[:, r], xf[:, r], ids[:, r], a,  # noqa: E731
+                                                         micro, ddp=ddp)
+    elif method == "cmae":
+        a = cmae_args("/tmp/unused", drop_path=drop_path)
+        model = cmae.CMAE(a)
+        target = cmae.Target(model)
+        bn_eval(model, target)
+        xs, xt = x(B, 3, 16, 16), x(B, 3, 16, 16)
+        ids, rest, mask = C.random_masking(B, 4, 0.5, 2)
+        step = lambda net, r, micro, ddp: cmae.train_step(net, target, xs[r], xt[r], ids[r], rest[r], mask[r], a,  # noqa: E731
+                                                          micro, ddp=ddp)
+    elif method == "conmim":
+        a = conmim_args("/tmp/unused", drop_path=drop_path)
+        model = conmim.Net(a)
+        teacher = conmim.make_teacher(model)
+        bn_eval(model, teacher)
+        xw, xs = x(B, 3, 16, 16), x(B, 3, 16, 16)
+        mask = C.random_masking(B, 4, 0.75, 2)[2]
+        step = lambda net, r, micro, ddp: conmim.train_step(net, teacher, xw[r], xs[r], mask[r], a, micro, ddp=ddp)  # noqa: E731
+    elif method == "can":
+        a = can_args("/tmp/unused", drop_path=drop_path)
+        model = can.CAN(a)
+        bn_eval(model)
+        xx, sigma = x(2, B, 3, 16, 16), 0.05 * torch.rand(2, B, generator=g)
+        noise = sigma.view(2, B, 1, 1, 1) * x(2, B, 3, 16, 16)
+        ids, rest, mask = (t.view(2, B, -1) for t in C.random_masking(2 * B, 4, 0.5))
+        step = lambda net, r, micro, ddp: can.train_step(net, xx[:, r], sigma[:, r], noise[:, r], ids[:, r],  # noqa: E731
+                                                         rest[:, r], mask[:, r], a, micro, ddp=ddp)
+    else:
+        a = siammae_args(drop_path=drop_path)
+        model = siammae.SiamMAE(a)
+        f1, f2 = x(B, 3, 16, 16), x(B, 3, 16, 16)
+        ids, rest, mask = C.random_masking(B, 4, 0.95)
+        step = lambda net, r, micro, ddp: siammae.train_step(net, f1[r], f2[r], ids[r], rest[r], mask[r], a,  # noqa: E731
+                                                             micro, ddp=ddp)
+    C.set_grad_checkpointing(model, grad_ckpt)
+    return model, step
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run(method, micro, seed=0, **kw):
+    model, step = case(method, **kw)
+    torch.manual_seed(seed)                                  # drop-path draws
+    loss, parts = step(model, slice(None), micro, None)
+    return loss, parts, grads(model)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_k_micro_batches_equal_one_step(method):
+    loss1, parts1, g1 = run(method, B)
+    loss2, parts2, g2 = run(method, B // 4)                  # 4 micro-batches of 2
+    torch.testing.assert_close(loss2, loss1, rtol=1e-5, atol=1e-6)
+    assert set(parts1) == set(parts2)
+    for k in parts1:
+        torch.testing.assert_close(torch.as_tensor(parts2[k]).float(), torch.as_tensor(parts1[k]).float(), rtol=1e-5, atol=1e-6)
+    assert set(g1) == set(g2) and len(g1) > 0
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_activation_checkpointing_changes_nothing_with_drop_path(method):
+    for micro in (B, B // 2):                                # also inside the gradient cache's replay
+        loss1, _, g1 = run(method, micro, drop_path=0.3)
+        loss2, _, g2 = run(method, micro, drop_path=0.3, grad_ckpt=True)
+        torch.testing.assert_close(loss2, loss1, rtol=1e-6, atol=1e-7)
+        for n in g1:
+            torch.testing.assert_close(g2[n], g1[n], rtol=1e-5, atol=1e-7, msg=n)
+    loss3, _, _ = run(method, B, seed=1, drop_path=0.3)      # drop path is active: another draw differs
+    assert not torch.allclose(loss3, loss1)
+
+
+def _ddp_worker(rank, world, method):
+    model, step = case(method)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    b = B // world
+    loss, _ = step(ddp, slice(rank * b, (rank + 1) * b), b // 2, ddp)   # 2 micro-batches per process
+    return loss, grads(model)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_two_processes_with_micro_batches_equal_one_process(method):
+    loss1, _, g1 = run(method, B)
+    res = spawn(_ddp_worker, method)
+    torch.testing.assert_close(sum(r[0] for r in res) / len(res), loss1, rtol=1e-5, atol=1e-6)
+    for n in g1:
+        torch.testing.assert_close(res[0][1][n], g1[n], rtol=1e-4, atol=1e-6, msg=n)
+        torch.testing.assert_close(res[1][1][n], g1[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_gradient_cache_replays_each_micro_batch_random_draws():
+    """A random draw inside forward (like drop path): the replayed micro-batches must see the draws of
+    the embedding pass, so loss and gradient equal one pass over the same draws."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3)
+    x = torch.randn(8, 4)
+
+    def forward(sl, local):
+        keep = (torch.rand(len(x[sl]), 1) > 0.5).float()          # one draw per micro-batch
+        e = lin(x[sl]) * keep
+        return (e ** 2).sum() / 8, e, {}
+
+    def coupled(E):                                                  # couples all rows
+        return (E.sum(0) ** 2).sum(), {}
+
+    torch.manual_seed(1)
+    loss, _ = C.accumulate(forward, coupled, 8, 2)
+    g = lin.weight.grad.clone()
+    lin.zero_grad()
+    torch.manual_seed(1)                                             # the same draws, one pass
+    outs = [forward(slice(i, i + 2), True) for i in range(0, 8, 2)]
+    ref = sum(o[0] for o in outs) + coupled(torch.cat([o[1] for o in outs]))[0]
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(g, lin.weight.grad)
