@@ -8,10 +8,12 @@ only the visible patches. (C) its mean-pooled, projected output is contrasted ac
 it predicts the added noise sigma e, told the noise level through an embedding added to every
 decoder token. Total: 0.03 L_InfoNCE + 0.67 L_rec + 0.3 L_denoise.
 
-Launch.
+Launch. `--batch-size` is the GLOBAL batch of images, 2 views each (paper: 4096); each process
+takes batch / processes images in micro-batches of --micro-batch (default 256, an estimate of what
+fits in 80 GB; README) and the step is exact: InfoNCE stays over the global 2 x batch views.
   python can.py --data synthetic                        # CPU quickstart, ~5 min, ends with k-NN
-  python can.py --data /imagenet                        # ViT-B/16, one GPU
-  torchrun --nproc_per_node=8 can.py --data /imagenet   # 8 GPUs (--batch-size is per GPU)
+  python can.py --data /imagenet                        # ViT-B/16 paper recipe on 1 GPU: 16 x 256
+  torchrun --nproc_per_node=8 can.py --data /imagenet   # the same objective on 8 GPUs: 8 x (2 x 256)
 
 Paper -> code (follows the paper).
   Two views, independent 50% masks ............ TwoViews, C.random_masking per view
@@ -36,6 +38,8 @@ Where this file follows the paper rather than the official code, and other diffe
     token together with the visible tokens.
   - Projector Linear(D,4096)-BN-ReLU-Linear(4096,256) (SimCLR-style, our choice); official is
     Linear(D,D)-ReLU-Linear(D,128) without BN.
+  - BatchNorm scope (our projector; official has none): one micro-batch, across processes with
+    SyncBN on multi-GPU CUDA.
   - sigma is in ImageNet-normalised units, as official: sigma_max 0.05 is about 0.05 x 0.226 =
     0.011 of the [0, 1] pixel range, i.e. about 3/255.
   - blr 1.5e-4 (MAE's); the official README recipe uses blr 2.5e-4 (`--blr 2.5e-4`).
@@ -68,6 +72,8 @@ class Args(C.RunArgs):
     img_size: int = 224
     epochs: int = 800
     batch_size: int = field(default=4096, metadata={"help": "GLOBAL batch of images (2 views each), all processes (paper 4096)"})
+    micro_batch: int = field(default=256, metadata={"help": "images per forward/backward per process (estimate of "
+                             "what fits in 80 GB; 0 = the whole per-process batch); the step stays exact"})
     lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global batch / 256)"})
     blr: float = 1.5e-4
     min_lr: float = 0.0

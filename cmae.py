@@ -7,10 +7,12 @@ mask tokens into a pooled image feature that, after a projector and predictor, m
 EMA target encoder's embedding of a slightly shifted, colour-augmented view of the same image
 among the other images of the global batch (InfoNCE).
 
-Launch.
+Launch. `--batch-size` is the GLOBAL batch (recipe: 4096 = official 256 x 16 GPUs); each process
+takes batch / processes images in micro-batches of --micro-batch (default 512, an estimate of what
+fits in 80 GB; README) and the step is exact: InfoNCE stays over the global batch.
   python cmae.py --data synthetic                        # CPU quickstart, ~5 min, ends with k-NN
-  python cmae.py --data /imagenet                        # ViT-B/16 official recipe, one GPU
-  torchrun --nproc_per_node=8 cmae.py --data /imagenet   # 8 GPUs (--batch-size is per GPU)
+  python cmae.py --data /imagenet                        # ViT-B/16 official recipe on 1 GPU: 8 x 512
+  torchrun --nproc_per_node=8 cmae.py --data /imagenet   # the same objective on 8 GPUs: 8 x 512
 
 Paper -> code.
   Pixel-shifted view pair, Sec 3.3 ......... PixelShiftViews
@@ -33,6 +35,9 @@ Where this file follows the official code (ZhichengHuang/CMAE) rather than the p
     embedding, normal(0.02) cls / mask tokens); projector and predictor keep PyTorch's default
     Linear init, BatchNorm eps 1e-6. Weight decay as official (paramwise custom_keys): none on
     biases, LayerNorms, pos_embed, mask and cls tokens; the heads' BatchNorm weights ARE decayed.
+  - BatchNorm scope: projector / predictor (and the target projector) normalise over one
+    micro-batch, across processes with SyncBN on multi-GPU CUDA; official SyncBN spans the 4096
+    global images. Equal when micro-batch x processes = the global batch (8 GPUs x 512).
   - Masks are per image in 2x2-patch units (`--mask-unit 1` for per-patch MAE masking).
   - The EMA target never applies drop path (official builds it with the backbone's settings;
     identical at the recipe's drop_path 0), so its embeddings are deterministic in train mode.
@@ -63,6 +68,8 @@ class Args(C.RunArgs):
     master_size: int = field(default=256, metadata={"help": "master crop; target shift is 0..master-img-1 px"})
     epochs: int = 300
     batch_size: int = field(default=4096, metadata={"help": "GLOBAL batch, all processes (official 256 x 16 GPUs)"})
+    micro_batch: int = field(default=512, metadata={"help": "images per forward/backward per process (estimate of "
+                             "what fits in 80 GB; 0 = the whole per-process batch); the step stays exact"})
     lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global batch / 256)"})
     blr: float = 1.5e-4
     min_lr: float = 0.0

@@ -7,10 +7,12 @@ feature must pick out the momentum teacher's feature of the same patch of the fu
 all the teacher's patch features of that image (a per-image, patch-level InfoNCE "dictionary").
 The teacher gets a strongly augmented view, the student a weakly augmented one.
 
-Launch.
+Launch. `--batch-size` is the GLOBAL batch (recipe: 2048, official); each process takes
+batch / processes images in micro-batches of --micro-batch (default 256, an estimate of what fits
+in 80 GB; README). The loss is per image, so accumulation is exact by construction.
   python conmim.py --data synthetic                       # CPU quickstart, ~5 min, ends with k-NN
-  python conmim.py --data /imagenet                       # ViT-B/16, one GPU
-  torchrun --nproc_per_node=8 conmim.py --data /imagenet  # 8 GPUs (--batch-size is per GPU)
+  python conmim.py --data /imagenet                       # ViT-B/16 recipe on 1 GPU: 8 x 256
+  torchrun --nproc_per_node=8 conmim.py --data /imagenet  # the same objective on 8 GPUs: 8 x 256
 
 Paper -> code.
   Corrupted input x^ (masked patches -> [MASK]) ... Net.mask_token, C.ViT.forward(mask=, mask_token=)
@@ -28,6 +30,9 @@ Where this file follows the official code (TencentARC/ConMIM) rather than the pa
     process. Official training uses plain (per-GPU) BatchNorm here too, so under DDP the statistics
     are per process in both; the DDP equivalence test therefore checks the loss, which has no
     cross-rank term.
+  - BatchNorm scope under --micro-batch: statistics over one micro-batch of one process (micro x
+    (1+N) tokens); official: one GPU's 128 images. Equal at the official 16 GPUs x 128; on 8 GPUs
+    with the default micro-batch 256 they span 256 images.
   - Teacher: an EMA copy of encoder + projector with drop path switched off whatever --drop-path
     says (DINO / iBOT teachers), so its targets are deterministic in train mode. Official deep-copies
     the student; with its pre-training drop_path 0 (our default too) the two agree.
@@ -62,6 +67,8 @@ class Args(C.RunArgs):
     img_size: int = 224
     epochs: int = 800
     batch_size: int = field(default=2048, metadata={"help": "GLOBAL batch, all processes (official 2048)"})
+    micro_batch: int = field(default=256, metadata={"help": "images per forward/backward per process (estimate of "
+                             "what fits in 80 GB; 0 = the whole per-process batch); the step stays exact"})
     lr: float = field(default=7.5e-4, metadata={"help": "absolute peak lr (not scaled with batch)"})
     min_lr: float = 1e-5
     warmup_epochs: int = 10

@@ -7,10 +7,13 @@ learnable prototypes, must predict the prototype assignment of the target view m
 copy of the network, sharpened and balanced with Sinkhorn. A mean-entropy-maximisation term
 (ME-MAX) keeps all prototypes in use. Only the online (anchor) branch receives gradients.
 
-Launch.
+Launch. `--batch-size` is the GLOBAL batch (recipe: 1024 = official 64 x 16 GPUs); each process
+takes batch / processes images in micro-batches of --micro-batch (default 256, an estimate of what
+fits in 80 GB; README) and the step is exact: Sinkhorn and ME-MAX stay over the global batch.
   python msn.py --data synthetic                       # CPU quickstart, ~5 min, ends with k-NN
-  python msn.py --data /imagenet                       # ViT-S/16 official recipe, one GPU
-  torchrun --nproc_per_node=8 msn.py --data /imagenet  # 8 GPUs (batch 64 per GPU)
+  python msn.py --data /imagenet                       # ViT-S/16 official recipe on 1 GPU: 4 x 256
+  torchrun --nproc_per_node=8 msn.py --data /imagenet  # the same objective on 8 GPUs: 8 x 128
+  python msn.py --data /imagenet --grad-ckpt --micro-batch 1024   # 1 GPU, one micro-batch
 
 Paper -> code.
   Views x+ (target), x_1..x_M (anchors), Sec 3.1 .... MultiView (data section)
@@ -33,6 +36,10 @@ differs from both, and why:
   - The projection head is applied per resolution group (224 px views, then focal views), so its
     BatchNorm statistics are per group, as the official forward does. SyncBN under multi-GPU CUDA;
     with gloo on CPU BN statistics stay per process (SyncBN has no CPU kernel).
+  - BatchNorm scope: the head's statistics are over one micro-batch of one resolution group,
+    across processes with SyncBN on multi-GPU CUDA (micro-batch x processes images); official
+    (SyncBN, 16 GPUs x 64) normalises over the 1024 global images. Equal when one micro-batch per
+    process holds the global batch share (e.g. 8 GPUs x 128, or --micro-batch 0 with --grad-ckpt).
   - Focal views are not patch-masked (official: patch_drop applies to the first group only).
   - The target network never applies drop path (official deep-copies the encoder; identical at
     the recipe's drop_path 0), so its targets are deterministic in train mode.
@@ -71,6 +78,8 @@ class Args(C.RunArgs):
     img_size: int = field(default=224, metadata={"help": "target / random anchor view size"})
     epochs: int = 800
     batch_size: int = field(default=1024, metadata={"help": "GLOBAL batch, all processes (official 64 x 16 GPUs)"})
+    micro_batch: int = field(default=256, metadata={"help": "images per forward/backward per process (estimate of "
+                             "what fits in 80 GB; 0 = the whole per-process batch); the step stays exact"})
     lr: float = field(default=1e-3, metadata={"help": "peak lr (not scaled with batch size)"})
     start_lr: float = field(default=2e-4, metadata={"help": "lr at the start of warm-up"})
     min_lr: float = 1e-6

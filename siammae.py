@@ -6,10 +6,13 @@ masked), f2 with 95% of its patches dropped. A decoder predicts f2's missing pat
 tokens can only learn where things went by cross-attending to f1's tokens, which teaches the
 encoder correspondence (evaluated by label propagation, eval_video.py).
 
-Launch.
+Launch. `--batch-size` is the GLOBAL number of videos per step (default 1024 videos x R = 2
+pairs = 2048 pairs, the paper's batch 2048 read as frame pairs); each process takes batch /
+processes videos in micro-batches of --micro-batch videos (default 256, an estimate of what fits in
+80 GB; README). The loss is per pair, so accumulation is exact by construction.
   python siammae.py --data synthetic                          # CPU quickstart, ~6 min
-  python siammae.py --data /kinetics_frames                   # ViT-S/16, one GPU
-  torchrun --nproc_per_node=8 siammae.py --data /kinetics_frames
+  python siammae.py --data /kinetics_frames                   # ViT-S/16 ablation recipe on 1 GPU: 4 x 256 videos
+  torchrun --nproc_per_node=8 siammae.py --data /kinetics_frames   # the same objective on 8 GPUs: 8 x 128
 
 --data DIR: a directory of videos, each a folder of frames (JPEG/PNG, sorted by file name), found
 at any depth (DAVIS `JPEGImages/480p/<video>/`, Kinetics frame folders, ...).
@@ -35,6 +38,7 @@ Decoder 4 blocks x 256 wide x 8 heads: CropMAE's ViT-S setting (the paper states
 other settings follow MAE, whose decoder is 8 x 512; `--decoder-depth 8 --decoder-dim 512`).
 The frame gap 4..48 counts stored frames: for frame dumps sub-sampled from the video's frame rate,
 scale `--gap` accordingly (the paper samples from 30 fps Kinetics).
+No BatchNorm anywhere, so micro-batches and processes change nothing but float rounding.
 Initialisation and weight decay follow MAE's code (xavier-uniform Linear and patch embedding;
 no decay on biases and 1-d tensors only, so cls / mask tokens are decayed).
 """
@@ -63,6 +67,8 @@ class Args(C.RunArgs):
     epochs: int = field(default=400, metadata={"help": "effective epochs = passes over the videos x repeated-sampling"})
     batch_size: int = field(default=1024, metadata={"help": "GLOBAL videos per step, all processes (x repeated-sampling "
                             "pairs: 1024 x 2 = the paper's 2048, read as pairs)"})
+    micro_batch: int = field(default=256, metadata={"help": "videos per forward/backward per process (estimate of "
+                             "what fits in 80 GB; 0 = the whole per-process batch); the step stays exact"})
     repeated_sampling: int = 2
     lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global videos per step / 256)"})
     blr: float = 1.5e-4
