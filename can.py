@@ -51,7 +51,6 @@ Where this file follows the paper rather than the official code, and other diffe
     add_weight_decay), so cls and mask tokens are decayed.
 """
 import contextlib
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -253,7 +252,7 @@ def train(args):
     dev = run.device
     per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {2 * args.batch_size - 2} negatives per view "
                               "instead of 8190")
-    dataset = C.image_dataset(args.data, "train")
+    dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
     loader = C.make_loader(C.Views(dataset, TwoViews(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
@@ -265,21 +264,21 @@ def train(args):
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
-    start_epoch = C.resume_run(run, "can", args, model, opt, scaler)
+    start = C.resume_run(run, "can", args, model, opt, scaler)                # global step
     net = torch.compile(model) if args.compile else model
     ddp = None
     if run.world > 1:
         net = ddp = nn.parallel.DistributedDataParallel(net, device_ids=[dev] if dev.type == "cuda" else None)
-    log = C.Logger(run.out, total, args.batch_size, args.log_every, start_epoch * ipe)
+    log = C.Logger(run, total, args.batch_size, args.log_every, start)
+    save = lambda s: C.save_run(run, "can", args, s // ipe, s, model.encoder, model, opt, scaler)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
              + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"))
     p, grid = args.patch_size, model.encoder.grid
 
-    for epoch in range(start_epoch, args.stop_epoch or args.epochs):
-        loader.sampler.set_epoch(epoch)
-        C.seed_epoch(args.seed, epoch, run.rank)
+    for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train()
-        for it, ((v1, v2), _) in enumerate(itertools.islice(loader, ipe)):
+        bad0 = C.bad_reads(dataset)
+        for it, ((v1, v2), _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             x = C.normalize(torch.stack([v1, v2]).to(dev, non_blocking=True))   # (2, B, 3, H, W), clean
@@ -290,10 +289,16 @@ def train(args):
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, args, micro, run.autocast,
                                      scaler.scale, ddp)
+            parts["grad_norm"] = C.clip_grads(model.parameters(), 0, scaler, opt)   # MAE recipe: no clipping
             scaler.step(opt)
             scaler.update()
-            log.step(step + 1, epoch, parts, lr=opt.param_groups[0]["lr"])
-        C.save_run(run, "can", args, epoch + 1, (epoch + 1) * ipe, model.encoder, model, opt, scaler)
+            run.guard.update(step + 1, parts, scaler)                    # non-finite watch, no host sync
+            bad = C.check_unreadable(dataset, (it + 1) * per, bad0, args.max_unreadable)
+            log.step(step + 1, epoch, parts, lr=opt.param_groups[0]["lr"], bad_images=bad)
+            if C.step_end(run, step + 1, save):                          # preempted / --stop-step
+                return
+        C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
+        save((epoch + 1) * ipe)
         n, m = min(8, B), mask[0, :min(8, B), :, None]                        # clean / noisy+masked input /
         with torch.no_grad(), run.autocast:                                  # reconstruction / noise / sigma_max
             pr = model.eval()(x[0, :n] + noise[0, :n], sigma[0, :n], ids_keep[0, :n], ids_restore[0, :n])[0].float()

@@ -46,7 +46,6 @@ Where this file follows the official code (ZhichengHuang/CMAE) rather than the p
   - bf16 autocast on GPU (official fp16 AMP; `--precision fp16` is available).
 """
 import contextlib
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -264,7 +263,7 @@ def train(args):
     dev = run.device
     per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {args.batch_size - 1} negatives per image instead "
                               "of 4095")
-    dataset = C.image_dataset(args.data, "train")
+    dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
     loader = C.make_loader(C.Views(dataset, PixelShiftViews(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
@@ -277,21 +276,21 @@ def train(args):
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev, no_decay_rule(model))
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
-    start_epoch = C.resume_run(run, "cmae", args, model, opt, scaler, target)
+    start = C.resume_run(run, "cmae", args, model, opt, scaler, target)       # global step
     online, target_fwd = (torch.compile(model), torch.compile(target)) if args.compile else (model, target)
     ddp = None
     if run.world > 1:
         online = ddp = nn.parallel.DistributedDataParallel(online, device_ids=[dev] if dev.type == "cuda" else None)
-    log = C.Logger(run.out, total, args.batch_size, args.log_every, start_epoch * ipe)
+    log = C.Logger(run, total, args.batch_size, args.log_every, start)
+    save = lambda s: C.save_run(run, "cmae", args, s // ipe, s, model.encoder, model, opt, scaler, target)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
              + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"))
     p, grid = args.patch_size, model.encoder.grid
 
-    for epoch in range(start_epoch, args.stop_epoch or args.epochs):
-        loader.sampler.set_epoch(epoch)
-        C.seed_epoch(args.seed, epoch, run.rank)
+    for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), target.train()
-        for it, ((x_s, x_t, _), _) in enumerate(itertools.islice(loader, ipe)):
+        bad0 = C.bad_reads(dataset)
+        for it, ((x_s, x_t, _), _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             x_s, x_t = C.normalize(x_s.to(dev, non_blocking=True)), C.normalize(x_t.to(dev, non_blocking=True))
@@ -299,11 +298,17 @@ def train(args):
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(online, target_fwd, x_s, x_t, ids_keep, ids_restore, mask, args, micro,
                                      run.autocast, scaler.scale, ddp)
+            parts["grad_norm"] = C.clip_grads(model.parameters(), 0, scaler, opt)   # official: no clipping
             scaler.step(opt)
             scaler.update()
             C.ema_update(target, target.online_params(model), args.ema)
-            log.step(step + 1, epoch, parts, lr=opt.param_groups[0]["lr"])
-        C.save_run(run, "cmae", args, epoch + 1, (epoch + 1) * ipe, model.encoder, model, opt, scaler, target)
+            run.guard.update(step + 1, parts, scaler)                    # non-finite watch, no host sync
+            bad = C.check_unreadable(dataset, (it + 1) * per, bad0, args.max_unreadable)
+            log.step(step + 1, epoch, parts, lr=opt.param_groups[0]["lr"], bad_images=bad)
+            if C.step_end(run, step + 1, save):                          # preempted / --stop-step
+                return
+        C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
+        save((epoch + 1) * ipe)
         n = min(8, x_s.shape[0])                                              # original / masked / recon
         with torch.no_grad(), run.autocast:
             pred = model.eval()(x_s[:n], ids_keep[:n], ids_restore[:n])[0].float()

@@ -8,6 +8,7 @@ monitor. Read top to bottom; every method file imports it as `import common as C
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -386,6 +387,13 @@ def param_ids(model, types):
     return {id(p) for m in model.modules() if isinstance(m, types) for p in m.parameters(recurse=False)}
 
 
+def clip_grads(params, max_norm, scaler, optimizer):
+    """Unscale (fp16) and clip the gradients to max_norm (0 = no clipping); returns the total norm
+    as a device tensor (the non-finite guard watches it; no host sync)."""
+    scaler.unscale_(optimizer)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
+
+
 def set_hparams(optimizer, lr, weight_decay=None):
     for g in optimizer.param_groups:
         g["lr"] = lr
@@ -683,9 +691,15 @@ class SyntheticImages(torch.utils.data.Dataset):
 
 
 class ImageFiles(torch.utils.data.Dataset):
-    """Images under a directory: class = first-level sub-folder (ImageFolder), or one class if flat."""
+    """Images under a directory: class = first-level sub-folder (ImageFolder), or one class if flat.
 
-    def __init__(self, root):
+    skip_unreadable: an image that cannot be decoded is replaced by the next readable one (index
+    i+1, i+2, ...: deterministic, so resume stays exact), each bad path is reported once per
+    process, and the count of bad reads is kept in `bad` (shared with forked DataLoader workers);
+    train() stops if more than --max-unreadable of the images read are bad. Without it (evaluation),
+    an unreadable image is an error."""
+
+    def __init__(self, root, skip_unreadable=False):
         if not os.path.isdir(root):
             raise UserError(f"--data {root}: no such directory (give an image folder or 'synthetic')")
         classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
@@ -700,27 +714,39 @@ class ImageFiles(torch.utils.data.Dataset):
             raise UserError(f"--data {root}: no images found ({'/'.join(IMG_EXTS)}) in it or its "
                             "sub-folders")
         self.classes = classes or ["all"]
+        self.skip = skip_unreadable
+        import multiprocessing
+        self.bad, self.reported = multiprocessing.Value("l", 0), set()
 
     def __len__(self):
         return len(self.samples)
 
     def load(self, i):
-        path, label = self.samples[i]
-        try:
-            with Image.open(path) as img:
-                return img.convert("RGB"), label
-        except Exception as e:
-            raise UserError(f"cannot read image {path}: {e}; remove or replace the file") from None
+        for k in range(min(len(self.samples), 100) if self.skip else 1):
+            path, label = self.samples[(i + k) % len(self.samples)]
+            try:
+                with Image.open(path) as img:
+                    return img.convert("RGB"), label
+            except Exception as e:
+                if not self.skip:
+                    raise UserError(f"cannot read image {path}: {e}; remove or replace the file") from None
+                with self.bad.get_lock():
+                    self.bad.value += 1
+                if path not in self.reported:
+                    self.reported.add(path)
+                    print(f"warning: cannot read image {path} ({e}); using the next readable image",
+                          file=sys.stderr, flush=True)
+        raise UserError(f"100 consecutive unreadable images from {self.samples[i][0]}: is --data right?")
 
 
-def image_dataset(data, split="train"):
+def image_dataset(data, split="train", skip_unreadable=False):
     """`synthetic`, or DIR (DIR/train or DIR/val when present, else DIR itself for training)."""
     if data == "synthetic":
         return SyntheticImages(split)
     root = os.path.join(data, split) if os.path.isdir(os.path.join(data, split)) else None
     if root is None and split == "train":
         root = data
-    return ImageFiles(root) if root else None
+    return ImageFiles(root, skip_unreadable) if root else None
 
 
 class Views(torch.utils.data.Dataset):
@@ -745,10 +771,24 @@ class Views(torch.utils.data.Dataset):
 
 
 class EpochSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler (also for one process) yielding (index, epoch) for `Views`."""
+    """DistributedSampler (also for one process) yielding (index, epoch) for `Views`; `skip` drops
+    the first indices of the epoch (resuming mid-epoch)."""
+    skip = 0
 
     def __iter__(self):
-        return ((i, self.epoch) for i in super().__iter__())
+        return ((i, self.epoch) for i in itertools.islice(super().__iter__(), self.skip, None))
+
+
+def epoch_batches(loader, epoch, ipe, start_step, seed, rank):
+    """enumerate(batches of `epoch`), starting after the batches a checkpoint at global step
+    start_step already covered. A fresh epoch reseeds the RNG (seed_epoch); a resumed one keeps the
+    RNG state restored from the checkpoint, so masks and noise continue exactly."""
+    first = min(ipe, max(0, start_step - epoch * ipe))
+    loader.sampler.set_epoch(epoch)
+    loader.sampler.skip = first * loader.batch_size
+    if first == 0:
+        seed_epoch(seed, epoch, rank)
+    return enumerate(itertools.islice(loader, ipe - first), start=first)
 
 
 def make_loader(dataset, batch_size, workers, seed, train=True, drop_last=True):
@@ -757,9 +797,9 @@ def make_loader(dataset, batch_size, workers, seed, train=True, drop_last=True):
     if train and len(sampler) < batch_size:
         raise UserError(f"dataset has {len(dataset)} images: too few for --batch-size {batch_size} "
                         f"x {world} process(es); lower --batch-size")
-    return torch.utils.data.DataLoader(
+    return torch.utils.data.DataLoader(          # own generator: iterating never touches the global RNG
         dataset, batch_size, sampler=sampler, num_workers=workers, pin_memory=torch.cuda.is_available(),
-        drop_last=drop_last, persistent_workers=workers > 0)
+        drop_last=drop_last, persistent_workers=workers > 0, generator=torch.Generator())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -856,6 +896,12 @@ class RunArgs:
                                         "transformer block (encoder and decoders): less memory, ~30% more compute"})
     steps_per_epoch: int = dataclasses.field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
     stop_epoch: int = dataclasses.field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
+    stop_step: int = dataclasses.field(default=0, metadata={"help": "write a checkpoint and exit after this global step"})
+    save_every: int = dataclasses.field(default=0, metadata={"help": "also write the checkpoint every N steps (0 = per epoch only)"})
+    save_every_minutes: float = dataclasses.field(default=30.0, metadata={"help": "also write it when this many minutes "
+                                                  "passed since the last one (0 = off)"})
+    max_unreadable: float = dataclasses.field(default=0.01, metadata={"help": "stop if more than this fraction of the "
+                                              "images read in an epoch is unreadable (they are skipped otherwise)"})
 
 
 def parse_args(cls, argv=None):
@@ -897,6 +943,7 @@ def main(train, cls):
 
 def setup(args, method):
     """Distributed init, seed, device, precision, output dir. Returns a namespace used by train()."""
+    validate(args)
     rank, world, device = init_distributed(args.device)
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     if precision not in ("bf16", "fp16", "fp32"):
@@ -913,8 +960,146 @@ def setup(args, method):
         print(f"{method}: {world} process(es) on {device}, precision {precision}, output {out}")
         print(json.dumps(dataclasses.asdict(args)))
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
-    return argparse.Namespace(rank=rank, world=world, device=device, precision=precision,
-                              autocast=autocast, out=out, ckpt=os.path.join(out, "checkpoint.pth"))
+    ckpt = os.path.join(out, "checkpoint.pth")
+    return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
+                              out=out, ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device))
+
+
+def validate(args):
+    """One-line errors for flags out of range, before anything starts. Rules by field name, so every
+    method's Args is covered: sizes / counts / temperatures positive, ratios and probabilities in
+    [0, 1], scale ranges ordered within (0, 1], warm-up within training, sizes multiples of the patch."""
+    d = dataclasses.asdict(args)
+    bad = lambda msg: UserError(f"--{msg}")                                    # noqa: E731
+    for k, v in d.items():
+        flag = k.replace("_", "-")
+        if isinstance(v, bool) or v is None:
+            continue
+        if k in ("epochs", "batch_size", "img_size", "patch_size", "focal_size", "master_size", "num_prototypes",
+                 "head_hidden", "head_dim", "proj_hidden", "proj_dim", "decoder_dim", "decoder_heads",
+                 "repeated_sampling", "mask_unit", "log_every") and v <= 0:
+            raise bad(f"{flag} must be positive, got {v}")
+        if k in ("tau", "tau_plus", "lr", "blr", "start_lr", "sigma_max") and v <= 0:
+            raise bad(f"{flag} must be positive, got {v}")
+        if k in ("steps_per_epoch", "stop_epoch", "stop_step", "save_every", "save_every_minutes", "workers",
+                 "micro_batch", "warmup_epochs", "min_lr", "weight_decay", "final_weight_decay", "clip_grad",
+                 "drop_path", "me_max_weight", "lambda_c", "sinkhorn_iters", "rand_views", "focal_views",
+                 "feature_decoder_depth", "decoder_depth") and v < 0:
+            raise bad(f"{flag} must be >= 0, got {v}")
+        if k in ("mask_ratio", "drop_path", "max_unreadable") and not 0 <= v < 1:
+            raise bad(f"{flag} must be in [0, 1), got {v}")
+        if k in ("ema",) and not all(0 <= m <= 1 for m in (v if isinstance(v, tuple) else (v,))):
+            raise bad(f"{flag} momentum must be in [0, 1], got {v}")
+        if k.endswith("scale") and isinstance(v, tuple) and not 0 < v[0] <= v[1] <= 1:
+            raise bad(f"{flag} must be 0 < min <= max <= 1, got {v}")
+    if d.get("warmup_epochs", 0) > d.get("epochs", 1):
+        raise bad(f"warmup-epochs {d['warmup_epochs']} is longer than --epochs {d['epochs']}")
+    for k in ("img_size", "focal_size"):
+        if k in d and d[k] % d["patch_size"]:
+            raise bad(f"{k.replace('_', '-')} {d[k]} is not a multiple of --patch-size {d['patch_size']}")
+    if "master_size" in d and d["master_size"] < d["img_size"]:
+        raise bad(f"master-size {d['master_size']} is smaller than --img-size {d['img_size']}")
+
+
+class Guard:
+    """Device-side watch for a non-finite loss or gradient norm (bf16 / fp32), or, with fp16, a run
+    of `max_skipped` GradScaler-skipped steps in a row (a few are normal). It adds no host sync to
+    the step: check() syncs once, at log steps and before every checkpoint, so no checkpoint with
+    non-finite weights is ever written; the last good one stays."""
+
+    def __init__(self, device, precision, ckpt, max_skipped=100):
+        self.fp16, self.ckpt, self.max_skipped = precision == "fp16", ckpt, max_skipped
+        self.bad_step = torch.full((), -1, dtype=torch.long, device=device)
+        self.skipped = torch.zeros((), dtype=torch.long, device=device)
+        self.scale, self.parts, self.names, self.saved = None, None, [], None
+
+    def update(self, step, parts, scaler=None):
+        """parts: the step's 0-d loss terms and grad_norm; scaler: the GradScaler, after update()."""
+        if self.fp16:
+            scale = scaler._scale.detach().clone()
+            if self.scale is not None:                                  # the scale drops when a step is skipped
+                self.skipped = torch.where(scale < self.scale, self.skipped + 1, 0)
+            self.scale = scale
+            return
+        vals = torch.stack([torch.as_tensor(v, device=self.bad_step.device).float().reshape(()) for v in parts.values()])
+        first = ~torch.isfinite(vals).all() & (self.bad_step < 0)
+        self.bad_step = torch.where(first, step, self.bad_step)
+        self.parts = vals if self.parts is None else torch.where(first, vals, self.parts)
+        self.names = list(parts)
+
+    def check(self):
+        kept = (f"{self.ckpt} is the last finite checkpoint (step {self.saved})" if self.saved is not None
+                else "no checkpoint of this run was written")
+        if int(self.bad_step) >= 0:
+            parts = ", ".join(f"{n} {v:.4g}" for n, v in zip(self.names, self.parts.tolist()))
+            raise UserError(f"non-finite loss or gradient at step {int(self.bad_step)} ({parts}): stopped; {kept}. "
+                            "Lower --lr, check the data, or try --precision fp32")
+        if self.fp16 and int(self.skipped) >= self.max_skipped:
+            raise UserError(f"{int(self.skipped)} fp16 steps in a row skipped for non-finite gradients: stopped; {kept}")
+
+
+class Control:
+    """When to write a mid-epoch checkpoint and when to stop: SIGTERM / SIGUSR1 (preemption: finish
+    the step, write, exit), --save-every N steps, --save-every-minutes, --stop-step. With several
+    processes the decision is agreed by one all_reduce every `sync_every` steps (signals may reach
+    ranks at different steps, and the checkpoint write is collective); alone, every step, no sync."""
+
+    def __init__(self, args, device, sync_every=10):
+        import signal
+        self.args, self.device, self.sync_every = args, device, sync_every
+        self.signal, self.t = None, time.time()
+        if threading_main():
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, lambda num, frame: setattr(self, "signal", signal.Signals(num).name))
+
+    def poll(self, step):
+        """(save, stop) after global step `step`."""
+        a = self.args
+        save = bool(a.save_every) and step % a.save_every == 0
+        timed = bool(a.save_every_minutes) and time.time() - self.t > 60 * a.save_every_minutes
+        stop = self.signal is not None or (a.stop_step and step >= a.stop_step)
+        if world_size() > 1:
+            if step % self.sync_every:
+                return save, False                                       # every rank agrees on save
+            flags = torch.tensor([float(stop), float(timed)], device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            stop, timed = bool(flags[0]), bool(flags[1])
+        if save or timed or stop:
+            self.t = time.time()
+        return save or timed or stop, stop
+
+
+def threading_main():
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def step_end(run, step, save):
+    """After each optimiser step: write a mid-epoch checkpoint when due (save(step)); returns True
+    when the run must stop now (preempted or --stop-step), its checkpoint written."""
+    due, stop = run.control.poll(step)
+    if due:
+        save(step)
+    if stop:
+        why = f"signal {run.control.signal}" if run.control.signal else f"--stop-step {step}"
+        print0(f"stopping after step {step} ({why}); checkpoint {run.ckpt} written: rerun the same command to resume")
+    return stop
+
+
+def bad_reads(dataset):
+    """Unreadable images met so far by this process and its workers (0 for other datasets)."""
+    return dataset.bad.value if isinstance(dataset, ImageFiles) else 0
+
+
+def check_unreadable(dataset, reads, bad0, max_frac, final=False):
+    """Stop when more than max_frac of the `reads` images read in this epoch failed to decode (bad0:
+    the count at the epoch start); judged from 1000 reads on, and at the epoch's end whatever the
+    count. Returns the epoch's count of bad reads, or None when there is none (for the log)."""
+    bad = bad_reads(dataset) - bad0
+    if (final or reads >= 1000) and bad > max_frac * reads:
+        raise UserError(f"{bad} of {reads} images read in this epoch were unreadable (> --max-unreadable "
+                        f"{max_frac:g}); fix the dataset (the warnings above name the files)")
+    return bad or None
 
 
 def batch_plan(args, run, recipe, weakens, unit="images"):
@@ -949,10 +1134,17 @@ def unwrap(model):
 
 
 def save_checkpoint(path, state):
-    """Atomic write: save to a temp file in the same dir, then rename over the target."""
+    """Atomic write: save to a temp file in the same dir, then rename over the target. A failed write
+    (disk full, permissions) leaves the previous file intact and stops with a one-line error."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        kept = "the previous one is intact" if os.path.isfile(path) else "none was written before"
+        raise UserError(f"cannot write checkpoint {path} ({type(e).__name__}: {e}); {kept}") from None
 
 
 def _read(path):
@@ -996,9 +1188,9 @@ def load_checkpoint(path, method=None):
 class Logger:
     """Every `every` steps: one host sync, a console line and a JSONL record (rank 0 only)."""
 
-    def __init__(self, out, total_steps, batch_size, every, start_step=0):
-        self.total, self.batch, self.every = total_steps, batch_size, every
-        self.path = os.path.join(out, "log.jsonl")
+    def __init__(self, run, total_steps, batch_size, every, start_step=0):
+        self.total, self.batch, self.every, self.guard = total_steps, batch_size, every, run.guard
+        self.path = os.path.join(run.out, "log.jsonl")
         self.t, self.last = time.time(), start_step
 
     def step(self, step, epoch, parts, **scalars):
@@ -1006,11 +1198,12 @@ class Logger:
         if step % self.every and step != self.total:
             return None
         rec = {k: round(float(v), 5) for k, v in parts.items()}      # the one sync
+        self.guard.check()
         dt = time.time() - self.t
         ips = (step - self.last) * self.batch / max(dt, 1e-9)
         eta = (self.total - step) * dt / max(1, step - self.last)
         self.t, self.last = time.time(), step
-        rec = {"epoch": epoch, "step": step, **rec, **{k: float(v) for k, v in scalars.items()},
+        rec = {"epoch": epoch, "step": step, **rec, **{k: float(v) for k, v in scalars.items() if v is not None},
                "img_s": round(ips, 1)}
         if torch.cuda.is_available():
             rec["mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -1072,19 +1265,38 @@ def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, wor
     return 100.0 * (pred == yva).float().mean().item()
 
 
+def rng_states():
+    """Every process's (CPU, CUDA) generator states, gathered on all ranks (collective)."""
+    mine = [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
+    if world_size() == 1:
+        return [mine]
+    out = [None] * world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
 def save_run(run, method, args, epoch, step, encoder, model, optimizer, scaler, target=None):
-    """Write the common checkpoint format (rank 0): `encoder` is the ViT the paper evaluates."""
+    """Write the common checkpoint format; called by every rank (the RNG states are gathered), rank 0
+    writes. `encoder` is the ViT the paper evaluates; `rng` holds each rank's generator states, so
+    a checkpoint written mid-epoch resumes exactly. Never writes non-finite weights."""
+    run.guard.check()
+    rng = rng_states()
     if not is_main():
         return
+    sd = unwrap(model).state_dict()
+    if not all(torch.isfinite(v).all() for v in sd.values() if v.is_floating_point()):
+        raise UserError(f"non-finite weights at step {step}: not written; {run.ckpt} keeps the last finite checkpoint")
     save_checkpoint(run.ckpt, {
         "method": method, "args": dataclasses.asdict(args), "epoch": epoch, "step": step,
-        "vit": unwrap(encoder).config, "encoder": unwrap(encoder).state_dict(),
-        "model": unwrap(model).state_dict(), "target": target.state_dict() if target else None,
-        "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": torch.get_rng_state()})
+        "vit": unwrap(encoder).config, "encoder": unwrap(encoder).state_dict(), "model": sd,
+        "target": target.state_dict() if target else None, "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(), "rng": rng})
+    run.guard.saved = step
 
 
 def resume_run(run, method, args, model, optimizer, scaler, target=None):
-    """Continue from <output-dir>/checkpoint.pth when it exists and --resume; returns start epoch."""
+    """Continue from <output-dir>/checkpoint.pth when it exists and --resume; returns the global step
+    to start from (0 for a new run). The RNG state is this rank's at the checkpoint."""
     if not (args.resume and os.path.isfile(run.ckpt)):
         return 0
     ckpt = load_checkpoint(run.ckpt, method)
@@ -1097,9 +1309,17 @@ def resume_run(run, method, args, model, optimizer, scaler, target=None):
                         "flags it was trained with or another --output-dir") from None
     optimizer.load_state_dict(ckpt["optimizer"])
     scaler.load_state_dict(ckpt["scaler"])
-    torch.set_rng_state(ckpt["rng"])
+    rng = ckpt["rng"]
+    if torch.is_tensor(rng):                                             # checkpoints before per-rank states
+        torch.set_rng_state(rng)
+    else:
+        cpu, cuda = rng[rank() % len(rng)]
+        torch.set_rng_state(cpu)
+        if cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(cuda)
+    run.guard.saved = ckpt["step"]
     print0(f"resumed from {run.ckpt}: epoch {ckpt['epoch']}, step {ckpt['step']}")
-    return ckpt["epoch"]
+    return ckpt["step"]
 
 
 def build_vit(config):

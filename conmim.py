@@ -47,7 +47,6 @@ Where this file follows the official code (TencentARC/ConMIM) rather than the pa
   - bf16 autocast on GPU (official: fp16 AMP, `--precision fp16` is available); the loss runs in fp32.
 """
 import contextlib
-import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -208,7 +207,7 @@ def train(args):
     dev = run.device
     per, micro = C.batch_plan(args, run, 2048, "the loss is per image, so only the gradient noise and the "
                               "lr / batch pairing of the recipe change")
-    dataset = C.image_dataset(args.data, "train")
+    dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
     loader = C.make_loader(C.Views(dataset, WeakStrongViews(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
@@ -218,21 +217,21 @@ def train(args):
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
-    start_epoch = C.resume_run(run, "conmim", args, model, opt, scaler, teacher)
+    start = C.resume_run(run, "conmim", args, model, opt, scaler, teacher)    # global step
     student, teacher_fwd = (torch.compile(model), torch.compile(teacher)) if args.compile else (model, teacher)
     ddp = None
     if run.world > 1:
         student = ddp = nn.parallel.DistributedDataParallel(student, device_ids=[dev] if dev.type == "cuda" else None)
-    log = C.Logger(run.out, total, args.batch_size, args.log_every, start_epoch * ipe)
+    log = C.Logger(run, total, args.batch_size, args.log_every, start)
+    save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, scaler, teacher)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute, for the "
              "official global batch 2048; not rescaled)")
     grid = model.encoder.grid
 
-    for epoch in range(start_epoch, args.stop_epoch or args.epochs):
-        loader.sampler.set_epoch(epoch)
-        C.seed_epoch(args.seed, epoch, run.rank)
+    for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), teacher.train()
-        for it, ((x_weak, x_strong), _) in enumerate(itertools.islice(loader, ipe)):
+        bad0 = C.bad_reads(dataset)
+        for it, ((x_weak, x_strong), _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, total, args.lr, args.min_lr, args.warmup_epochs * ipe)
             m = C.cosine_schedule(step, total, args.ema[0], args.ema[1])    # 0.996 -> 1, cosine
@@ -242,14 +241,17 @@ def train(args):
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(student, teacher_fwd, x_weak, x_strong, mask, args, micro, run.autocast,
                                      scaler.scale, ddp)
-            if args.clip_grad:
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            parts["grad_norm"] = C.clip_grads(model.parameters(), args.clip_grad, scaler, opt)
             scaler.step(opt)
             scaler.update()
             C.ema_update(teacher, model, m)
-            log.step(step + 1, epoch, parts, lr=lr, mom=m)
-        C.save_run(run, "conmim", args, epoch + 1, (epoch + 1) * ipe, teacher.encoder, model, opt, scaler, teacher)
+            run.guard.update(step + 1, parts, scaler)                    # non-finite watch, no host sync
+            bad = C.check_unreadable(dataset, (it + 1) * per, bad0, args.max_unreadable)
+            log.step(step + 1, epoch, parts, lr=lr, mom=m, bad_images=bad)
+            if C.step_end(run, step + 1, save):                          # preempted / --stop-step
+                return
+        C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
+        save((epoch + 1) * ipe)
 
     C.knn_report(args, run, log, teacher.encoder, lambda: Net(args).encoder, "mean", "teacher encoder, mean patch token")
 

@@ -66,14 +66,20 @@ class Args:
 # ----------------------------------------------------------------------------------------------
 # Propagation
 # ----------------------------------------------------------------------------------------------
+def radius_mask(h, w, radius):
+    """(hw, hw) bool: cell pairs of an h x w grid at distance < radius (CRW's MaskedAttention), from
+    exact integer squared distances."""
+    yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    yy, xx = yy.flatten(), xx.flatten()
+    return (yy[:, None] - yy[None]) ** 2 + (xx[:, None] - xx[None]) ** 2 < radius ** 2
+
+
 def propagate(feats, labels0, n_context=20, topk=7, radius=20.0, temperature=0.7):
     """feats (T, h, w, D) L2-normalised patch features; labels0 (h, w, C) first-frame soft labels.
     Context of frame t: frame 0 (any position) + frames max(0, t - n_context) .. t - 1 (positions
     at distance < radius cells). Returns soft labels (T, h, w, C); frame 0 keeps labels0."""
     T, h, w, D = feats.shape
-    yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-    pos = torch.stack([yy.flatten(), xx.flatten()], 1).float()
-    near = torch.cdist(pos, pos) < radius                                      # (hw, hw) spatial window
+    near = radius_mask(h, w, radius)                                           # (hw, hw)
     f0, l0 = feats[0].reshape(h * w, D), labels0.reshape(h * w, -1)
     mem_f, mem_l = [f0], [l0]                                                  # short-term memory
     out = [labels0]

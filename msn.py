@@ -57,7 +57,6 @@ differs from both, and why:
   - The official extra entropy term (weight 0 in every released config) is omitted.
 """
 import contextlib
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -269,7 +268,7 @@ def train(args):
     per, micro = C.batch_plan(args, run, 1024, f"Sinkhorn targets and the ME-MAX mean are statistics of the "
                               f"global batch; with {args.batch_size} images against {args.num_prototypes} "
                               "prototypes the targets flatten and the prototype marginal is noisier")
-    dataset = C.image_dataset(args.data, "train")
+    dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
     loader = C.make_loader(C.Views(dataset, MultiView(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
@@ -282,23 +281,23 @@ def train(args):
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
-    start_epoch = C.resume_run(run, "msn", args, model, opt, scaler, target)
+    start = C.resume_run(run, "msn", args, model, opt, scaler, target)        # global step
     online, target_fwd = model, target
     if args.compile:
         online, target_fwd = torch.compile(model), torch.compile(target)
     ddp = None
     if run.world > 1:
         online = ddp = nn.parallel.DistributedDataParallel(online, device_ids=[dev] if dev.type == "cuda" else None)
-    log = C.Logger(run.out, total, args.batch_size, args.log_every, start_epoch * ipe)
+    log = C.Logger(run, total, args.batch_size, args.log_every, start)
+    save = lambda s: C.save_run(run, "msn", args, s // ipe, s, target.encoder, model, opt, scaler, target)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps ({args.epochs} epochs; schedules span "
              f"{sched}), {1 + R + args.focal_views} views/image; lr {args.start_lr:g} -> {args.lr:g} -> "
              f"{args.min_lr:g} (absolute, not scaled with the batch, as official)")
 
-    for epoch in range(start_epoch, args.stop_epoch or args.epochs):
-        loader.sampler.set_epoch(epoch)
-        C.seed_epoch(args.seed, epoch, run.rank)
+    for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), target.train()                                # official target uses batch BN stats
-        for it, (views, _) in enumerate(itertools.islice(loader, ipe)):
+        bad0 = C.bad_reads(dataset)
+        for it, (views, _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, sched, args.lr, args.min_lr, args.warmup_epochs * ipe, args.start_lr)
             wd = C.cosine_schedule(step, sched, args.weight_decay, args.final_weight_decay)
@@ -316,14 +315,17 @@ def train(args):
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(online, target_fwd, x_target, x_rand, x_focal, ids_keep.view(R, B, -1), args,
                                      micro, run.autocast, scaler.scale, ddp)
-            if args.clip_grad:
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.net.parameters(), args.clip_grad)
+            parts["grad_norm"] = C.clip_grads(model.net.parameters(), args.clip_grad, scaler, opt)
             scaler.step(opt)
             scaler.update()
             C.ema_update(target, model.net, m)
-            log.step(step + 1, epoch, parts, lr=lr, wd=wd, mom=m)
-        C.save_run(run, "msn", args, epoch + 1, (epoch + 1) * ipe, target.encoder, model, opt, scaler, target)
+            run.guard.update(step + 1, parts, scaler)                    # non-finite watch, no host sync
+            bad = C.check_unreadable(dataset, (it + 1) * per, bad0, args.max_unreadable)
+            log.step(step + 1, epoch, parts, lr=lr, wd=wd, mom=m, bad_images=bad)
+            if C.step_end(run, step + 1, save):                          # preempted / --stop-step
+                return
+        C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
+        save((epoch + 1) * ipe)
 
     C.knn_report(args, run, log, target.encoder, lambda: MSN(args).net.encoder, "cls", "target encoder, CLS")
 

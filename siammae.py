@@ -43,7 +43,6 @@ Initialisation and weight decay follow MAE's code (xavier-uniform Linear and pat
 no decay on biases and 1-d tensors only, so cls / mask tokens are decayed).
 """
 import contextlib
-import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -358,21 +357,20 @@ def train(args):
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
     scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
-    start_epoch = C.resume_run(run, "siammae", args, model, opt, scaler)
+    start = C.resume_run(run, "siammae", args, model, opt, scaler)            # global step
     net = torch.compile(model) if args.compile else model
     ddp = None
     if run.world > 1:
         net = ddp = nn.parallel.DistributedDataParallel(net, device_ids=[dev] if dev.type == "cuda" else None)
-    log = C.Logger(run.out, total, pairs, args.log_every, start_epoch * ipe)
+    log = C.Logger(run, total, pairs, args.log_every, start)
+    save = lambda s: C.save_run(run, "siammae", args, s // ipe, s, model.encoder, model, opt, scaler)  # noqa: E731
     C.print0(f"{len(dataset)} videos, {args.epochs} effective epochs = {passes} passes of {ipe} steps, {total} steps, "
              f"{videos} videos = {pairs} pairs/step, lr {lr:.3g} (blr x {videos} videos / 256)")
     p, grid = args.patch_size, model.encoder.grid
 
-    for epoch in range(start_epoch, args.stop_epoch or passes):            # epoch = one pass over the videos
-        loader.sampler.set_epoch(epoch)
-        C.seed_epoch(args.seed, epoch, run.rank)
+    for epoch in range(start // ipe, args.stop_epoch or passes):         # epoch = one pass over the videos
         model.train()
-        for it, (clips, _) in enumerate(itertools.islice(loader, ipe)):
+        for it, (clips, _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, warmup))
             x = C.normalize(clips.to(dev, non_blocking=True).flatten(0, 1))    # (B*R, 2, 3, S, S)
@@ -381,10 +379,14 @@ def train(args):
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(net, f1, f2, ids_keep, ids_restore, mask, args, micro * R, run.autocast,
                                      scaler.scale, ddp)
+            parts["grad_norm"] = C.clip_grads(model.parameters(), 0, scaler, opt)   # MAE recipe: no clipping
             scaler.step(opt)
             scaler.update()
+            run.guard.update(step + 1, parts, scaler)                    # non-finite watch, no host sync
             log.step(step + 1, epoch, parts, lr=opt.param_groups[0]["lr"])
-        C.save_run(run, "siammae", args, epoch + 1, (epoch + 1) * ipe, model.encoder, model, opt, scaler)
+            if C.step_end(run, step + 1, save):                          # preempted / --stop-step
+                return
+        save((epoch + 1) * ipe)
         n, m = min(8, f2.shape[0]), mask[:min(8, f2.shape[0]), :, None]      # f1 / masked f2 / predicted f2
         with torch.no_grad(), run.autocast:
             pred = model.eval()(f1[:n], f2[:n], ids_keep[:n], ids_restore[:n]).float()

@@ -145,7 +145,7 @@ def test_end_to_end_resume_png_and_checkpoint(tmp_path):
 
 def test_bad_input(tmp_path):
     tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--master-size", "20", "--batch-size", "4",
-            "--epochs", "1", "--steps-per-epoch", "1", "--no-knn"]
+            "--epochs", "1", "--warmup-epochs", "0", "--steps-per-epoch", "1", "--no-knn"]
     one_line_error(run_cli("cmae.py", "--data", str(tmp_path / "nope"), *tiny), "no such directory")
     C.save_checkpoint(str(tmp_path / "checkpoint.pth"), {"method": "msn", "encoder": {}})
     one_line_error(run_cli("cmae.py", "--data", "synthetic", *tiny, "--output-dir", str(tmp_path)), "msn checkpoint")

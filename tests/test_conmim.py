@@ -105,7 +105,7 @@ def test_end_to_end_resume_and_teacher_is_evaluated(tmp_path):
 
 
 def test_bad_input(tmp_path):
-    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "4", "--epochs", "1",
+    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "4", "--epochs", "1", "--warmup-epochs", "0",
             "--steps-per-epoch", "1", "--no-knn"]
     one_line_error(run_cli("conmim.py", "--data", str(tmp_path / "nope"), *tiny), "no such directory")
     C.save_checkpoint(str(tmp_path / "checkpoint.pth"), {"method": "cmae", "encoder": {}})

@@ -134,7 +134,7 @@ def test_each_method_checkpoint_evaluates(method, tmp_path):
     mod = importlib.import_module(method)
     data = tiny_folder(tmp_path / "data")
     mod.train(mod.Args(data=data, output_dir=str(tmp_path / "run"), model="nano", patch_size=4, img_size=16,
-                       epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, **TINY[method]))
+                       epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, warmup_epochs=0, **TINY[method]))
     ckpt = str(tmp_path / "run" / "checkpoint.pth")
     res = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="all", workers=0, k=3, linear_epochs=2, seeds=2))
     assert res["method"] == method and res["pool"] == E.DEFAULT_POOL[method]

@@ -28,7 +28,7 @@ def timm_keys(depth):
 def test_every_checkpoint_encoder_has_timm_keys_only(method, tmp_path):
     mod = importlib.import_module(method)
     mod.train(mod.Args(data="synthetic", output_dir=str(tmp_path), model="nano", patch_size=4, img_size=16,
-                       epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, **TINY[method]))
+                       epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, warmup_epochs=0, **TINY[method]))
     ckpt = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), method)
     assert set(ckpt["encoder"]) == timm_keys(2)                     # no mask token, no head
     timm = pytest.importorskip("timm")

@@ -188,7 +188,7 @@ def test_knn_report_learned_vs_init(tmp_path, capsys):
 
 TINY = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--focal-size", "8", "--focal-views", "2",
         "--batch-size", "4", "--head-hidden", "32", "--head-dim", "16", "--num-prototypes", "16",
-        "--epochs", "1", "--steps-per-epoch", "2", "--no-knn"]
+        "--epochs", "1", "--warmup-epochs", "0", "--steps-per-epoch", "2", "--no-knn"]
 
 
 def test_bad_input_errors(tmp_path):
@@ -201,8 +201,10 @@ def test_bad_input_errors(tmp_path):
     for i in range(4):
         Image.new("RGB", (32, 32)).save(bad / f"{i}.png")
     (bad / "broken.jpg").write_bytes(b"not a jpeg at all")
-    one_line_error(run_cli("msn.py", "--data", str(tmp_path / "bad"), *TINY, "--workers", "1",
-                           "--output-dir", str(tmp_path / "o1")), "cannot read image", "broken.jpg")
+    r = run_cli("msn.py", "--data", str(tmp_path / "bad"), *TINY, "--workers", "1", "--output-dir", str(tmp_path / "o1"))
+    lines = r.stderr.strip().splitlines()                         # the bad file is named once, then one error line
+    assert r.returncode == 2 and sum("broken.jpg" in ln for ln in lines) == 1, r.stderr
+    assert lines[-1].startswith("error:") and "unreadable (> --max-unreadable 0.01)" in lines[-1], r.stderr
     out = tmp_path / "other"
     os.makedirs(out)
     C.save_checkpoint(str(out / "checkpoint.pth"), {"method": "cmae", "encoder": {}})

@@ -144,7 +144,7 @@ def test_end_to_end_resume_png(tmp_path):
 
 
 def test_bad_input(tmp_path):
-    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "2", "--epochs", "2",
+    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "2", "--epochs", "2", "--warmup-epochs", "0",
             "--steps-per-epoch", "1", "--decoder-dim", "32", "--decoder-heads", "2"]
     one_line_error(run_cli("siammae.py", "--data", str(tmp_path / "nope"), *tiny), "no such directory")
     os.makedirs(tmp_path / "empty" / "v1")

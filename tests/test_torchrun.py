@@ -11,7 +11,7 @@ import common as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "4", "--steps-per-epoch", "2",
-        "--workers", "0"]
+        "--workers", "0", "--warmup-epochs", "0"]
 EXTRA = {"cmae": ["--master-size", "20", "--decoder-dim", "32", "--decoder-depth", "1", "--decoder-heads", "2",
                   "--proj-hidden", "32", "--proj-dim", "16", "--no-knn"],
          "conmim": ["--proj-hidden", "32", "--proj-dim", "16", "--no-knn"],

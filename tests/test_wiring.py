@@ -193,12 +193,12 @@ def test_can_reconstructs_the_clean_image_on_masked_and_the_noise_on_visible_pat
     clean, npx = C.patchify(x.flatten(0, 1), 4), C.patchify(noise.flatten(0, 1), 4)
     m = mask.flatten(0, 1).bool()[..., None]
     oracle = torch.where(m, clean, npx)                                 # the ideal prediction of both heads
-    for pert, rec, den in ((0, False, False), (~m, False, True), (m, True, False)):
-        h = replace_output(model.decoder_pred, lambda out: torch.cat([out[:, :1], oracle + (0 if pert is 0 else pert * 1.0)], 1))
+    for pert, rec, den in ((None, False, False), (~m, False, True), (m, True, False)):
+        h = replace_output(model.decoder_pred, lambda out: torch.cat([out[:, :1], oracle + (0 if pert is None else pert * 1.0)], 1))
         _, parts = can.train_step(model, x, sigma, noise, ids, rest, mask, a)
         h.remove()
         assert (parts["rec"] > 0.5) == rec and (parts["denoise"] > 0.5) == den, (parts, rec, den)
-        if pert is 0:
+        if pert is None:
             assert parts["rec"] < 1e-10 and parts["denoise"] < 1e-10
 
 

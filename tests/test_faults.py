@@ -1,0 +1,185 @@
+"""Fault tolerance: non-finite losses stop the run without touching the last good checkpoint,
+unreadable images are skipped deterministically, preemption signals and --stop-step write a
+mid-epoch checkpoint that resumes bit-exactly, one failing rank takes the others down, flags are
+validated up front, and a failed checkpoint write keeps the previous file."""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+import can
+import common as C
+import msn
+from helpers import ROOT, exact_resume, one_line_error, run_cli
+from test_can import tiny_args as can_args
+from test_msn import tiny_args as msn_args
+
+CAN_CLI = ["can.py", "--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "8",
+           "--decoder-dim", "32", "--decoder-depth", "1", "--decoder-heads", "2", "--proj-hidden", "32",
+           "--proj-dim", "16", "--no-knn", "--workers", "0", "--warmup-epochs", "0", "--log-every", "1"]
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
+    out = str(tmp_path)
+    r = run_cli(*CAN_CLI, "--data", "synthetic", "--epochs", "3", "--steps-per-epoch", "3", "--stop-epoch", "1",
+                "--output-dir", out)
+    assert r.returncode == 0, r.stderr
+    before = open(tmp_path / "checkpoint.pth", "rb").read()
+    r = run_cli(*CAN_CLI, "--data", "synthetic", "--epochs", "3", "--steps-per-epoch", "3", "--lr", "1e30",
+                "--output-dir", out)
+    # step 4 still runs on the finite epoch-1 weights; its update makes step 5's loss non-finite
+    one_line_error(r, "non-finite loss or gradient at step 5", "rec nan", "last finite checkpoint (step 3)")
+    assert open(tmp_path / "checkpoint.pth", "rb").read() == before
+    ck = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")
+    assert ck["step"] == 3 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+
+
+def test_guard_ignores_isolated_fp16_skips_but_not_a_long_run(tmp_path):
+    g = C.Guard(torch.device("cpu"), "fp16", "ck.pth", max_skipped=3)
+    scaler = argparse.Namespace(_scale=torch.tensor(1024.0))
+    for step, scale in enumerate([1024.0, 512.0, 512.0, 256.0, 128.0, 64.0], 1):   # a skip, a recovery...
+        scaler._scale = torch.tensor(scale)
+        g.update(step, {"loss": torch.tensor(float("nan"))}, scaler)
+        if step < 6:
+            g.check()
+    with pytest.raises(C.UserError, match="3 fp16 steps in a row skipped"):   # ...then 3 skips in a row
+        g.check()
+
+
+def _image_folder(root, n=22):
+    for i in range(n):
+        img, label = C.synthetic_image(i)
+        os.makedirs(root / f"c{label}", exist_ok=True)
+        img.save(root / f"c{label}" / f"{i:03d}.png")
+    good = open(root / "c0" / "000.png", "rb").read()
+    (root / "c1" / "truncated.png").write_bytes(good[:len(good) // 2])        # a truncated image
+    (root / "c2" / "notes.jpg").write_text("this is not an image")            # a non-image file
+    return str(root)
+
+
+def test_unreadable_images_are_skipped_deterministically_and_resume_stays_exact(tmp_path):
+    data = _image_folder(tmp_path / "data")
+    ds = C.image_dataset(data, skip_unreadable=True)
+    bad_i = [i for i, (p, _) in enumerate(ds.samples) if p.endswith(("truncated.png", "notes.jpg"))]
+    img, label = ds.load(bad_i[0])                                        # replaced by the next readable
+    ref, ref_label = ds.load(bad_i[0] + 1)
+    assert torch.equal(C.to_uint8(img), C.to_uint8(ref)) and label == ref_label and ds.bad.value == 1
+    with pytest.raises(C.UserError, match="cannot read image"):          # evaluation stays strict
+        C.image_dataset(data).load(bad_i[0])
+
+    def make(out, **kw):
+        return can_args(out, data=data, batch_size=8, epochs=2, steps_per_epoch=0, max_unreadable=0.2, **kw)
+    full, _ = exact_resume(can.train, make, tmp_path, "can", ("model", "encoder"))
+    recs = [json.loads(line) for line in open(tmp_path / "full" / "log.jsonl") if '"step"' in line]
+    assert sum(r.get("bad_images", 0) > 0 for r in recs) >= 1                # the count is logged
+
+
+def _train_mid_epoch(train, make, tmp_path, stop_step):
+    """Uninterrupted run vs the same run stopped after `stop_step` (mid-epoch) and rerun."""
+    train(make(tmp_path / "full"))
+    train(make(tmp_path / "part", stop_step=stop_step))
+    part = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"))
+    assert part["step"] == stop_step
+    train(make(tmp_path / "part"))
+    return (C.load_checkpoint(str(tmp_path / d / "checkpoint.pth")) for d in ("full", "part"))
+
+
+@pytest.mark.parametrize("method", ["msn", "can"])
+def test_mid_epoch_resume_is_bit_exact(method, tmp_path):
+    train, args = (msn.train, msn_args) if method == "msn" else (can.train, can_args)
+    make = lambda out, **kw: args(out, epochs=2, steps_per_epoch=3, save_every_minutes=0, **kw)   # noqa: E731
+    full, part = _train_mid_epoch(train, make, tmp_path, stop_step=4)       # step 4 of 6: inside epoch 2
+    for key in ("model", "encoder", "target") if method == "msn" else ("model", "encoder"):
+        for k, v in full[key].items():
+            assert torch.equal(v, part[key][k]), (key, k)
+    assert full["step"] == part["step"] == 6
+
+
+def test_save_every_writes_mid_epoch_checkpoints(tmp_path, monkeypatch):
+    steps = []
+    real = C.save_run
+    monkeypatch.setattr(C, "save_run", lambda run, m, a, e, s, *r, **kw: (steps.append(s), real(run, m, a, e, s, *r, **kw)))
+    can.train(can_args(tmp_path, epochs=2, steps_per_epoch=3, save_every=2, save_every_minutes=0))
+    assert steps == [2, 3, 4, 6, 6]                                         # every 2 steps + each epoch end
+
+
+def test_sigterm_writes_a_checkpoint_and_the_same_command_resumes(tmp_path):
+    cmd = [sys.executable, *CAN_CLI, "--data", "synthetic", "--epochs", "2", "--steps-per-epoch", "200",
+           "--output-dir", str(tmp_path)]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "log.jsonl"
+    t = time.time()
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert p.poll() is None and time.time() - t < 120, p.stderr.read() if p.poll() is not None else "timeout"
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "signal SIGTERM" in out and "rerun the same command to resume" in out
+    step = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"]
+    assert 3 <= step < 200                                                   # mid-epoch
+    r = subprocess.run(cmd[:cmd.index("--epochs")] + ["--epochs", "2", "--steps-per-epoch", "200", "--stop-step",
+                       str(step + 2), "--output-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"step {step}" in r.stdout and C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == step + 2
+
+
+def test_one_failing_rank_takes_the_others_down(tmp_path):
+    """torchrun, 2 processes: one bad image with --max-unreadable 0 stops the rank that reads it;
+    the other rank must not hang in a collective."""
+    data = tmp_path / "data"
+    for i in range(15):
+        img, label = C.synthetic_image(i)
+        os.makedirs(data / f"c{label % 2}", exist_ok=True)
+        img.save(data / f"c{label % 2}" / f"{i:03d}.png")
+    (data / "c0" / "zz_bad.png").write_bytes(b"broken")
+    t = time.time()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *CAN_CLI, "--data",
+                        str(data), "--batch-size", "4", "--epochs", "2", "--max-unreadable", "0",
+                        "--output-dir", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed = time.time() - t
+    assert r.returncode != 0 and "unreadable (> --max-unreadable 0)" in r.stderr, r.stderr[-2000:]
+    assert elapsed < 90, elapsed
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--batch-size", "-1"], "--batch-size must be positive"),
+    (["--epochs", "0"], "--epochs must be positive"),
+    (["--mask-ratio", "1.5"], "--mask-ratio must be in [0, 1)"),
+    (["--warmup-epochs", "5", "--epochs", "2"], "--warmup-epochs 5 is longer than --epochs 2"),
+    (["--img-size", "18"], "--img-size 18 is not a multiple of --patch-size 4"),
+    (["--crop-scale", "0.5", "0.2"], "--crop-scale must be 0 < min <= max <= 1"),
+    (["--batch-size", "8", "--micro-batch", "3"], "--micro-batch 3 must divide the per-process batch 8"),
+    (["--steps-per-epoch", "-2"], "--steps-per-epoch must be >= 0"),
+])
+def test_flags_are_validated_with_one_line_errors(flags, msg, tmp_path):
+    one_line_error(run_cli(*CAN_CLI, "--data", "synthetic", "--epochs", "2", *flags, "--output-dir", str(tmp_path)), msg)
+
+
+def test_global_batch_must_divide_over_processes():
+    run = argparse.Namespace(world=3)
+    with pytest.raises(C.UserError, match="GLOBAL batch: it must be divisible by the 3 processes"):
+        C.batch_plan(can_args("/tmp/u", batch_size=8), run, 4096, "")
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    real, calls = torch.save, []
+
+    def failing_save(obj, f, *a, **kw):
+        calls.append(f)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(obj, f, *a, **kw)
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(C.UserError, match="cannot write checkpoint .*No space left on device.*the previous one is intact"):
+        can.train(can_args(tmp_path, epochs=2, steps_per_epoch=2, save_every_minutes=0))
+    ck = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")
+    assert ck["step"] == 2 and not [f for f in os.listdir(tmp_path) if ".tmp." in f]
