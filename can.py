@@ -46,6 +46,8 @@ Where this file follows the paper rather than the official code, and other diffe
   - The noise embedding is also added to the decoder's CLS slot; sigma is fed to the sinusoid as
     1000 * sigma (diffusion-timestep scale); reconstruction targets are raw normalised pixels
     (`--norm-pix` for MAE's per-patch normalisation).
+  - On CUDA the colour ops of both views run batched on the GPU (same distribution);
+    `--no-gpu-aug` keeps them in the workers.
   - Initialisation and weight decay as the official (MAE) code: xavier-uniform Linear and patch
     embedding, normal(0.02) cls / mask tokens; no decay on biases and 1-d tensors only (timm
     add_weight_decay), so cls and mask tokens are decayed.
@@ -91,6 +93,8 @@ class Args(C.RunArgs):
     norm_pix: bool = field(default=False, metadata={"help": "per-patch normalised reconstruction targets (MAE)"})
     crop_scale: tuple = (0.2, 1.0)
     drop_path: float = 0.0
+    gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
+                          "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
 
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64, blr=1.5e-3, warmup_epochs=1,
@@ -197,10 +201,14 @@ def can_loss(u1, u2, pred, target, noise, mask, tau=0.1, weights=(0.03, 0.67, 0.
 # Data: two SimCLR-style views
 # ----------------------------------------------------------------------------------------------
 class TwoViews:
+    """Two RandomResizedCrop(bicubic) + flip + colour views as uint8; with gpu_aug the colour ops run
+    batched on the device instead (train loop)."""
+
     def __init__(self, a):
         from torchvision import transforms as T
+        color = [] if a.gpu_aug else [C.color_augment()]
         self.view = T.Compose([T.RandomResizedCrop(a.img_size, scale=a.crop_scale, interpolation=T.InterpolationMode.BICUBIC),
-                               T.RandomHorizontalFlip(), C.color_augment(), C.to_uint8])
+                               T.RandomHorizontalFlip(), *color, C.to_uint8])
 
     def __call__(self, img):
         return self.view(img), self.view(img)
@@ -250,6 +258,7 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
 def train(args):
     run = C.setup(args, "can")
     dev = run.device
+    C.resolve_gpu_aug(args, run)
     per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {2 * args.batch_size - 2} negatives per view "
                               "instead of 8190")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
@@ -281,7 +290,10 @@ def train(args):
         for it, ((v1, v2), _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
-            x = C.normalize(torch.stack([v1, v2]).to(dev, non_blocking=True))   # (2, B, 3, H, W), clean
+            v1, v2 = v1.to(dev, non_blocking=True), v2.to(dev, non_blocking=True)
+            if args.gpu_aug:                                          # colour ops batched on the device
+                v1, v2 = C.color_augment_batch(v1), C.color_augment_batch(v2)
+            x = C.normalize(torch.stack([v1, v2]))                            # (2, B, 3, H, W), clean
             B = x.shape[1]
             sigma = torch.rand(2 * B, device=dev).view(2, B) * args.sigma_max   # sigma_v ~ U[0, sigma_max]
             noise = sigma.view(2, B, 1, 1, 1) * torch.randn_like(x)             # sigma_v e_v

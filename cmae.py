@@ -44,6 +44,8 @@ Where this file follows the official code (ZhichengHuang/CMAE) rather than the p
   - BatchNorm in the heads is per process on CPU/gloo; on multi-GPU CUDA it is SyncBatchNorm
     (official: SyncBN).
   - bf16 autocast on GPU (official fp16 AMP; `--precision fp16` is available).
+  - On CUDA the target's colour augmentation (jitter, grey, PIL-equivalent blur) runs batched on the
+    GPU (common.color_augment_batch, same distribution); `--no-gpu-aug` keeps it in the workers.
 """
 import contextlib
 import math
@@ -87,6 +89,8 @@ class Args(C.RunArgs):
     tau: float = 0.07
     lambda_c: float = field(default=1.0, metadata={"help": "weight of the contrastive loss"})
     drop_path: float = 0.0
+    gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
+                          "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
 
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, master_size=36, epochs=8, batch_size=64,
@@ -261,10 +265,12 @@ def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=N
 def train(args):
     run = C.setup(args, "cmae")
     dev = run.device
+    C.resolve_gpu_aug(args, run)
     per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {args.batch_size - 1} negatives per image instead "
                               "of 4095")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
-    loader = C.make_loader(C.Views(dataset, PixelShiftViews(args), args.seed), per, args.workers, args.seed)
+    loader = C.make_loader(C.Views(dataset, PixelShiftViews(args, color=not args.gpu_aug), args.seed), per,
+                           args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
     lr = args.lr or args.blr * args.batch_size / 256
@@ -293,7 +299,10 @@ def train(args):
         for it, ((x_s, x_t, _), _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
-            x_s, x_t = C.normalize(x_s.to(dev, non_blocking=True)), C.normalize(x_t.to(dev, non_blocking=True))
+            x_s, x_t = x_s.to(dev, non_blocking=True), x_t.to(dev, non_blocking=True)
+            if args.gpu_aug:                                          # the target's colour augmentation
+                x_t = C.color_augment_batch(x_t)
+            x_s, x_t = C.normalize(x_s), C.normalize(x_t)
             ids_keep, ids_restore, mask = C.random_masking(x_s.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(online, target_fwd, x_s, x_t, ids_keep, ids_restore, mask, args, micro,

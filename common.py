@@ -1102,6 +1102,14 @@ def check_unreadable(dataset, reads, bad0, max_frac, final=False):
     return bad or None
 
 
+def resolve_gpu_aug(args, run):
+    """--gpu-aug defaults to on with CUDA (photometric augmentation batched on the GPU, workers only
+    decode, crop and flip) and off on CPU; --no-gpu-aug forces the CPU workers. Sets args.gpu_aug."""
+    if args.gpu_aug is None:
+        args.gpu_aug = run.device.type == "cuda"
+    print0(f"photometric augmentation: {'batched on ' + run.device.type if args.gpu_aug else 'CPU workers'}")
+
+
 def batch_plan(args, run, recipe, weakens, unit="images"):
     """Per-process batch and micro-batch from the GLOBAL --batch-size: (per_process, micro). Prints
     the plan; warns (no error) when the global batch is below the recipe's, saying what it weakens."""

@@ -45,6 +45,8 @@ Where this file follows the official code (TencentARC/ConMIM) rather than the pa
   - Default lr 7.5e-4 (absolute, for a 2048 global batch) and clip 1.0 are the official ViT-L
     recipe; we use them for the default ViT-B as well.
   - bf16 autocast on GPU (official: fp16 AMP, `--precision fp16` is available); the loss runs in fp32.
+  - On CUDA the strong view's photometric ops (STRONG) run batched on the GPU (same distribution);
+    `--no-gpu-aug` keeps them in the workers.
 """
 import contextlib
 from dataclasses import dataclass, field
@@ -82,6 +84,8 @@ class Args(C.RunArgs):
     tau: float = 0.1
     crop_scale: tuple = (0.08, 1.0)
     drop_path: float = field(default=0.0, metadata={"help": "student only (official pre-training: 0; 0.1 is fine-tuning's)"})
+    gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
+                          "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial teacher at the end (default: on for synthetic)"})
 
     # --data synthetic: batch 32 x 800 steps (k-NN 23.1% vs 16.7% at init) learned more than 64 x 400
@@ -161,12 +165,18 @@ def conmim_loss(student, teacher, mask, tau=0.1):
 # ----------------------------------------------------------------------------------------------
 # Data: one crop, weak (student) and strong (teacher) photometric views of it
 # ----------------------------------------------------------------------------------------------
+STRONG = dict(jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)   # the teacher view's photometric ops
+
+
 class WeakStrongViews:
+    """One flip + RandomResizedCrop(bicubic); (weak, strong) uint8 views of it. gpu_aug: the strong
+    view leaves the worker un-augmented and gets STRONG batched on the device (train loop)."""
+
     def __init__(self, a):
         from torchvision import transforms as T
         self.crop = T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(
             a.img_size, scale=a.crop_scale, interpolation=T.InterpolationMode.BICUBIC)])
-        self.strong = C.color_augment(jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)
+        self.strong = (lambda im: im) if a.gpu_aug else C.color_augment(**STRONG)
 
     def __call__(self, img):
         img = self.crop(img)
@@ -205,6 +215,7 @@ def train_step(student, teacher, x_weak, x_strong, mask, a, micro=None, autocast
 def train(args):
     run = C.setup(args, "conmim")
     dev = run.device
+    C.resolve_gpu_aug(args, run)
     per, micro = C.batch_plan(args, run, 2048, "the loss is per image, so only the gradient noise and the "
                               "lr / batch pairing of the recipe change")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
@@ -236,7 +247,10 @@ def train(args):
             lr = C.cosine_schedule(step, total, args.lr, args.min_lr, args.warmup_epochs * ipe)
             m = C.cosine_schedule(step, total, args.ema[0], args.ema[1])    # 0.996 -> 1, cosine
             C.set_hparams(opt, lr)
-            x_weak, x_strong = C.normalize(x_weak.to(dev, non_blocking=True)), C.normalize(x_strong.to(dev, non_blocking=True))
+            x_weak, x_strong = x_weak.to(dev, non_blocking=True), x_strong.to(dev, non_blocking=True)
+            if args.gpu_aug:                                          # the strong view's photometric ops
+                x_strong = C.color_augment_batch(x_strong, **STRONG)
+            x_weak, x_strong = C.normalize(x_weak), C.normalize(x_strong)
             _, _, mask = C.random_masking(x_weak.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(student, teacher_fwd, x_weak, x_strong, mask, args, micro, run.autocast,

@@ -49,9 +49,10 @@ differs from both, and why:
   - Initialisation as official (DeiT, src/deit.py): trunc-normal(0.02) Linear (encoder and head),
     kaiming-normal patch embedding, trunc-normal cls token and pos-embed.
   - bf16 autocast on GPU (official: fp32). The loss itself runs in fp32.
-  - `--gpu-aug` (off by default) moves colour jitter / grey / blur from the PIL workers to batched
-    device ops with per-image parameters (common.color_augment_batch): the same distributions, in
-    float without uint8 rounding between ops. The 12-view CPU pipeline is otherwise the bottleneck.
+  - On CUDA, colour jitter / grey / blur run as batched device ops with per-image parameters
+    (common.color_augment_batch; `--no-gpu-aug` keeps them in the PIL workers, the official way):
+    the same distributions (KS-tested), in float without uint8 rounding between ops. The 12-view
+    CPU pipeline is otherwise the bottleneck.
     Blur: PIL's untruncated Gaussian blur, sigma U[0.1, 2] px, on every view (as official); the
     --gpu-aug path uses a 13-tap (+-3 sigma) kernel.
   - The official extra entropy term (weight 0 in every released config) is omitted.
@@ -97,7 +98,8 @@ class Args(C.RunArgs):
     rand_scale: tuple = (0.3, 1.0)
     focal_scale: tuple = (0.05, 0.3)
     mask_ratio: float = field(default=0.15, metadata={"help": "patch drop ratio of the random anchors"})
-    gpu_aug: bool = field(default=False, metadata={"help": "colour jitter / grey / blur on the device, batched (workers only crop)"})
+    gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
+                          "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
     # head, prototypes, loss
     head_hidden: int = 2048
     head_dim: int = 256
@@ -265,6 +267,7 @@ def train_step(online, target, x_target, x_rand, x_focal, ids_keep, a, micro=Non
 def train(args):
     run = C.setup(args, "msn")
     dev, R = run.device, args.rand_views
+    C.resolve_gpu_aug(args, run)
     per, micro = C.batch_plan(args, run, 1024, f"Sinkhorn targets and the ME-MAX mean are statistics of the "
                               f"global batch; with {args.batch_size} images against {args.num_prototypes} "
                               "prototypes the targets flatten and the prototype marginal is noisier")

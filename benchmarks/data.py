@@ -1,16 +1,23 @@
-"""Data-pipeline throughput of each method's real view pipeline (decode + all views).
+"""Data-pipeline throughput of each method's real view pipeline (decode + all views), next to a
+reference pipeline written from the method's official recipe.
 
   python benchmarks/data.py --method all --data /imagenet --workers 8
-  python benchmarks/data.py --method msn --gpu-aug            # on a generated folder of JPEGs
+  python benchmarks/data.py --method all                      # on a generated folder of JPEGs
+  python benchmarks/data.py --method msn --device cuda        # + the batched GPU augmentation's cost
 
-Two numbers per method, with the method's default ImageNet recipe (its own view class and its
-`Args` defaults; nothing re-implemented here):
-  per worker: images/s of one process running dataset.load (JPEG decode) + the view transform on
-              one thread, the work a DataLoader worker does (SiamMAE: clips/s and pairs/s);
-  loader:     images/s out of the training DataLoader (common.make_loader) with --workers
-              processes and --batch-size, timed after the first batch (worker start-up excluded).
-With --gpu-aug (MSN), the workers only crop and flip; the batched colour augmentation
-(common.color_augment_batch) is timed separately on --device for one step's views.
+Per method, with its default ImageNet recipe (its own view class and `Args` defaults):
+  ours / official, per core: images/s of one single-threaded process doing dataset.load (JPEG
+      decode) + every view, the work of one DataLoader worker, for our pipeline (colour on the CPU,
+      --no-gpu-aug) and for a reference pipeline built here from the official recipe (ops,
+      parameters and order written from the official code's transform list: PIL in, ToTensor +
+      Normalize out, as the official loaders produce), timed in interleaved rounds on the same
+      images; ratio = ours / official;
+  gpu-aug workers, per core: the same for our CUDA default, where the workers only decode, crop
+      and flip (colour runs batched on the device);
+  loader: images/s out of the training DataLoader (common.make_loader) with --workers processes;
+  device aug: images/s of common.color_augment_batch + normalize over one step's views on
+      --device (only with --device cuda, or --device-aug).
+SiamMAE has no official code (no reference) and no colour augmentation.
 
 Without --data, a folder of --n-images JPEGs (500x375, quality 90, like ImageNet's typical image)
 and --n-images/8 clips of 8 frames (854x480, like DAVIS 480p) is written to a temporary directory
@@ -19,6 +26,7 @@ from the synthetic generator, with noise added so that decoding costs what a pho
 import argparse
 import importlib
 import os
+import platform
 import sys
 import tempfile
 import time
@@ -54,13 +62,83 @@ def write_folder(root, n):
 
 def pipeline(method, data, gpu_aug):
     mod = importlib.import_module(method)
-    argv = ["--data", data] + (["--gpu-aug"] if gpu_aug and method == "msn" else [])
+    argv = ["--data", data] + (["--gpu-aug"] if gpu_aug else ["--no-gpu-aug"] if method != "siammae" else [])
     args = C.parse_args(mod.Args, argv)
     ds = mod.video_dataset(data) if method == "siammae" else C.image_dataset(data, "train")
     if ds is None or len(ds) == 0:
         raise SystemExit(f"error: no data for {method} under {data}")
     per_item = args.repeated_sampling if method == "siammae" else 1     # pairs per clip
     return args, C.Views(ds, getattr(mod, VIEWS[method])(args), seed=0), per_item
+
+
+class PILBlur:
+    """The official MSN / DINO GaussianBlur: with probability p, PIL blur of radius U(0.1, 2)."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def __call__(self, img):
+        from PIL import ImageFilter
+        return img.filter(ImageFilter.GaussianBlur(np.random.uniform(0.1, 2.0))) if np.random.rand() < self.p else img
+
+
+class Solarize:
+    def __init__(self, p):
+        self.p = p
+
+    def __call__(self, img):
+        from PIL import ImageOps
+        return ImageOps.solarize(img) if np.random.rand() < self.p else img
+
+
+def reference(method):
+    """The official recipe's view pipeline (ops, parameters, order), written here from the recipe."""
+    from torchvision import transforms as T
+    bicubic = T.InterpolationMode.BICUBIC
+    norm = T.Compose([T.ToTensor(), T.Normalize(C.IMAGENET_MEAN, C.IMAGENET_STD)])
+    jitter = lambda s: T.RandomApply([T.ColorJitter(*s)], p=0.8)         # noqa: E731
+    if method == "msn":                      # msn src/data_manager.make_transforms, colour strength 0.5
+        color = [jitter((0.4, 0.4, 0.4, 0.1)), T.RandomGrayscale(0.2), PILBlur(0.5)]
+        rand = T.Compose([T.RandomResizedCrop(224, scale=(0.3, 1.0)), T.RandomHorizontalFlip(), *color, norm])
+        focal = T.Compose([T.RandomResizedCrop(96, scale=(0.05, 0.3)), T.RandomHorizontalFlip(), *color, norm])
+        return lambda img: [rand(img) for _ in range(2)] + [focal(img) for _ in range(10)]
+    if method == "cmae":                     # CMAE config + CMAEDataset: master crop, shifted coloured target
+        master = T.Compose([T.RandomResizedCrop(256, scale=(0.2, 1.0), interpolation=bicubic), T.RandomHorizontalFlip()])
+        aug = T.Compose([jitter((0.4, 0.4, 0.4, 0.1)), T.RandomGrayscale(0.2), PILBlur(0.5)])
+
+        def cmae_views(img):
+            m = master(img)
+            dx, dy = np.random.randint(0, 32, 2)
+            return norm(m.crop((0, 0, 224, 224))), norm(aug(m.crop((dx, dy, dx + 224, dy + 224))))
+        return cmae_views
+    if method == "conmim":                   # ConMIM datasets.DataAugmentationForConMIM
+        common = T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(224, scale=(0.08, 1.0), interpolation=bicubic)])
+        hard = T.Compose([jitter((0.4, 0.4, 0.2, 0.1)), T.RandomGrayscale(0.2), PILBlur(0.1), Solarize(0.2)])
+
+        def conmim_views(img):
+            c = common(img)
+            return norm(c), norm(hard(c))
+        return conmim_views
+    if method == "can":                      # two SimCLR views (CAN paper / can.md)
+        view = T.Compose([T.RandomResizedCrop(224, scale=(0.2, 1.0), interpolation=bicubic), T.RandomHorizontalFlip(),
+                          jitter((0.4, 0.4, 0.4, 0.1)), T.RandomGrayscale(0.2), PILBlur(0.5), norm])
+        return lambda img: (view(img), view(img))
+    return None
+
+
+def interleaved(fns, views, n, rounds=4):
+    """img/s of each fn(i) over the same n indices, in interleaved rounds, one thread."""
+    torch.set_num_threads(1)                                         # as in a DataLoader worker
+    for f in fns:
+        f(0)
+    tot = [0.0] * len(fns)
+    for r in range(rounds):
+        for j, f in enumerate(fns):
+            t = time.perf_counter()
+            for k in range(n):
+                f((r * n + k) % len(views))
+            tot[j] += time.perf_counter() - t
+    return [rounds * n / t for t in tot]
 
 
 def per_worker(views, n):
@@ -90,18 +168,19 @@ def loader_rate(views, batch, workers, batches):
     return batches * batch / (time.perf_counter() - t)
 
 
-def gpu_aug_rate(args, B, device, reps=5):
-    """img/s of color_augment_batch + normalize over one step's MSN views (target + anchors + focal)."""
-    views = [torch.randint(0, 256, (B, 3, args.img_size, args.img_size), dtype=torch.uint8, device=device)
-             for _ in range(1 + args.rand_views)]
-    views += [torch.randint(0, 256, (B, 3, args.focal_size, args.focal_size), dtype=torch.uint8, device=device)
-              for _ in range(args.focal_views)]
+def gpu_aug_rate(method, args, B, device, reps=5):
+    """img/s of color_augment_batch + normalize over one step's views that the method augments."""
+    S = args.img_size
+    shapes = ([S] * (1 + args.rand_views) + [args.focal_size] * args.focal_views if method == "msn"
+              else [S] * (2 if method == "can" else 1))
+    kw = importlib.import_module("conmim").STRONG if method == "conmim" else {}
+    views = [torch.randint(0, 256, (B, 3, s, s), dtype=torch.uint8, device=device) for s in shapes]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for r in range(reps + 1):
         if r == 1:
             sync()
             t = time.perf_counter()
-        [C.normalize(C.color_augment_batch(v)) for v in views]
+        [C.normalize(C.color_augment_batch(v, **kw)) for v in views]
     sync()
     return reps * B / (time.perf_counter() - t)
 
@@ -112,12 +191,12 @@ def main():
     p.add_argument("--data", default=None, help="image folder (DIR/train used if present); for siammae a video folder")
     p.add_argument("--video-data", default=None, help="video folder for siammae (default: --data)")
     p.add_argument("--n-images", type=int, default=256, help="JPEGs to generate when --data is not given")
-    p.add_argument("--images", type=int, default=40, help="images timed per worker")
+    p.add_argument("--images", type=int, default=40, help="images timed per pipeline and round")
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--batches", type=int, default=10)
-    p.add_argument("--gpu-aug", action="store_true", help="MSN: colour augmentation on --device")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device-aug", action="store_true", help="time the batched augmentation on --device also on CPU")
     a = p.parse_args()
     tmp = None
     if a.data is None:
@@ -127,21 +206,32 @@ def main():
         write_folder(tmp.name, a.n_images)
         a.data, a.video_data = os.path.join(tmp.name, "images"), os.path.join(tmp.name, "videos")
     a.video_data = a.video_data or a.data
-    cpu = f"{os.cpu_count()} CPUs"
-    print(f"device: {cpu}, torch {torch.__version__}, workers {a.workers}, batch {a.batch_size}, data {a.data}")
-    print("| method | views per image | per worker img/s | loader img/s | GPU aug img/s |")
-    print("|---|---|---|---|---|")
+    device = torch.device(a.device)
+    print(f"device: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
+          f"workers {a.workers}, batch {a.batch_size}, data {a.data}, {a.images} images x 4 interleaved rounds")
+    print("| method | views per image | ours img/s per core | official recipe img/s per core | ratio | "
+          "gpu-aug workers img/s per core | loader img/s | device aug img/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for m in METHODS if a.method == "all" else (a.method,):
-        args, views, per_item = pipeline(m, a.video_data if m == "siammae" else a.data, a.gpu_aug)
+        data = a.video_data if m == "siammae" else a.data
+        args, views, per_item = pipeline(m, data, False)
         out = views[(0, 0)][0]
         n_views = (f"{sum(getattr(v, 'ndim', 0) == 3 for v in out)}" if isinstance(out, (list, tuple))
                    else f"{per_item} pairs")                         # image tensors (not CMAE's shift)
-        w = per_worker(views, a.images)
+        ref = reference(m)
+        fns = [lambda i: views[(i, 1)]]
+        if ref is not None:
+            fns += [lambda i: ref(views.dataset.load(i)[0]), lambda i: gviews[(i, 1)]]
+            gviews = pipeline(m, data, True)[1]
+        rates = interleaved(fns, views, a.images)
         bs = max(1, a.batch_size // per_item) if m == "siammae" else a.batch_size
         ld = loader_rate(views, min(bs, len(views)), a.workers, a.batches)
         unit = " (pairs)" if m == "siammae" else ""
-        g = f"{gpu_aug_rate(args, a.batch_size, torch.device(a.device)):.0f} ({a.device})" if a.gpu_aug and m == "msn" else "-"
-        print(f"| {m}{unit} | {n_views} | {w * per_item:.1f} | {ld * per_item:.1f} | {g} |", flush=True)
+        ours = f"{rates[0] * per_item:.1f}"
+        off, ratio, gw = (f"{rates[1]:.1f}", f"{rates[0] / rates[1]:.2f}", f"{rates[2]:.1f}") if ref else ("-", "-", "-")
+        g = (f"{gpu_aug_rate(m, args, a.batch_size, device):.0f} ({device})"
+             if ref is not None and (device.type == "cuda" or a.device_aug) else "-")
+        print(f"| {m}{unit} | {n_views} | {ours} | {off} | {ratio} | {gw} | {ld * per_item:.1f} | {g} |", flush=True)
     if tmp:
         tmp.cleanup()
 

@@ -7,8 +7,8 @@ def test_throughput_and_data_scripts_run():
                 "--warmup", "1", "--steps", "1", "--gpu-aug")
     assert r.returncode == 0, r.stderr
     assert "| msn |" in r.stdout and "gpu-aug" in r.stdout
-    r = run_cli("benchmarks/data.py", "--method", "msn", "--gpu-aug", "--n-images", "16", "--images", "2",
+    r = run_cli("benchmarks/data.py", "--method", "conmim", "--device-aug", "--n-images", "16", "--images", "2",
                 "--workers", "0", "--batch-size", "4", "--batches", "2")
     assert r.returncode == 0, r.stderr
-    row = [l for l in r.stdout.splitlines() if l.startswith("| msn |")][0].split("|")
-    assert row[2].strip() == "12" and float(row[3]) > 0 and float(row[4]) > 0 and "(cpu)" in row[5]
+    row = [c.strip() for c in [ln for ln in r.stdout.splitlines() if ln.startswith("| conmim |")][0].split("|")]
+    assert row[2] == "2" and all(float(row[i]) > 0 for i in (3, 4, 5, 6, 7)) and "(cpu)" in row[8]
