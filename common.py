@@ -928,7 +928,10 @@ def parse_args(cls, argv=None):
 
 
 def main(train, cls):
-    """`python method.py ...`: parse, train, and turn UserError into a one-line message."""
+    """`python method.py ...`: parse, train, and turn UserError into a one-line message. Preemption
+    signals are caught here for training runs (RunArgs), not when train() is called from other code."""
+    if issubclass(cls, RunArgs):
+        catch_preemption()
     try:
         train(parse_args(cls))
     except UserError as e:
@@ -1045,12 +1048,13 @@ class Control:
     ranks at different steps, and the checkpoint write is collective); alone, every step, no sync."""
 
     def __init__(self, args, device, sync_every=10):
-        import signal
         self.args, self.device, self.sync_every = args, device, sync_every
-        self.signal, self.t = None, time.time()
-        if threading_main():
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, lambda num, frame: setattr(self, "signal", signal.Signals(num).name))
+        self.t = time.time()
+        _SIGNAL.clear()
+
+    @property
+    def signal(self):
+        return _SIGNAL[0] if _SIGNAL else None
 
     def poll(self, step):
         """(save, stop) after global step `step`."""
@@ -1069,9 +1073,14 @@ class Control:
         return save or timed or stop, stop
 
 
-def threading_main():
-    import threading
-    return threading.current_thread() is threading.main_thread()
+_SIGNAL = []                                       # the preemption signal received, if any (see main)
+
+
+def catch_preemption():
+    """SIGTERM / SIGUSR1 -> remembered in _SIGNAL; the loop then writes a checkpoint and exits."""
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda num, frame: _SIGNAL.append(signal.Signals(num).name))
 
 
 def step_end(run, step, save):
