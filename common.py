@@ -505,8 +505,11 @@ def normalize(x):
 
 
 def to_uint8(img):
-    """PIL image -> uint8 tensor (3, H, W); workers ship uint8, 4x less than float."""
-    return torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1)
+    """PIL image -> uint8 tensor (3, H, W); workers ship uint8, 4x less than float. One copy beyond
+    PIL's own export (no convert when the image is already RGB)."""
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
 
 
 BLUR_SIGMA = (0.1, 2.0)

@@ -10,7 +10,7 @@ Launch. `--batch-size` is the GLOBAL number of videos per step (default 1024 vid
 pairs = 2048 pairs, the paper's batch 2048 read as frame pairs); each process takes batch /
 processes videos in micro-batches of --micro-batch videos (default 256, an estimate of what fits in
 80 GB; README). The loss is per pair, so accumulation is exact by construction.
-  python siammae.py --data synthetic                          # CPU quickstart, ~6 min
+  python siammae.py --data synthetic                          # CPU quickstart, ~5 min
   python siammae.py --data /kinetics_frames                   # ViT-S/16 ablation recipe on 1 GPU: 4 x 256 videos
   torchrun --nproc_per_node=8 siammae.py --data /kinetics_frames   # the same objective on 8 GPUs: 8 x 128
 
@@ -83,10 +83,11 @@ class Args(C.RunArgs):
     decoder_depth: int = 4
     decoder_heads: int = 8
     drop_path: float = 0.0
+    init: str = field(default="xavier", metadata={"help": "xavier (MAE's, default) | trunc (trunc-normal 0.02, DeiT)"})
 
     # --data synthetic: 64 px, the clips' native size, so that eval_video (which runs on native
     # frames) sees the patch scale the encoder was trained at (a 32 px run fell below random init
-    # there); nano keeps it about 6 min on 2 CPU cores (16 effective epochs = 8 passes of 62 steps).
+    # there); nano keeps it about 5 min on 2 CPU cores (16 effective epochs = 8 passes of 62 steps).
     SYNTHETIC = dict(model="nano", patch_size=4, img_size=64, epochs=16, batch_size=32, blr=3e-3, warmup_epochs=2,
                      decoder_dim=64, decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2, log_every=20)
 
@@ -266,8 +267,10 @@ class SiamMAE(nn.Module):
         super().__init__()
         if a.decoder not in ("cross-self", "cross", "joint"):
             raise C.UserError(f"--decoder must be cross-self, cross or joint, got {a.decoder!r}")
+        if a.init not in ("xavier", "trunc"):
+            raise C.UserError(f"--init must be xavier or trunc, got {a.init!r}")
         self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos",
-                                  init="xavier")
+                                  init=a.init)
         D, dd, p = self.encoder.dim, a.decoder_dim, a.patch_size
         self.kind = a.decoder
         self.decoder_embed = nn.Linear(D, dd)
@@ -282,8 +285,8 @@ class SiamMAE(nn.Module):
                                         for _ in range(a.decoder_depth))
         self.grad_ckpt = False
         self.norm, self.pred = nn.LayerNorm(dd, eps=1e-6), nn.Linear(dd, p * p * 3)
-        C.init_weights(self, "xavier")                                        # MAE: the whole model
-        C.init_token(self.mask_token, "xavier")
+        C.init_weights(self, a.init)                                          # MAE: the whole model
+        C.init_token(self.mask_token, a.init)
 
     def forward(self, f1, f2, ids_keep, ids_restore):
         """f1, f2 (B, 3, H, W); f2 keeps ids_keep. Returns predicted f2 patches (B, N, p*p*3)."""
