@@ -48,7 +48,6 @@ Where this file follows the official code (ZhichengHuang/CMAE) rather than the p
     GPU (common.color_augment_batch, same distribution); `--no-gpu-aug` keeps it in the workers.
 """
 import contextlib
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -311,10 +310,8 @@ def train(args):
             scaler.step(opt)
             scaler.update()
             C.ema_update(target, target.online_params(model), args.ema)
-            run.guard.update(step + 1, parts, scaler)                    # non-finite watch, no host sync
-            bad = C.check_unreadable(dataset, (it + 1) * per, bad0, args.max_unreadable)
-            log.step(step + 1, epoch, parts, lr=opt.param_groups[0]["lr"], bad_images=bad)
-            if C.step_end(run, step + 1, save):                          # preempted / --stop-step
+            if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save, dataset, (it + 1) * per, bad0,
+                          lr=opt.param_groups[0]["lr"]):                 # log, NaN watch; preempted: stop
                 return
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)

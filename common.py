@@ -1086,6 +1086,16 @@ def catch_preemption():
         signal.signal(sig, lambda num, frame: _SIGNAL.append(signal.Signals(num).name))
 
 
+def end_step(run, log, args, step, epoch, parts, scaler, save, dataset=None, reads=0, bad0=0, **scalars):
+    """The bookkeeping after each optimiser step, the same in every method: the non-finite watch
+    (device-side), the unreadable-image count, the log line (every --log-every steps), and a
+    mid-epoch checkpoint when due. Returns True when the run must stop now (checkpoint written)."""
+    run.guard.update(step, parts, scaler)
+    bad = check_unreadable(dataset, reads, bad0, args.max_unreadable) if dataset is not None else None
+    log.step(step, epoch, parts, bad_images=bad, **scalars)
+    return step_end(run, step, save)
+
+
 def step_end(run, step, save):
     """After each optimiser step: write a mid-epoch checkpoint when due (save(step)); returns True
     when the run must stop now (preempted or --stop-step), its checkpoint written."""

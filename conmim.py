@@ -259,10 +259,8 @@ def train(args):
             scaler.step(opt)
             scaler.update()
             C.ema_update(teacher, model, m)
-            run.guard.update(step + 1, parts, scaler)                    # non-finite watch, no host sync
-            bad = C.check_unreadable(dataset, (it + 1) * per, bad0, args.max_unreadable)
-            log.step(step + 1, epoch, parts, lr=lr, mom=m, bad_images=bad)
-            if C.step_end(run, step + 1, save):                          # preempted / --stop-step
+            if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save, dataset, (it + 1) * per, bad0,
+                          lr=lr, mom=m):                                 # log, NaN watch; preempted: stop
                 return
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)

@@ -385,9 +385,8 @@ def train(args):
             parts["grad_norm"] = C.clip_grads(model.parameters(), 0, scaler, opt)   # MAE recipe: no clipping
             scaler.step(opt)
             scaler.update()
-            run.guard.update(step + 1, parts, scaler)                    # non-finite watch, no host sync
-            log.step(step + 1, epoch, parts, lr=opt.param_groups[0]["lr"])
-            if C.step_end(run, step + 1, save):                          # preempted / --stop-step
+            if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save,
+                          lr=opt.param_groups[0]["lr"]):                 # log, NaN watch; preempted: stop
                 return
         save((epoch + 1) * ipe)
         n, m = min(8, f2.shape[0]), mask[:min(8, f2.shape[0]), :, None]      # f1 / masked f2 / predicted f2

@@ -1,7 +1,6 @@
 """cmae.py: both losses against naive transcriptions, pixel-shift geometry, gradients and
 stop-gradients, block masks, DDP equivalence with gathered negatives, end to end + resume."""
 import math
-import os
 
 import pytest
 import torch

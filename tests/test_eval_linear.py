@@ -113,7 +113,6 @@ def test_lowshot_subset_exact_counts(shots, percent):
 
 
 def tiny_folder(root):
-    from PIL import Image
     for split, n in (("train", 6), ("val", 3)):
         for c in range(3):
             os.makedirs(root / split / f"c{c}", exist_ok=True)

@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-from PIL import Image
 
 import can
 import common as C

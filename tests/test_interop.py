@@ -2,9 +2,7 @@
 installed), older checkpoints still load, and the evaluations read the official MSN layout, MAE-style
 `model` files and plain timm / DeiT state dicts, ignoring heads and decoders."""
 import importlib
-import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -31,7 +29,7 @@ def test_every_checkpoint_encoder_has_timm_keys_only(method, tmp_path):
                        epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, warmup_epochs=0, **TINY[method]))
     ckpt = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), method)
     assert set(ckpt["encoder"]) == timm_keys(2)                     # no mask token, no head
-    timm = pytest.importorskip("timm")
+    pytest.importorskip("timm")
     from timm.models.vision_transformer import VisionTransformer
     enc = C.build_vit(ckpt["vit"]).eval()
     enc.load_state_dict(ckpt["encoder"])

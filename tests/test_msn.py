@@ -1,6 +1,5 @@
 """msn.py: the loss against a loop transcription of the paper/official equations, gradients and
 stop-gradients, DDP equivalence, views, end-to-end training, resume and bad input."""
-import dataclasses
 import math
 import os
 import subprocess
