@@ -896,7 +896,7 @@ class RunArgs:
     micro_batch: int = dataclasses.field(default=0, metadata={"help": "samples per forward/backward in each "
                                           "process (0 = the whole per-process batch); the step stays exact"})
     grad_ckpt: bool = dataclasses.field(default=False, metadata={"help": "activation checkpointing of every "
-                                        "transformer block (encoder and decoders): less memory, ~30% more compute"})
+                                        "transformer block (encoder and decoders): less memory, about a third more compute"})
     steps_per_epoch: int = dataclasses.field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
     stop_epoch: int = dataclasses.field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
     stop_step: int = dataclasses.field(default=0, metadata={"help": "write a checkpoint and exit after this global step"})

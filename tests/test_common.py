@@ -296,3 +296,11 @@ def test_all_gather_autograd_two_processes():
     assert torch.equal(g0, 3 * w[:3]) and torch.equal(g1, 3 * w[3:])
     # rank 0: x.sum(0) = [6, 9]; rank 1: [36, 39]; mean [21, 24]
     assert torch.equal(m0, m1) and torch.equal(m0, torch.tensor([21.0, 24.0]))
+
+
+@pytest.mark.parametrize("script", ["msn.py", "cmae.py", "conmim.py", "can.py", "siammae.py", "eval_linear.py",
+                                    "eval_video.py"])
+def test_help_of_every_script(script):
+    from helpers import run_cli
+    r = run_cli(script, "--help")
+    assert r.returncode == 0 and "--data" in r.stdout, r.stderr[-500:]
