@@ -937,6 +937,8 @@ def main(train, cls):
         catch_preemption()
     try:
         train(parse_args(cls))
+        if dist.is_initialized():
+            dist.barrier()                      # all ranks done before any tears the group down
     except UserError as e:
         msg = str(e).strip().splitlines()[-1]          # DataLoader workers wrap the message
         print(f"error: {msg.removeprefix('common.UserError: ').removeprefix('UserError: ')}",
