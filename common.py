@@ -391,7 +391,10 @@ def clip_grads(params, max_norm, scaler, optimizer):
     """Unscale (fp16) and clip the gradients to max_norm (0 = no clipping); returns the total norm
     as a device tensor (the non-finite guard watches it; no host sync)."""
     scaler.unscale_(optimizer)
-    return torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
+    if max_norm:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [p.grad for p in params if p.grad is not None]      # norm only: no pass rescaling by 1
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
 
 
 def set_hparams(optimizer, lr, weight_decay=None):
@@ -1095,12 +1098,6 @@ def end_step(run, log, args, step, epoch, parts, scaler, save, dataset=None, rea
     run.guard.update(step, parts, scaler)
     bad = check_unreadable(dataset, reads, bad0, args.max_unreadable) if dataset is not None else None
     log.step(step, epoch, parts, bad_images=bad, **scalars)
-    return step_end(run, step, save)
-
-
-def step_end(run, step, save):
-    """After each optimiser step: write a mid-epoch checkpoint when due (save(step)); returns True
-    when the run must stop now (preempted or --stop-step), its checkpoint written."""
     due, stop = run.control.poll(step)
     if due:
         save(step)
