@@ -721,23 +721,28 @@ class ImageFiles(torch.utils.data.Dataset):
                             "sub-folders")
         self.classes = classes or ["all"]
         self.skip = skip_unreadable
-        import multiprocessing
-        self.bad, self.reported = multiprocessing.Value("l", 0), set()
+        import multiprocessing                          # shared with forked DataLoader workers:
+        self.bad = multiprocessing.Value("l", 0)         # distinct unreadable files met so far
+        self.is_bad = multiprocessing.Array("b", len(self.samples), lock=False)   # per file, 1 = counted
+        self.reported = set()
 
     def __len__(self):
         return len(self.samples)
 
     def load(self, i):
         for k in range(min(len(self.samples), 100) if self.skip else 1):
-            path, label = self.samples[(i + k) % len(self.samples)]
+            j = (i + k) % len(self.samples)
+            path, label = self.samples[j]
             try:
                 with Image.open(path) as img:
                     return img.convert("RGB"), label
             except Exception as e:
                 if not self.skip:
                     raise UserError(f"cannot read image {path}: {e}; remove or replace the file") from None
-                with self.bad.get_lock():
-                    self.bad.value += 1
+                with self.bad.get_lock():                  # each file counts once, however often it is met
+                    if not self.is_bad[j]:
+                        self.is_bad[j] = 1
+                        self.bad.value += 1
                 if path not in self.reported:
                     self.reported.add(path)
                     print(f"warning: cannot read image {path} ({e}); using the next readable image",
@@ -805,7 +810,8 @@ def make_loader(dataset, batch_size, workers, seed, train=True, drop_last=True):
                         f"x {world} process(es); lower --batch-size")
     return torch.utils.data.DataLoader(          # own generator: iterating never touches the global RNG
         dataset, batch_size, sampler=sampler, num_workers=workers, pin_memory=torch.cuda.is_available(),
-        drop_last=drop_last, persistent_workers=workers > 0, generator=torch.Generator())
+        drop_last=drop_last, persistent_workers=workers > 0, generator=torch.Generator(),
+        worker_init_fn=ignore_stop_signals if workers > 0 else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -823,13 +829,32 @@ def is_main():
     return rank() == 0
 
 
+def resolve_device(name=None):
+    """--device: None (cuda if available, else cpu), cpu, cuda or cuda:N; anything else, or CUDA on a
+    host without a usable GPU, is a one-line error."""
+    name = name or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise UserError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    if name.startswith("cuda"):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise UserError(f"--device {name}: no CUDA GPU is available here (torch {torch.__version__}); use --device cpu")
+        if ":" in name and int(name.split(":")[1]) >= n:
+            raise UserError(f"--device {name}: this host has {n} GPU(s) (cuda:0..cuda:{n - 1})")
+    return torch.device(name)
+
+
 def init_distributed(device):
     """Init from torchrun's env (nccl on CUDA, gloo on CPU); returns (rank, world, device)."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(device))
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         cuda = device.startswith("cuda")
         if cuda:
-            device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+            local, n = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+            if int(os.environ.get("LOCAL_WORLD_SIZE", local + 1)) > n:
+                raise UserError(f"{os.environ.get('LOCAL_WORLD_SIZE')} processes on this node but {n} GPU(s): "
+                                f"use --nproc_per_node {n} (one process per GPU), or --device cpu")
+            device = f"cuda:{local}"
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo")
@@ -908,6 +933,8 @@ class RunArgs:
                                                   "passed since the last one (0 = off)"})
     max_unreadable: float = dataclasses.field(default=0.01, metadata={"help": "stop if more than this fraction of the "
                                               "images read in an epoch is unreadable (they are skipped otherwise)"})
+    allow_batch_change: bool = dataclasses.field(default=False, metadata={"help": "resume a checkpoint trained with "
+                                                 "another --batch-size (continues from the same number of images seen)"})
 
 
 def parse_args(cls, argv=None):
@@ -947,6 +974,10 @@ def main(train, cls):
         print(f"error: {msg.removeprefix('common.UserError: ').removeprefix('UserError: ')}",
               file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("error: interrupted by a second Ctrl-C: stopped at once, the last checkpoint written is kept",
+              file=sys.stderr)
+        sys.exit(130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -967,13 +998,26 @@ def setup(args, method):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     out = args.output_dir or os.path.join("runs", method)
     if is_main():
-        os.makedirs(out, exist_ok=True)
+        check_writable(out, "--output-dir")
         print(f"{method}: {world} process(es) on {device}, precision {precision}, output {out}")
         print(json.dumps(dataclasses.asdict(args)))
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     ckpt = os.path.join(out, "checkpoint.pth")
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               out=out, ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device))
+
+
+def check_writable(out, what):
+    """Create `out` and write (then remove) a probe file in it, before any work: an unusable output
+    directory (not creatable, a file, read-only, full) is a one-line error at start."""
+    probe = os.path.join(out, f".write_test.{os.getpid()}")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"{what} {out} is not a writable directory ({e.strerror or type(e).__name__})") from None
 
 
 def validate(args):
@@ -986,6 +1030,8 @@ def validate(args):
         flag = k.replace("_", "-")
         if isinstance(v, bool) or v is None:
             continue
+        if any(isinstance(x, float) and not math.isfinite(x) for x in (v if isinstance(v, tuple) else (v,))):
+            raise bad(f"{flag} must be a finite number, got {v}")
         if k in ("epochs", "batch_size", "img_size", "patch_size", "focal_size", "master_size", "num_prototypes",
                  "head_hidden", "head_dim", "proj_hidden", "proj_dim", "decoder_dim", "decoder_heads",
                  "repeated_sampling", "mask_unit", "log_every") and v <= 0:
@@ -1062,33 +1108,56 @@ class Control:
 
     @property
     def signal(self):
-        return _SIGNAL[0] if _SIGNAL else None
+        return _SIGNAL[0][0] if _SIGNAL else None
 
     def poll(self, step):
         """(save, stop) after global step `step`."""
         a = self.args
-        save = bool(a.save_every) and step % a.save_every == 0
+        save = bool(a.save_every) and step % a.save_every == 0           # step-based: the same on every rank
+        planned = bool(a.stop_step) and step >= a.stop_step
         timed = bool(a.save_every_minutes) and time.time() - self.t > 60 * a.save_every_minutes
-        stop = self.signal is not None or (a.stop_step and step >= a.stop_step)
-        if world_size() > 1:
+        stop = self.signal is not None
+        if world_size() > 1:                                             # clocks and signals: agreed
             if step % self.sync_every:
-                return save, False                                       # every rank agrees on save
-            flags = torch.tensor([float(stop), float(timed)], device=self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            stop, timed = bool(flags[0]), bool(flags[1])
+                timed = stop = False
+            else:
+                flags = torch.tensor([float(stop), float(timed)], device=self.device)
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+                stop, timed = bool(flags[0]), bool(flags[1])
+        stop = stop or planned
         if save or timed or stop:
             self.t = time.time()
         return save or timed or stop, stop
 
 
 _SIGNAL = []                                       # the preemption signal received, if any (see main)
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 
 def catch_preemption():
-    """SIGTERM / SIGUSR1 -> remembered in _SIGNAL; the loop then writes a checkpoint and exits."""
+    """SIGTERM / SIGUSR1 / SIGINT -> remembered in _SIGNAL; the loop finishes its step, writes a
+    checkpoint and exits 0. Clusters (SLURM, scancel, timeout, kill -TERM -PGID) signal the whole
+    process group: the DataLoader workers ignore these signals (ignore_stop_signals) so the main
+    process can finish. A second Ctrl-C more than a second after the first stops at once (not under
+    torchrun, whose agent forwards the signal it got to every rank, a second copy of the same one)."""
     import signal
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, lambda num, frame: _SIGNAL.append(signal.Signals(num).name))
+
+    def handler(num, frame):
+        name = signal.Signals(num).name
+        again = name == "SIGINT" and any(n == "SIGINT" and time.time() - t > 1 for n, t in _SIGNAL)
+        if again and "LOCAL_RANK" not in os.environ:
+            raise KeyboardInterrupt
+        _SIGNAL.append((name, time.time()))
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), handler)
+
+
+def ignore_stop_signals(_worker_id=None):
+    """DataLoader worker_init_fn: a signal to the whole process group must not kill the workers
+    while the main process writes its checkpoint (they exit with the main process)."""
+    import signal
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def end_step(run, log, args, step, epoch, parts, scaler, save, dataset=None, reads=0, bad0=0, **scalars):
@@ -1108,14 +1177,15 @@ def end_step(run, log, args, step, epoch, parts, scaler, save, dataset=None, rea
 
 
 def bad_reads(dataset):
-    """Unreadable images met so far by this process and its workers (0 for other datasets)."""
+    """Distinct unreadable files met so far by this process and its workers (0 for other datasets)."""
     return dataset.bad.value if isinstance(dataset, ImageFiles) else 0
 
 
 def check_unreadable(dataset, reads, bad0, max_frac, final=False):
-    """Stop when more than max_frac of the `reads` images read in this epoch failed to decode (bad0:
-    the count at the epoch start); judged from 1000 reads on, and at the epoch's end whatever the
-    count. Returns the epoch's count of bad reads, or None when there is none (for the log)."""
+    """Stop when more than max_frac of the `reads` images read in this epoch are unreadable files (bad0:
+    the count at the epoch start; each file counts once per run, however often it is met); judged
+    from 1000 reads on, and at the epoch's end whatever the count. Returns the epoch's count of
+    newly met unreadable files, or None when there is none (for the log)."""
     bad = bad_reads(dataset) - bad0
     if (final or reads >= 1000) and bad > max_frac * reads:
         raise UserError(f"{bad} of {reads} images read in this epoch were unreadable (> --max-unreadable "
@@ -1239,15 +1309,21 @@ class Logger:
         if is_main():
             kv = " ".join(f"{k} {v:.4g}" for k, v in rec.items() if k not in ("epoch", "step"))
             print(f"ep {epoch} step {step}/{self.total} {kv} eta {eta / 60:.1f}m", flush=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            self.append(rec)
         return rec
 
     def write(self, rec):
         if is_main():
             print(json.dumps(rec), flush=True)
+            self.append(rec)
+
+    def append(self, rec):
+        try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+        except OSError as e:
+            raise UserError(f"cannot write the log {self.path} ({e.strerror or type(e).__name__}); "
+                            f"the last checkpoint is {self.guard.ckpt if self.guard.saved is not None else 'not written yet'}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1290,6 +1366,8 @@ def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, wor
         dl = torch.utils.data.DataLoader(Views(ds, tf), batch_size, num_workers=workers)
         res.append(extract_features(encoder, dl, device, how, autocast))
     (ftr, ytr), (fva, yva) = res
+    index = {c: i for i, c in enumerate(train.classes)}              # val labels matched by class name
+    yva = torch.tensor([index.get(c, -1) for c in val.classes])[yva]
     pred = knn_predict(F.normalize(ftr, dim=1), ytr, F.normalize(fva, dim=1), len(train.classes), k).argmax(1)
     return 100.0 * (pred == yva).float().mean().item()
 
@@ -1329,6 +1407,14 @@ def resume_run(run, method, args, model, optimizer, scaler, target=None):
     if not (args.resume and os.path.isfile(run.ckpt)):
         return 0
     ckpt = load_checkpoint(run.ckpt, method)
+    old_batch = ckpt["args"].get("batch_size", args.batch_size)
+    if old_batch != args.batch_size:
+        changes = (f"{run.ckpt} was trained with --batch-size {old_batch}, this run asks for {args.batch_size}: "
+                   f"steps per epoch, the lr (if scaled with the batch) and every per-step schedule change")
+        if not args.allow_batch_change:
+            raise UserError(f"{changes}; rerun with --batch-size {old_batch}, or add --allow-batch-change to "
+                            "continue from the same number of images seen, or use another --output-dir")
+        print0(f"warning: {changes}; continuing from the same number of images seen (--allow-batch-change)")
     try:
         unwrap(model).load_state_dict(ckpt["model"])
         if target is not None:
@@ -1346,9 +1432,13 @@ def resume_run(run, method, args, model, optimizer, scaler, target=None):
         torch.set_rng_state(cpu)
         if cuda is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(cuda)
-    run.guard.saved = ckpt["step"]
+    run.guard.saved = step = ckpt["step"]
+    if old_batch != args.batch_size:                          # same images seen, at the new batch size
+        step = round(step * old_batch / args.batch_size)
+        print0(f"step {ckpt['step']} at batch {old_batch} = step {step} at batch {args.batch_size}; the data order and "
+               "random draws of the old run are not continued exactly")
     print0(f"resumed from {run.ckpt}: epoch {ckpt['epoch']}, step {ckpt['step']}")
-    return ckpt["step"]
+    return step
 
 
 def build_vit(config):

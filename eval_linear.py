@@ -82,8 +82,23 @@ class Args:
     cache: bool = field(default=True, metadata={"help": "cache features next to the checkpoint"})
 
 
-def features(a, enc, ckpt, split, device):
-    """(N, D) float features and (N,) labels of a split, cached on disk."""
+def splits(data):
+    """The train and val datasets, checked before any feature is computed, and val's labels mapped
+    to train's class indices BY NAME (a val/ that lacks a class, or orders them otherwise, keeps
+    every label right); a val class that train lacks is an error. Returns (train, val, val_to_train)."""
+    train, val = C.image_dataset(data, "train"), C.image_dataset(data, "val")
+    if val is None or not os.path.isdir(os.path.join(data, "train")) and data != "synthetic":
+        raise C.UserError(f"--data {data}: expected train/ and val/ class folders (evaluation needs both)")
+    index = {c: i for i, c in enumerate(train.classes)}
+    missing = [c for c in val.classes if c not in index]
+    if missing:
+        raise C.UserError(f"--data {data}: val/ has {len(missing)} class(es) that train/ lacks, e.g. {missing[0]!r} "
+                          f"(train has {len(train.classes)}: {', '.join(train.classes[:5])}{', ...' if len(train.classes) > 5 else ''})")
+    return train, val, torch.tensor([index[c] for c in val.classes])
+
+
+def features(a, enc, ckpt, split, ds, device):
+    """(N, D) float features and (N,) labels (ds's own class indices) of a split, cached on disk."""
     pool = a.pool or DEFAULT_POOL.get(ckpt["method"], "cls")
     size = a.img_size or ckpt["vit"]["img_size"]
     st = os.stat(a.ckpt)
@@ -92,9 +107,6 @@ def features(a, enc, ckpt, split, device):
     path = os.path.join(os.path.dirname(os.path.abspath(a.ckpt)), "features", f"{key}_{split}.pt")
     if a.cache and os.path.isfile(path):
         return torch.load(path, weights_only=True)
-    ds = C.image_dataset(a.data, split)
-    if ds is None:
-        raise C.UserError(f"--data {a.data}: no {split}/ folder (evaluation needs train/ and val/)")
     tf = C.eval_transform(size, synthetic=a.data == "synthetic")
     dl = torch.utils.data.DataLoader(C.Views(ds, tf), a.batch_size, num_workers=a.workers)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -225,13 +237,26 @@ def evaluate(a):
         raise C.UserError("--data is required: an image folder with train/ and val/, or 'synthetic'")
     if a.mode not in ("knn", "linear", "lowshot", "all"):
         raise C.UserError(f"--mode must be knn, linear, lowshot or all, got {a.mode!r}")
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for k in ("k", "temperature", "linear_epochs", "linear_lr", "linear_batch", "shots", "seeds", "batch_size"):
+        if not getattr(a, k) > 0:
+            raise C.UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(a, k)}")
+    if not 0 <= a.percent <= 100 or a.lambd < 0 or a.workers < 0:
+        raise C.UserError("--percent must be in [0, 100], --lambd and --workers >= 0")
+    device = C.resolve_device(a.device)
     enc, ckpt = C.load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
+    if a.img_size is not None and (a.img_size <= 0 or a.img_size % enc.patch_size):
+        raise C.UserError(f"--img-size {a.img_size} is not a positive multiple of the checkpoint's patch size {enc.patch_size}")
+    train, val, val_to_train = splits(a.data)                     # layout checked before any extraction
+    C.print0(f"train: {len(train)} images in {len(train.classes)} classes; val: {len(val)} images in "
+             f"{len(val.classes)} classes (labels matched by class name)")
     enc = enc.to(device)
-    (ftr, ytr), (fva, yva) = (features(a, enc, ckpt, s, device) for s in ("train", "val"))
-    nc = int(max(ytr.max(), yva.max())) + 1
+    ftr, ytr = features(a, enc, ckpt, "train", train, device)
+    fva, yva = features(a, enc, ckpt, "val", val, device)
+    yva = val_to_train[yva]
+    nc = len(train.classes)
     res = {"method": ckpt["method"], "ckpt": a.ckpt, "random_init": a.random_init,
-           "pool": a.pool or DEFAULT_POOL.get(ckpt["method"], "cls")}
+           "pool": a.pool or DEFAULT_POOL.get(ckpt["method"], "cls"),
+           "train_classes": len(train.classes), "val_classes": len(val.classes)}
     if a.mode in ("knn", "all"):
         res.update(knn(ftr, ytr, fva, yva, nc, a.k, a.temperature))
     if a.mode in ("linear", "all"):

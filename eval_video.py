@@ -249,7 +249,12 @@ def evaluate_video(enc, frames, masks, a, short_side, device):
 def evaluate(a):
     if not a.ckpt or not a.data:
         raise C.UserError("--ckpt and --data are required (a DAVIS-2017 root or 'synthetic')")
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for k in ("topk", "radius", "temperature"):
+        if not getattr(a, k) > 0:
+            raise C.UserError(f"--{k} must be positive, got {getattr(a, k)}")
+    if a.n_context < 0 or a.short_side < 0:
+        raise C.UserError("--n-context and --short-side must be >= 0")
+    device = C.resolve_device(a.device)
     enc, ckpt = C.load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
     enc = enc.to(device)
     synthetic = a.data == "synthetic"

@@ -1,5 +1,6 @@
 """Test helpers shared by the method test files: CLI runs with one-line errors, exact resume."""
 import os
+import socket
 import subprocess
 import sys
 
@@ -12,6 +13,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_cli(*args, cwd=ROOT, timeout=300):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_cmd(*args, nproc=2):
+    """`torchrun --nproc_per_node=nproc <args> --device cpu` on a free port: CPU (gloo) processes even on a
+    GPU host (a 1-GPU host cannot give 2 ranks a GPU each), and tests can run side by side (pytest -n)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+            *args, "--device", "cpu"]
+
+
+def torchrun(*args, nproc=2, timeout=300):
+    return subprocess.run(torchrun_cmd(*args, nproc=nproc), capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def one_line_error(r, *needles):

@@ -188,7 +188,7 @@ def _ks(a, b):
 
 @pytest.mark.parametrize("params", [{}, dict(jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)],
                          ids=["default", "conmim-strong"])
-def test_color_augment_batch_has_the_torchvision_distribution(params):
+def test_color_augment_batch_has_the_torchvision_distribution(params, device="cpu"):
     """Per-image statistics of the GPU-side augmentation vs torchvision's transforms on the same image:
     two-sample KS below the p = 0.001 critical value (Bonferroni over the 5 statistics); a wrong grey or
     blur probability or jitter strength is caught. The reference is the workers' path: PIL in, uint8 out."""
@@ -210,12 +210,12 @@ def test_color_augment_batch_has_the_torchvision_distribution(params):
     img = C.to_uint8(pil)
     tv = C.color_augment(**params)
     ref = stats(torch.stack([C.to_uint8(tv(pil)) for _ in range(N)]).float() / 255)
-    batch = img.expand(N, -1, -1, -1)
-    ks = [_ks(r, o) for r, o in zip(ref, stats(C.color_augment_batch(batch, **params)))]
+    batch = img.expand(N, -1, -1, -1).to(device)
+    ks = [_ks(r, o) for r, o in zip(ref, stats(C.color_augment_batch(batch, **params).cpu()))]
     assert max(ks) < crit, (ks, crit)
     for wrong in (dict(p_gray=0.4), dict(jitter=(0.8, 0.4, 0.4, 0.1)), dict(p_solarize=0.5)) + \
             ((dict(p_blur=0.25),) if not params else ()):
-        ks = [_ks(r, o) for r, o in zip(ref, stats(C.color_augment_batch(batch, **{**params, **wrong})))]
+        ks = [_ks(r, o) for r, o in zip(ref, stats(C.color_augment_batch(batch, **{**params, **wrong}).cpu()))]
         assert max(ks) > crit, (wrong, ks)
 
 

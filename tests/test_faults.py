@@ -16,7 +16,7 @@ import torch
 import can
 import common as C
 import msn
-from helpers import ROOT, exact_resume, one_line_error, run_cli
+from helpers import ROOT, exact_resume, one_line_error, run_cli, torchrun
 from test_can import tiny_args as can_args
 from test_msn import tiny_args as msn_args
 
@@ -140,10 +140,8 @@ def test_one_failing_rank_takes_the_others_down(tmp_path):
         img.save(data / f"c{label % 2}" / f"{i:03d}.png")
     (data / "c0" / "zz_bad.png").write_bytes(b"broken")
     t = time.time()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *CAN_CLI, "--data",
-                        str(data), "--batch-size", "4", "--epochs", "2", "--max-unreadable", "0",
-                        "--output-dir", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = torchrun(*CAN_CLI, "--data", str(data), "--batch-size", "4", "--epochs", "2", "--max-unreadable", "0",
+                 "--output-dir", str(tmp_path / "out"))
     elapsed = time.time() - t
     assert r.returncode != 0 and "unreadable (> --max-unreadable 0)" in r.stderr, r.stderr[-2000:]
     assert elapsed < 90, elapsed

@@ -125,7 +125,7 @@ def test_eval_linear_and_eval_video_read_foreign_checkpoints(tmp_path):
     lay = _layouts(enc)
     torch.save(lay["msn"], tmp_path / "msn.pth")
     data = tiny_folder(tmp_path / "data")
-    res = E.evaluate(E.Args(ckpt=str(tmp_path / "msn.pth"), data=data, mode="knn", workers=0, k=3))
+    res = E.evaluate(E.Args(ckpt=str(tmp_path / "msn.pth"), data=data, mode="knn", workers=0, k=3, device="cpu"))
     assert res["method"] == "msn" and res["pool"] == "cls-prenorm"  # MSN's own evaluation features
     train = C.image_dataset(data, "train")
     tf = C.eval_transform(16)
@@ -133,7 +133,7 @@ def test_eval_linear_and_eval_video_read_foreign_checkpoints(tmp_path):
     feats = torch.load(next((tmp_path / "features").glob("*_train.pt")), weights_only=True)[0]
     torch.testing.assert_close(feats[:2], enc(x, norm=False)[:, 0], atol=1e-5, rtol=1e-5)
     torch.save(lay["timm"], tmp_path / "timm.pth")
-    res = V.evaluate(V.Args(ckpt=str(tmp_path / "timm.pth"), data="synthetic", n_context=2))
+    res = V.evaluate(V.Args(ckpt=str(tmp_path / "timm.pth"), data="synthetic", n_context=2, device="cpu"))
     assert res["method"] == "timm" and res["videos"] == 20
 
 

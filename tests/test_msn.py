@@ -2,8 +2,6 @@
 stop-gradients, DDP equivalence, views, end-to-end training, resume and bad input."""
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ import torch
 import common as C
 import msn
 from ddp import spawn
-from helpers import ROOT, exact_resume, one_line_error, run_cli
+from helpers import exact_resume, one_line_error, run_cli, torchrun
 
 def naive_msn_loss(anchor, target, prototypes, tau, tau_plus, lam, iters):
     """Equations written as loops, following the official code's steps literally:
@@ -214,9 +212,7 @@ def test_bad_input_errors(tmp_path):
 
 
 def test_torchrun_two_processes_cpu(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "msn.py",
-                        "--data", "synthetic", *TINY, "--output-dir", str(tmp_path)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = torchrun("msn.py", "--data", "synthetic", *TINY, "--output-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 process(es)" in r.stdout
     ck = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "msn")

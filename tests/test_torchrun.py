@@ -1,15 +1,10 @@
 """`torchrun --nproc_per_node=2 <method>.py --data synthetic` runs on CPU (gloo) for every method,
 writes a checkpoint of the global step count, and resumes (the loss-level DDP equivalence of each
 method is tested in its own test file)."""
-import os
-import subprocess
-import sys
-
 import pytest
 
 import common as C
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import torchrun
 TINY = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "4", "--steps-per-epoch", "2",
         "--workers", "0", "--warmup-epochs", "0"]
 EXTRA = {"cmae": ["--master-size", "20", "--decoder-dim", "32", "--decoder-depth", "1", "--decoder-heads", "2",
@@ -24,11 +19,8 @@ EXTRA = {"cmae": ["--master-size", "20", "--decoder-dim", "32", "--decoder-depth
 @pytest.mark.parametrize("method", sorted(EXTRA))
 def test_torchrun_two_processes_and_resume(method, tmp_path):
     def run(epochs):
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"{method}.py",
-                               "--data", "synthetic", *TINY, *EXTRA[method], "--epochs", str(epochs),
-                               "--output-dir", str(tmp_path)],
-                              capture_output=True, text=True, cwd=ROOT, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return torchrun(f"{method}.py", "--data", "synthetic", *TINY, *EXTRA[method], "--epochs", str(epochs),
+                        "--output-dir", str(tmp_path))
     r = run(1)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 process(es)" in r.stdout

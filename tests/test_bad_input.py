@@ -1,0 +1,125 @@
+"""Bad input as a new user gives it: every case is a one-line error at start, or handled right, never a
+traceback and never silently wrong training or evaluation."""
+import os
+import shutil
+
+import pytest
+import torch
+
+import can
+import common as C
+import eval_linear as E
+from helpers import one_line_error, run_cli
+from test_can import tiny_args
+from test_faults import CAN_CLI
+
+
+def _png(path, i, split="train"):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    C.synthetic_image(i, split=split)[0].save(path)
+
+
+def _timm_ckpt(path):
+    torch.manual_seed(0)
+    torch.save(C.ViT(16, 4, 192, 1, 3).state_dict(), path)        # a timm-layout ViT-Ti-width file
+    return str(path)
+
+
+def _eval(tmp_path, data, **kw):
+    return E.evaluate(E.Args(ckpt=_timm_ckpt(tmp_path / "w.pth"), data=str(data), mode="knn", workers=0,
+                             device="cpu", cache=False, **kw))
+
+
+def test_eval_matches_val_classes_to_train_by_name(tmp_path):
+    """val/ without class a: its b images are exact copies of train/b's, so 1-NN must be 100%
+    (matched by position, b took a's index 0 and scored 0.0)."""
+    for c, idx in (("a", range(0, 4)), ("b", range(4, 8))):
+        for i in idx:
+            _png(tmp_path / "d" / "train" / c / f"{i}.png", i)
+    os.makedirs(tmp_path / "d" / "val" / "b")
+    for i in range(4, 8):
+        shutil.copy(tmp_path / "d" / "train" / "b" / f"{i}.png", tmp_path / "d" / "val" / "b")
+    res = _eval(tmp_path, tmp_path / "d", k=1)
+    assert res["knn_top1"] == 100.0 and res["train_classes"] == 2 and res["val_classes"] == 1
+    _png(tmp_path / "d" / "val" / "c" / "0.png", 0)               # a class train does not have
+    with pytest.raises(C.UserError, match="val/ has 1 class.*that train/ lacks.*'c'"):
+        _eval(tmp_path, tmp_path / "d")
+
+
+def test_eval_checks_the_layout_before_extracting_features(tmp_path):
+    for i in range(4):
+        _png(tmp_path / "d" / "train" / "a" / f"{i}.png", i)
+    with pytest.raises(C.UserError, match="expected train/ and val/"):
+        E.evaluate(E.Args(ckpt=_timm_ckpt(tmp_path / "w.pth"), data=str(tmp_path / "d"), workers=0, device="cpu"))
+    assert not os.path.exists(tmp_path / "features")             # nothing was extracted or cached
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(k=0), "--k must be positive"), (dict(img_size=30), "--img-size 30 is not"),
+                                    (dict(temperature=-1.0), "--temperature must be positive")])
+def test_eval_flags_are_validated(kw, msg, tmp_path):
+    with pytest.raises(C.UserError, match=msg):
+        _eval(tmp_path, "synthetic", **kw)
+
+
+def test_max_unreadable_counts_distinct_files_not_retries(tmp_path):
+    """4 bad files of 20, 3 of them adjacent: reading every index once meets 4 distinct bad files
+    (counting retries gave 7, and stopped a run at --max-unreadable 0.3)."""
+    for i in range(20):
+        _png(tmp_path / "d" / "a" / f"{i:02d}.png", i)
+    for i in (3, 4, 5, 12):
+        (tmp_path / "d" / "a" / f"{i:02d}.png").write_bytes(b"not an image")
+    ds = C.image_dataset(str(tmp_path / "d"), skip_unreadable=True)
+    for i in range(len(ds)):
+        ds.load(i)
+    assert C.bad_reads(ds) == 4
+    C.check_unreadable(ds, 20, 0, 0.3, final=True)               # 4 / 20 <= 0.3: no stop
+
+
+def test_resuming_with_another_batch_size_is_refused_unless_asked(tmp_path):
+    can.train(tiny_args(tmp_path, epochs=2, steps_per_epoch=2, stop_epoch=1))
+    with pytest.raises(C.UserError, match="trained with --batch-size 8, this run asks for 4.*--allow-batch-change"):
+        can.train(tiny_args(tmp_path, batch_size=4, epochs=2, steps_per_epoch=4))
+    can.train(tiny_args(tmp_path, batch_size=4, epochs=2, steps_per_epoch=4, allow_batch_change=True))
+    ck = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")
+    assert ck["step"] == 8 and ck["args"]["batch_size"] == 4     # resumed at step 2 x 8 / 4 = 4, ran to 8
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(device="tpu"), "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (dict(lr=float("nan")), "--lr must be a finite number, got nan"),
+    (dict(output_dir="/proc/foo"), "--output-dir /proc/foo is not a writable directory"),
+])
+def test_train_flags_are_one_line_errors_at_start(kw, msg, tmp_path):
+    with pytest.raises(C.UserError, match=msg.replace("(", r"\(")):
+        can.train(tiny_args(tmp_path, **kw))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
+    one_line_error(run_cli(*CAN_CLI, "--data", "synthetic", "--device", "cuda", "--output-dir", str(tmp_path)),
+                   "--device cuda: no CUDA GPU is available here")
+
+
+def test_unusable_output_dirs_are_one_line_errors_at_start(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    one_line_error(run_cli(*CAN_CLI, "--data", "synthetic", "--output-dir", str(tmp_path / "a_file")),
+                   "is not a writable directory")
+    with pytest.raises(C.UserError, match="is not a writable directory"):
+        can.train(tiny_args(tmp_path / "a_file" / "sub"))
+    if os.geteuid() != 0:                                         # root writes into read-only directories
+        os.makedirs(tmp_path / "ro")
+        os.chmod(tmp_path / "ro", 0o500)
+        with pytest.raises(C.UserError, match="is not a writable directory"):
+            can.train(tiny_args(tmp_path / "ro" / "out"))
+
+
+@pytest.mark.parametrize("how", ["full disk", "not writable"])
+def test_a_log_that_cannot_be_written_is_a_one_line_error(how, tmp_path):
+    if how == "full disk":
+        if not os.path.exists("/dev/full"):
+            pytest.skip("no /dev/full")
+        os.symlink("/dev/full", tmp_path / "log.jsonl")          # every write: ENOSPC
+    else:
+        os.makedirs(tmp_path / "log.jsonl")                       # open(..., "a") fails
+    with pytest.raises(C.UserError, match="cannot write the log .*log.jsonl"):
+        can.train(tiny_args(tmp_path))

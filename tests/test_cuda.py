@@ -1,0 +1,88 @@
+"""What only a GPU exercises (skipped without CUDA): the bf16 step against the fp32 step, fused AdamW
+against the unfused one, a compiled step against the eager one, and the batched augmentation on CUDA.
+Tolerances are stated per test; speed is never asserted here (benchmarks/)."""
+import pytest
+import torch
+
+import common as C
+from test_common import test_color_augment_batch_has_the_torchvision_distribution as ks_test
+from test_step import METHODS, B, case, grads
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ROWS = slice(0, B)
+
+
+def _flat(g):
+    return torch.cat([v.flatten().float() for _, v in sorted(g.items())])
+
+
+def _step(method, compile=False, **kw):
+    model, step = case(method, device="cuda", **kw)
+    net = torch.compile(model) if compile else model
+    loss, _ = step(net, ROWS, B, None)
+    return float(loss), grads(model)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bf16_step_matches_the_fp32_step(method):
+    """Same batch, same weights: bf16 autocast loss within 2% of fp32 (relative), and the gradient of
+    all parameters points the same way (cosine > 0.99; bf16 keeps 8 bits of mantissa)."""
+    l32, g32 = _step(method)
+    l16, g16 = _step(method, autocast=torch.autocast("cuda", torch.bfloat16))
+    assert abs(l16 - l32) <= 0.02 * abs(l32) + 1e-3, (l16, l32)
+    assert set(g16) == set(g32)
+    cos = torch.nn.functional.cosine_similarity(_flat(g16), _flat(g32), dim=0)
+    assert cos > 0.99, float(cos)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compiled_step_matches_the_eager_step(method):
+    """torch.compile of the online network: same loss (rel 1e-4) and gradients (rel 1e-3, fp32)."""
+    l0, g0 = _step(method)
+    l1, g1 = _step(method, compile=True)
+    assert abs(l1 - l0) <= 1e-4 * abs(l0) + 1e-6, (l1, l0)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-3, atol=1e-5)
+
+
+def test_fused_adamw_matches_unfused():
+    """make_optimizer picks fused AdamW on CUDA; 3 steps of it equal torch's for-loop AdamW (atol 1e-6)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).cuda()
+    ref = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    fused = C.make_optimizer(model, 1e-2, 0.05, (0.9, 0.95), torch.device("cuda"))
+    assert all(g.get("fused") for g in fused.param_groups) or fused.defaults.get("fused")
+    names = [n for n, _ in model.named_parameters()]
+    decay = [p for n, p in zip(names, ref) if not C.no_decay_1d(n, p)]
+    plain = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
+                               {"params": [p for p in ref if all(p is not d for d in decay)], "weight_decay": 0.0}],
+                              lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    for _ in range(3):
+        g = [torch.randn_like(p) for p in ref]
+        for p, q, gi in zip(model.parameters(), ref, g):
+            p.grad, q.grad = gi.clone(), gi.clone()
+        fused.step()
+        plain.step()
+    for p, q in zip(model.parameters(), ref):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("params", [{}, dict(jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)],
+                         ids=["default", "conmim-strong"])
+def test_gpu_augmentation_on_cuda_has_the_torchvision_distribution(params):
+    """The KS test of test_common, with the batched augmentation running on the GPU."""
+    ks_test(params, device="cuda")
+
+
+def test_gpu_augmentation_ops_on_cuda_equal_the_cpu_ops():
+    """Given the same per-image factors, order and sigma, jitter and blur on CUDA equal the CPU result."""
+    g = torch.Generator().manual_seed(0)
+    n = 16
+    x = torch.rand(n, 3, 24, 24, generator=g)
+    fb, fc, fs = (0.6 + 0.8 * torch.rand(n, 1, 1, 1, generator=g) for _ in range(3))
+    fh = torch.rand(n, 1, 1, 1, generator=g) - 0.5
+    order = torch.rand(n, 4, generator=g).argsort(1)
+    sigma = 2 * torch.rand(n, generator=g)
+    cpu = C.blur_batch(C.color_jitter_batch(x, fb, fc, fs, fh, order), sigma, 13)
+    cuda = C.blur_batch(C.color_jitter_batch(*(t.cuda() for t in (x, fb, fc, fs, fh, order))), sigma.cuda(), 13)
+    torch.testing.assert_close(cuda.cpu(), cpu, atol=1e-4, rtol=0)
