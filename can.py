@@ -16,7 +16,7 @@ fits in 80 GB; README) and the step is exact: InfoNCE stays over the global 2 x 
   torchrun --nproc_per_node=8 can.py --data /imagenet   # the same objective on 8 GPUs: 8 x (4 x 128)
 
 Paper -> code (follows the paper).
-  Two views, independent 50% masks ............ TwoViews, C.random_masking per view
+  Two views, independent 50% masks ............ TwoViews, random_masking per view
   x <- x + sigma e, sigma ~ U[0, sigma_max] ...... train(): add_noise
   Noise-level embedding p_v (sin -> 2-layer MLP) . NoiseEmbed, added to every decoder token
   (C) mean-pool + projector + InfoNCE over 2n ... CAN.forward -> u, info_nce (negatives gathered WITH grad)
@@ -68,7 +68,7 @@ class Args(C.RunArgs):
     """CAN pre-training (defaults: paper ViT-B/16 with MAE-style optimisation)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/can"})
-    model: str = field(default="base", metadata={"help": "ViT size: " + "|".join(C.SIZES)})
+    model: str = field(default="base", metadata={"help": "ViT size: nano|micro|tiny|small|base|large"})
     patch_size: int = 16
     img_size: int = 224
     epochs: int = 800
@@ -103,6 +103,174 @@ class Args(C.RunArgs):
 
 
 # ----------------------------------------------------------------------------------------------
+# Model: an MAE-style ViT (models_mae.py): [CLS], fixed 2-D sin-cos position embeddings, masked
+# patches dropped before the encoder. timm's key names: the encoder loads into timm's
+# VisionTransformer and into every other method's ViT (tests/test_interop.py).
+# ----------------------------------------------------------------------------------------------
+SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small": (384, 12, 6),
+         "base": (768, 12, 12), "large": (1024, 24, 16)}                # width, depth, heads
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):                                            # (B, N, D)
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def drop_path(x, p, training):
+    """Stochastic depth: zero a sample's residual branch with probability p, rescale the rest."""
+    if p == 0.0 or not training:
+        return x
+    return x * x.new_empty(x.shape[0], 1, 1).bernoulli_(1 - p) / (1 - p)
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + DP(Attn(LN(x))); x + DP(MLP(LN(x)))."""
+
+    def __init__(self, dim, heads, drop_path=0.0):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
+        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, 4 * dim)
+        self.drop_path = drop_path
+
+    def forward(self, x):
+        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
+        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, patch_size, dim):
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
+
+    def forward(self, x):                                            # (B, 3, H, W) -> (B, N, D)
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+def sincos_pos_embed(dim, grid):
+    """MAE's fixed 2-D sin-cos table, with a zero row for [CLS] first: (1, 1 + grid^2, dim),
+    channels [x sin, x cos, y sin, y cos], frequencies 1 / 10000^(k / (dim/4))."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
+    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
+                            indexing="ij")
+    table = torch.cat([f(p.flatten()[:, None] * omega[None]) for p in (xs, ys) for f in (torch.sin, torch.cos)], 1)
+    return torch.cat([torch.zeros(1, dim), table.float()])[None]
+
+
+def xavier_init(module):
+    """MAE's init: Linear xavier-uniform, biases 0; the patch-embedding Conv2d xavier-uniform on its
+    (D, 3 p p) view, bias PyTorch's default (as MAE); LayerNorm and BatchNorm keep 1 / 0."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.xavier_uniform_(m.weight.view(m.weight.shape[0], -1))
+        elif isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+class ViT(nn.Module):
+    """forward(x, ids_keep=None, norm=True) -> (B, 1 + n, D), [CLS] first; ids_keep (B, n): the
+    visible patches, the only ones the encoder sees."""
+
+    def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0):
+        super().__init__()
+        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
+                           mlp_ratio=4.0, pos_embed="sincos", init="xavier")     # the checkpoint's `vit`
+        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
+        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.register_buffer("pos_embed", sincos_pos_embed(dim, self.grid))    # fixed, in the state dict
+        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in torch.linspace(0, drop_path, depth).tolist())
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.grad_ckpt = False                                       # C.set_grad_checkpointing
+        xavier_init(self)
+        nn.init.normal_(self.cls_token, std=0.02)
+
+    def forward(self, x, ids_keep=None, norm=True):
+        x = self.patch_embed(x) + self.pos_embed[:, 1:]              # (B, N, D)
+        if ids_keep is not None:                                     # drop the masked patches
+            x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
+        x = C.run_blocks(self.blocks, x, self.grad_ckpt)
+        return self.norm(x) if norm else x
+
+
+def make_vit(a):
+    if a.model not in SIZES:
+        raise C.UserError(f"--model must be one of {', '.join(SIZES)}, got {a.model!r}")
+    dim, depth, heads = SIZES[a.model]
+    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masking and patches (MAE)
+# ----------------------------------------------------------------------------------------------
+def random_masking(batch, grid, ratio, unit=1, device=None):
+    """MAE-style random masking of a grid x grid patch map in unit x unit blocks, per image: exactly
+    int(n_blocks (1 - ratio)) blocks kept. Returns ids_keep (B, n_keep) kept patch indices
+    (ascending), ids_restore (B, N) (gathering cat([kept, masked]) with it restores raster order),
+    mask (B, N) float, 1 = masked."""
+    if grid % unit:
+        raise C.UserError(f"patch grid {grid} is not divisible by the mask unit {unit}")
+    g = grid // unit
+    n_keep = int(g * g * (1 - ratio)) * unit * unit
+    noise = torch.rand(batch, g * g, device=device)                 # argsort of noise (MAE)
+    block_masked = noise.argsort(1).argsort(1) >= int(g * g * (1 - ratio))
+    mask = block_masked.view(batch, g, 1, g, 1).expand(-1, -1, unit, -1, unit).reshape(batch, -1)
+    ids_shuffle = mask.to(torch.uint8).argsort(dim=1, stable=True)  # kept first, then masked
+    return ids_shuffle[:, :n_keep], ids_shuffle.argsort(1), mask.float()
+
+
+def restore_tokens(x, mask_token, ids_restore):
+    """(B, 1+n_keep, d) encoder tokens -> (B, 1+N, d): append mask tokens, unshuffle (MAE decoder)."""
+    B, N = ids_restore.shape
+    patches = torch.cat([x[:, 1:], mask_token.to(x.dtype).expand(B, N + 1 - x.shape[1], -1)], dim=1)
+    patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    return torch.cat([x[:, :1], patches], dim=1)
+
+
+def patchify(imgs, p):
+    """(B, 3, H, W) -> (B, N, p*p*3), row-major patches, (p, p, 3) inside each patch (MAE)."""
+    B, C3, H, W = imgs.shape
+    x = imgs.reshape(B, C3, H // p, p, W // p, p)
+    return torch.einsum("bchpwq->bhwpqc", x).reshape(B, (H // p) * (W // p), p * p * C3)
+
+
+def unpatchify(x, p):
+    """Inverse of patchify for square images: (B, N, p*p*3) -> (B, 3, h p, h p)."""
+    B, N, _ = x.shape
+    h = int(round(N ** 0.5))
+    return torch.einsum("bhwpqc->bchpwq", x.reshape(B, h, h, p, p, 3)).reshape(B, 3, h * p, h * p)
+
+
+def norm_pix(target, eps=1e-6):
+    """MAE's norm_pix_loss target: each patch's pixels (x - mean) / sqrt(var + eps), over the patch."""
+    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
+    return (target - mean) / (var + eps) ** 0.5
+
+
+def unnorm_pix(pred, target, eps=1e-6):
+    """norm_pix-space predictions back to pixels with the target patches' mean / var (for pictures)."""
+    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
+    return pred * (var + eps) ** 0.5 + mean
+
+
+# ----------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------
 def sinusoid(s, dim, max_period=10000.0):
@@ -128,27 +296,25 @@ class NoiseEmbed(nn.Module):
 class CAN(nn.Module):
     def __init__(self, a):
         super().__init__()
-        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos",
-                                  init="xavier")
+        self.encoder = make_vit(a)
         D, p, dd = self.encoder.dim, a.patch_size, a.decoder_dim
         self.projector = nn.Sequential(nn.Linear(D, a.proj_hidden), nn.BatchNorm1d(a.proj_hidden),
                                        nn.ReLU(inplace=True), nn.Linear(a.proj_hidden, a.proj_dim))
         self.decoder_embed = nn.Linear(D, dd)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dd))
-        pe = torch.cat([torch.zeros(1, dd), C.sincos_pos_embed(dd, self.encoder.grid)])[None]
-        self.register_buffer("decoder_pos_embed", pe)
+        self.register_buffer("decoder_pos_embed", sincos_pos_embed(dd, self.encoder.grid))
         self.noise_embed = NoiseEmbed(dd)
-        self.decoder = nn.ModuleList(C.Block(dd, a.decoder_heads) for _ in range(a.decoder_depth))
+        self.decoder = nn.ModuleList(Block(dd, a.decoder_heads) for _ in range(a.decoder_depth))
         self.grad_ckpt = False
         self.decoder_norm, self.decoder_pred = nn.LayerNorm(dd, eps=1e-6), nn.Linear(dd, p * p * 3)
-        C.init_weights(self, "xavier")                                        # MAE: the whole model
-        C.init_token(self.mask_token, "xavier")
+        xavier_init(self)                                                     # MAE: the whole model
+        nn.init.normal_(self.mask_token, std=0.02)
 
     def forward(self, x_noisy, sigma, ids_keep, ids_restore):
         """x_noisy (B, 3, H, W), sigma (B,). Returns x^ (B, N, p*p*3) and u (B, proj_dim)."""
         latent = self.encoder(x_noisy, ids_keep)                              # (B, 1+n_vis, D)
         u = self.projector(latent[:, 1:].mean(1))                             # mean of visible tokens
-        t = C.restore_tokens(self.decoder_embed(latent), self.mask_token, ids_restore)
+        t = restore_tokens(self.decoder_embed(latent), self.mask_token, ids_restore)
         t = t + self.decoder_pos_embed + self.noise_embed(sigma)[:, None].to(t.dtype)   # every token
         t = C.run_blocks(self.decoder, t, self.grad_ckpt)
         return self.decoder_pred(self.decoder_norm(t))[:, 1:], u
@@ -222,16 +388,16 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
     """One CAN step on this process's B images (2 views each); gradients are left in the network.
 
     x (2, B, 3, H, W): the two CLEAN views; sigma (2, B) and noise (2, B, 3, H, W) = sigma e; masks
-    (2, B, ...) as C.random_masking. The encoder sees x + noise at the visible patches; L_rec reads
+    (2, B, ...) as random_masking. The encoder sees x + noise at the visible patches; L_rec reads
     the predictions at the MASKED patches against the CLEAN x, L_denoise at the VISIBLE patches
     against the noise; InfoNCE pairs the two views of an image. Same total as can_loss.
     micro: images per forward/backward; InfoNCE stays over the whole (all-gathered) batch.
     """
     B = x.shape[1]
     rows = lambda t, sl: t[:, sl].flatten(0, 1)                             # (2, b, ...) -> (2b, ...) view-major
-    target = C.patchify(x.flatten(0, 1), a.patch_size).view(2, B, -1, 3 * a.patch_size ** 2)
-    target = C.norm_pix(target) if a.norm_pix else target
-    noise_px = C.patchify(noise.flatten(0, 1), a.patch_size).view_as(target)
+    target = patchify(x.flatten(0, 1), a.patch_size).view(2, B, -1, 3 * a.patch_size ** 2)
+    target = norm_pix(target) if a.norm_pix else target
+    noise_px = patchify(noise.flatten(0, 1), a.patch_size).view_as(target)
 
     def forward(sl, local):
         with autocast:
@@ -297,7 +463,7 @@ def train(args):
             B = x.shape[1]
             sigma = torch.rand(2 * B, device=dev).view(2, B) * args.sigma_max   # sigma_v ~ U[0, sigma_max]
             noise = sigma.view(2, B, 1, 1, 1) * torch.randn_like(x)             # sigma_v e_v
-            ids_keep, ids_restore, mask = (t.view(2, B, -1) for t in C.random_masking(2 * B, grid, args.mask_ratio, device=dev))
+            ids_keep, ids_restore, mask = (t.view(2, B, -1) for t in random_masking(2 * B, grid, args.mask_ratio, device=dev))
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, args, micro, run.autocast,
                                      scaler.scale, ddp)
@@ -312,11 +478,11 @@ def train(args):
         n, m = min(8, B), mask[0, :min(8, B), :, None]                        # clean / noisy+masked input /
         with torch.no_grad(), run.autocast:                                  # reconstruction / noise / sigma_max
             pr = model.eval()(x[0, :n] + noise[0, :n], sigma[0, :n], ids_keep[0, :n], ids_restore[0, :n])[0].float()
-        xp = C.patchify(x[0, :n], p)
-        pr_px = C.unnorm_pix(pr, xp) if args.norm_pix else pr
+        xp = patchify(x[0, :n], p)
+        pr_px = unnorm_pix(pr, xp) if args.norm_pix else pr
         C.save_image_grid(f"{run.out}/recon_ep{epoch + 1:04d}.png", [
-            x[0, :n], C.unpatchify(C.patchify(x[0, :n] + noise[0, :n], p) * (1 - m), p),
-            C.unpatchify(torch.where(m.bool(), pr_px, xp), p), C.unpatchify(pr * (1 - m) / args.sigma_max, p)])
+            x[0, :n], unpatchify(patchify(x[0, :n] + noise[0, :n], p) * (1 - m), p),
+            unpatchify(torch.where(m.bool(), pr_px, xp), p), unpatchify(pr * (1 - m) / args.sigma_max, p)])
 
     C.knn_report(args, run, log, model.encoder, lambda: CAN(args).encoder, "mean", "encoder, mean patch token")
 

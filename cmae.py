@@ -48,6 +48,7 @@ Where this file follows the official code (ZhichengHuang/CMAE) rather than the p
     GPU (common.color_augment_batch, same distribution); `--no-gpu-aug` keeps it in the workers.
 """
 import contextlib
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +63,7 @@ class Args(C.RunArgs):
     """CMAE pre-training (defaults: official ViT-B/16 ImageNet recipe, 300 epochs)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/cmae"})
-    model: str = field(default="base", metadata={"help": "ViT size: " + "|".join(C.SIZES)})
+    model: str = field(default="base", metadata={"help": "ViT size: nano|micro|tiny|small|base|large"})
     patch_size: int = 16
     img_size: int = 224
     master_size: int = field(default=256, metadata={"help": "master crop; target shift is 0..master-img-1 px"})
@@ -99,6 +100,174 @@ class Args(C.RunArgs):
 
 
 # ----------------------------------------------------------------------------------------------
+# Model: an MAE-style ViT (models_mae.py): [CLS], fixed 2-D sin-cos position embeddings, masked
+# patches dropped before the encoder. timm's key names: the encoder loads into timm's
+# VisionTransformer and into every other method's ViT (tests/test_interop.py).
+# ----------------------------------------------------------------------------------------------
+SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small": (384, 12, 6),
+         "base": (768, 12, 12), "large": (1024, 24, 16)}                # width, depth, heads
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):                                            # (B, N, D)
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def drop_path(x, p, training):
+    """Stochastic depth: zero a sample's residual branch with probability p, rescale the rest."""
+    if p == 0.0 or not training:
+        return x
+    return x * x.new_empty(x.shape[0], 1, 1).bernoulli_(1 - p) / (1 - p)
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + DP(Attn(LN(x))); x + DP(MLP(LN(x)))."""
+
+    def __init__(self, dim, heads, drop_path=0.0):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
+        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, 4 * dim)
+        self.drop_path = drop_path
+
+    def forward(self, x):
+        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
+        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, patch_size, dim):
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
+
+    def forward(self, x):                                            # (B, 3, H, W) -> (B, N, D)
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+def sincos_pos_embed(dim, grid):
+    """MAE's fixed 2-D sin-cos table, with a zero row for [CLS] first: (1, 1 + grid^2, dim),
+    channels [x sin, x cos, y sin, y cos], frequencies 1 / 10000^(k / (dim/4))."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
+    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
+                            indexing="ij")
+    table = torch.cat([f(p.flatten()[:, None] * omega[None]) for p in (xs, ys) for f in (torch.sin, torch.cos)], 1)
+    return torch.cat([torch.zeros(1, dim), table.float()])[None]
+
+
+def xavier_init(module):
+    """MAE's init: Linear xavier-uniform, biases 0; the patch-embedding Conv2d xavier-uniform on its
+    (D, 3 p p) view, bias PyTorch's default (as MAE); LayerNorm and BatchNorm keep 1 / 0."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.xavier_uniform_(m.weight.view(m.weight.shape[0], -1))
+        elif isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+class ViT(nn.Module):
+    """forward(x, ids_keep=None, norm=True) -> (B, 1 + n, D), [CLS] first; ids_keep (B, n): the
+    visible patches, the only ones the encoder sees."""
+
+    def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0):
+        super().__init__()
+        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
+                           mlp_ratio=4.0, pos_embed="sincos", init="xavier")     # the checkpoint's `vit`
+        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
+        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.register_buffer("pos_embed", sincos_pos_embed(dim, self.grid))    # fixed, in the state dict
+        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in torch.linspace(0, drop_path, depth).tolist())
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.grad_ckpt = False                                       # C.set_grad_checkpointing
+        xavier_init(self)
+        nn.init.normal_(self.cls_token, std=0.02)
+
+    def forward(self, x, ids_keep=None, norm=True):
+        x = self.patch_embed(x) + self.pos_embed[:, 1:]              # (B, N, D)
+        if ids_keep is not None:                                     # drop the masked patches
+            x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
+        x = C.run_blocks(self.blocks, x, self.grad_ckpt)
+        return self.norm(x) if norm else x
+
+
+def make_vit(a):
+    if a.model not in SIZES:
+        raise C.UserError(f"--model must be one of {', '.join(SIZES)}, got {a.model!r}")
+    dim, depth, heads = SIZES[a.model]
+    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masking and patches (MAE)
+# ----------------------------------------------------------------------------------------------
+def random_masking(batch, grid, ratio, unit=1, device=None):
+    """MAE-style random masking of a grid x grid patch map in unit x unit blocks, per image: exactly
+    int(n_blocks (1 - ratio)) blocks kept. Returns ids_keep (B, n_keep) kept patch indices
+    (ascending), ids_restore (B, N) (gathering cat([kept, masked]) with it restores raster order),
+    mask (B, N) float, 1 = masked."""
+    if grid % unit:
+        raise C.UserError(f"patch grid {grid} is not divisible by the mask unit {unit}")
+    g = grid // unit
+    n_keep = int(g * g * (1 - ratio)) * unit * unit
+    noise = torch.rand(batch, g * g, device=device)                 # argsort of noise (MAE)
+    block_masked = noise.argsort(1).argsort(1) >= int(g * g * (1 - ratio))
+    mask = block_masked.view(batch, g, 1, g, 1).expand(-1, -1, unit, -1, unit).reshape(batch, -1)
+    ids_shuffle = mask.to(torch.uint8).argsort(dim=1, stable=True)  # kept first, then masked
+    return ids_shuffle[:, :n_keep], ids_shuffle.argsort(1), mask.float()
+
+
+def restore_tokens(x, mask_token, ids_restore):
+    """(B, 1+n_keep, d) encoder tokens -> (B, 1+N, d): append mask tokens, unshuffle (MAE decoder)."""
+    B, N = ids_restore.shape
+    patches = torch.cat([x[:, 1:], mask_token.to(x.dtype).expand(B, N + 1 - x.shape[1], -1)], dim=1)
+    patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    return torch.cat([x[:, :1], patches], dim=1)
+
+
+def patchify(imgs, p):
+    """(B, 3, H, W) -> (B, N, p*p*3), row-major patches, (p, p, 3) inside each patch (MAE)."""
+    B, C3, H, W = imgs.shape
+    x = imgs.reshape(B, C3, H // p, p, W // p, p)
+    return torch.einsum("bchpwq->bhwpqc", x).reshape(B, (H // p) * (W // p), p * p * C3)
+
+
+def unpatchify(x, p):
+    """Inverse of patchify for square images: (B, N, p*p*3) -> (B, 3, h p, h p)."""
+    B, N, _ = x.shape
+    h = int(round(N ** 0.5))
+    return torch.einsum("bhwpqc->bchpwq", x.reshape(B, h, h, p, p, 3)).reshape(B, 3, h * p, h * p)
+
+
+def norm_pix(target, eps=1e-6):
+    """MAE's norm_pix_loss target: each patch's pixels (x - mean) / sqrt(var + eps), over the patch."""
+    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
+    return (target - mean) / (var + eps) ** 0.5
+
+
+def unnorm_pix(pred, target, eps=1e-6):
+    """norm_pix-space predictions back to pixels with the target patches' mean / var (for pictures)."""
+    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
+    return pred * (var + eps) ** 0.5 + mean
+
+
+# ----------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------
 def mlp_head(d_in, hidden, d_out):
@@ -117,15 +286,15 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed = nn.Linear(D, dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
-        self.register_buffer("pos_embed", torch.cat([torch.zeros(1, dim), C.sincos_pos_embed(dim, grid)])[None])
-        self.blocks = nn.ModuleList(C.Block(dim, heads) for _ in range(depth))
+        self.register_buffer("pos_embed", sincos_pos_embed(dim, grid))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
         self.norm, self.out = nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, d_out)
         self.grad_ckpt = False
-        C.init_weights(self, "xavier")
-        C.init_token(self.mask_token, "xavier")
+        xavier_init(self)
+        nn.init.normal_(self.mask_token, std=0.02)
 
     def forward(self, latent, ids_restore):
-        x = C.restore_tokens(self.embed(latent), self.mask_token, ids_restore) + self.pos_embed
+        x = restore_tokens(self.embed(latent), self.mask_token, ids_restore) + self.pos_embed
         return self.out(self.norm(C.run_blocks(self.blocks, x, self.grad_ckpt)))
 
 
@@ -134,8 +303,7 @@ class CMAE(nn.Module):
 
     def __init__(self, a):
         super().__init__()
-        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos",
-                                  init="xavier")
+        self.encoder = make_vit(a)
         D, g, p = self.encoder.dim, self.encoder.grid, a.patch_size
         self.pixel_decoder = Decoder(D, g, a.decoder_dim, a.decoder_depth, a.decoder_heads, p * p * 3)
         self.feature_decoder = Decoder(D, g, a.decoder_dim, a.feature_decoder_depth, a.decoder_heads, D)
@@ -159,12 +327,28 @@ def no_decay_rule(model):
                             or any(k in name for k in ("pos_embed", "mask_token", "cls_token")))
 
 
+def frozen_copy(module):
+    """A copy without gradients and with drop path off in every block: the EMA target's outputs are
+    deterministic in train mode (its BatchNorm keeps batch statistics, as official)."""
+    target = copy.deepcopy(module).requires_grad_(False)
+    for m in target.modules():
+        if isinstance(m, Block):
+            m.drop_path = 0.0
+    return target
+
+
+@torch.no_grad()
+def ema_update(target, online, m):
+    """theta_t <- m theta_t + (1 - m) theta_s, every parameter (BatchNorm buffers are the target's own)."""
+    torch._foreach_lerp_(list(target.parameters()), [p.detach() for p in online.parameters()], 1.0 - m)
+
+
 class Target(nn.Module):
     """Momentum branch F_t: EMA encoder (no final norm) -> mean patch token z_t -> projector."""
 
     def __init__(self, online):
         super().__init__()
-        self.encoder, self.projector = C.frozen_copy(online.encoder), C.frozen_copy(online.projector)
+        self.encoder, self.projector = frozen_copy(online.encoder), frozen_copy(online.projector)
 
     def forward(self, x):
         z_t = self.encoder(x, norm=False)[:, 1:].mean(1)                      # (B, D)
@@ -240,7 +424,7 @@ def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=N
     micro = micro or B
     with torch.no_grad(), autocast:
         v = torch.cat([target(x_t[i:i + micro]) for i in range(0, B, micro)]).float()   # (B, d)
-    px = C.norm_pix(C.patchify(x_s, a.patch_size))                          # (B, N, p*p*3) targets
+    px = norm_pix(patchify(x_s, a.patch_size))                          # (B, N, p*p*3) targets
 
     def forward(sl, local):
         with autocast:
@@ -302,14 +486,14 @@ def train(args):
             if args.gpu_aug:                                          # the target's colour augmentation
                 x_t = C.color_augment_batch(x_t)
             x_s, x_t = C.normalize(x_s), C.normalize(x_t)
-            ids_keep, ids_restore, mask = C.random_masking(x_s.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
+            ids_keep, ids_restore, mask = random_masking(x_s.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(online, target_fwd, x_s, x_t, ids_keep, ids_restore, mask, args, micro,
                                      run.autocast, scaler.scale, ddp)
             parts["grad_norm"] = C.clip_grads(model.parameters(), 0, scaler, opt)   # official: no clipping
             scaler.step(opt)
             scaler.update()
-            C.ema_update(target, target.online_params(model), args.ema)
+            ema_update(target, target.online_params(model), args.ema)
             if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save, dataset, (it + 1) * per, bad0,
                           lr=opt.param_groups[0]["lr"]):                 # log, NaN watch; preempted: stop
                 return
@@ -318,10 +502,10 @@ def train(args):
         n = min(8, x_s.shape[0])                                              # original / masked / recon
         with torch.no_grad(), run.autocast:
             pred = model.eval()(x_s[:n], ids_keep[:n], ids_restore[:n])[0].float()
-        target_px = C.patchify(x_s[:n], p)
-        recon = C.unpatchify(torch.where(mask[:n, :, None].bool(), C.unnorm_pix(pred, target_px), target_px), p)
+        target_px = patchify(x_s[:n], p)
+        recon = unpatchify(torch.where(mask[:n, :, None].bool(), unnorm_pix(pred, target_px), target_px), p)
         C.save_image_grid(f"{run.out}/recon_ep{epoch + 1:04d}.png",
-                          [x_s[:n], C.unpatchify(target_px * (1 - mask[:n, :, None]), p), recon])
+                          [x_s[:n], unpatchify(target_px * (1 - mask[:n, :, None]), p), recon])
 
     C.knn_report(args, run, log, model.encoder, lambda: CMAE(args).encoder, "mean", "online encoder, mean patch token")
 

@@ -1,8 +1,10 @@
 """Shared plumbing for the method files (msn.py, cmae.py, conmim.py, siammae.py, can.py).
 
-Nothing in here is specific to one method: a ViT trunk, masking helpers, EMA and schedules,
-data (ImageFolder-style directories and the built-in `synthetic` dataset), distributed helpers
-whose collectives autograd sees, CLI parsing from a dataclass, logging, checkpoints and a k-NN
+Nothing in here makes a method that method: each method file defines its own ViT, masking, EMA
+target, heads, loss and step. Here: activation checkpointing, schedules and the optimiser, exact
+micro-batch accumulation, data (ImageFolder-style directories, views, CPU and batched GPU
+augmentation; the `synthetic` data is in synthetic.py), distributed helpers whose collectives
+autograd sees, CLI parsing from a dataclass, setup, preemption, logging, checkpoints and a k-NN
 monitor. Read top to bottom; every method file imports it as `import common as C`.
 """
 import argparse
@@ -19,7 +21,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from PIL import Image
@@ -30,60 +31,8 @@ class UserError(Exception):
 
 
 # ----------------------------------------------------------------------------------------------
-# ViT
+# Activation checkpointing (every method's blocks), pictures of reconstructions
 # ----------------------------------------------------------------------------------------------
-# name: (width, depth, heads). nano/micro are CPU sizes for tests and `--data synthetic`.
-SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small": (384, 12, 6),
-         "base": (768, 12, 12), "large": (1024, 24, 16)}
-
-
-class Attention(nn.Module):
-    def __init__(self, dim, heads, qkv_bias=True):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x):                                            # (B, N, D)
-        B, N, D = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        x = F.scaled_dot_product_attention(q, k, v)                  # (B, h, N, D/h)
-        return self.proj(x.transpose(1, 2).reshape(B, N, D))
-
-
-class Mlp(nn.Module):
-    """fc1 -> GELU -> fc2 (timm's key names, so encoders load into timm's VisionTransformer)."""
-
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
-def drop_path(x, p, training):
-    """Stochastic depth: zero a sample's residual branch with probability p (rescaled)."""
-    if p == 0.0 or not training:
-        return x
-    keep = x.new_empty(x.shape[0], *([1] * (x.ndim - 1))).bernoulli_(1 - p)
-    return x * keep / (1 - p)
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: x + DP(Attn(LN(x))); x + DP(MLP(LN(x)))."""
-
-    def __init__(self, dim, heads, mlp_ratio=4.0, drop_path=0.0):
-        super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
-        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, int(dim * mlp_ratio))
-        self.drop_path = drop_path
-
-    def forward(self, x):
-        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
-        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
-
-
 def run_blocks(blocks, x, checkpoint=False, *ctx):
     """x through each block (blk(x, *ctx)). checkpoint: activation checkpointing per block (only
     when grad is on); the RNG state is replayed in the recomputation, so drop-path draws are the
@@ -104,219 +53,6 @@ def set_grad_checkpointing(model, on=True):
     return model
 
 
-class PatchEmbed(nn.Module):
-    def __init__(self, patch_size, dim, in_chans=3):
-        super().__init__()
-        self.patch_size = patch_size
-        self.proj = nn.Conv2d(in_chans, dim, patch_size, patch_size)
-
-    def forward(self, x):                                            # (B, 3, H, W) -> (B, N, D)
-        return self.proj(x).flatten(2).transpose(1, 2)
-
-
-def sincos_pos_embed(dim, grid):
-    """Fixed 2-D sin-cos position embedding (MAE): (grid*grid, dim), half the channels per axis."""
-    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
-    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64),
-                            torch.arange(grid, dtype=torch.float64), indexing="ij")
-    parts = []
-    for pos in (xs.flatten(), ys.flatten()):                         # MAE: w first, then h
-        out = pos[:, None] * omega[None]
-        parts += [out.sin(), out.cos()]
-    return torch.cat(parts, dim=1).float()                          # [x sin, x cos, y sin, y cos]
-
-
-def init_weights(module, style="trunc"):
-    """Initialise every Linear / Conv2d / LayerNorm under `module` as an official code base does.
-
-    "trunc":  DeiT / MSN (facebookresearch/msn src/deit.py): Linear trunc-normal(std 0.02) (timm's,
-              cut at +-2 absolute, i.e. untruncated in practice); Conv2d (patch embedding)
-              kaiming-normal (fan_in, relu).
-    "xavier": MAE (models_mae.py; also CMAE, CAN, SiamMAE re-implementations): Linear
-              xavier-uniform; the patch embedding xavier-uniform on its (D, C*p*p) view.
-    "beit":   BEiT / ConMIM: Linear and Conv2d trunc-normal(std 0.02) cut at +-1 std
-              (a = -0.02, b = 0.02). The block rescaling (fix_init_weight) is ViT.rescale_blocks.
-    Biases 0 (the MAE patch-embedding bias keeps PyTorch's default, as MAE), LayerNorm 1 / 0.
-    BatchNorm layers are left at PyTorch's defaults.
-    """
-    if style not in ("trunc", "xavier", "beit"):
-        raise ValueError(f"unknown init style {style!r}")
-    for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Conv2d)):
-            conv = isinstance(m, nn.Conv2d)
-            if style == "beit":
-                nn.init.trunc_normal_(m.weight, std=0.02, a=-0.02, b=0.02)
-            elif style == "xavier":
-                nn.init.xavier_uniform_(m.weight.view(m.weight.shape[0], -1) if conv else m.weight)
-            elif conv:
-                nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
-            else:
-                nn.init.trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None and not (conv and style == "xavier"):
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm) and m.elementwise_affine:
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-
-
-def init_token(t, style):
-    """cls / mask tokens and learned pos-embeds: normal(0.02) (MAE), trunc-normal(0.02) (DeiT),
-    trunc-normal cut at +-1 std (BEiT)."""
-    if style == "xavier":
-        nn.init.normal_(t, std=0.02)
-    elif style == "beit":
-        nn.init.trunc_normal_(t, std=0.02, a=-0.02, b=0.02)
-    else:
-        nn.init.trunc_normal_(t, std=0.02)
-
-
-class ViT(nn.Module):
-    """Vision Transformer trunk (CLS token + patch tokens), MAE/DeiT style, with timm's key names
-    (its state dict loads with strict=True into timm's VisionTransformer of the same size).
-
-    pos_embed: "learned" (DeiT/MSN/BEiT) or "sincos" (fixed, MAE). The table is interpolated
-    bicubically for inputs of another resolution (MSN's 96 px focal views).
-    init: "trunc" | "xavier" | "beit" (see init_weights); "beit" also rescales each block's
-    output projections by 1/sqrt(2 * layer) (BEiT's fix_init_weight).
-    forward(x, ids_keep=None, mask=None, mask_token=None, norm=True) -> (B, 1 + n, D), CLS first:
-      ids_keep (B, n): indices of the patches to keep (MAE-style dropping, see random_masking);
-      mask (B, N), 1 = masked: those patch embeddings are replaced by mask_token (1, 1, D), a
-      parameter the caller owns (SimMIM/BEiT style), so the encoder holds no training-only tensor.
-    """
-
-    def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, mlp_ratio=4.0,
-                 drop_path=0.0, pos_embed="learned", init="trunc"):
-        super().__init__()
-        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
-                           mlp_ratio=mlp_ratio, pos_embed=pos_embed, init=init)
-        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
-        self.patch_embed = PatchEmbed(patch_size, dim)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        n = self.grid ** 2
-        if pos_embed == "sincos":
-            table = torch.cat([torch.zeros(1, dim), sincos_pos_embed(dim, self.grid)])[None]
-            self.register_buffer("pos_embed", table)
-        else:
-            self.pos_embed = nn.Parameter(torch.zeros(1, 1 + n, dim))
-            init_token(self.pos_embed, init)
-        dpr = torch.linspace(0, drop_path, depth).tolist()           # stochastic depth decay rule
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, p) for p in dpr)
-        self.grad_ckpt = False                                       # set_grad_checkpointing
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        init_weights(self, init)
-        init_token(self.cls_token, init)
-        if init == "beit":
-            self.rescale_blocks()
-
-    @torch.no_grad()
-    def rescale_blocks(self):
-        """BEiT's fix_init_weight: block l (1-based) divides attn.proj and mlp.fc2 by sqrt(2 l)."""
-        for layer, blk in enumerate(self.blocks, start=1):
-            blk.attn.proj.weight.div_(math.sqrt(2.0 * layer))
-            blk.mlp.fc2.weight.div_(math.sqrt(2.0 * layer))
-
-    def patch_pos_embed(self, gh, gw):                               # (1, gh*gw, D)
-        pe = self.pos_embed[:, 1:]
-        if (gh, gw) == (self.grid, self.grid):
-            return pe
-        pe = pe.reshape(1, self.grid, self.grid, self.dim).permute(0, 3, 1, 2)
-        pe = F.interpolate(pe.float(), size=(gh, gw), mode="bicubic", align_corners=False)
-        return pe.permute(0, 2, 3, 1).reshape(1, gh * gw, self.dim).to(self.pos_embed.dtype)
-
-    def forward(self, x, ids_keep=None, mask=None, mask_token=None, norm=True):
-        gh, gw = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
-        x = self.patch_embed(x)                                      # (B, N, D)
-        if mask is not None:                                         # replace masked embeddings
-            w = mask.unsqueeze(-1).to(x.dtype)
-            x = x * (1 - w) + mask_token.to(x.dtype) * w
-        x = x + self.patch_pos_embed(gh, gw)
-        if ids_keep is not None:                                     # keep a subset of patches
-            x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        cls = (self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1)
-        x = run_blocks(self.blocks, torch.cat([cls, x], dim=1), self.grad_ckpt)
-        return self.norm(x) if norm else x
-
-
-def make_vit(model, img_size, patch_size, **kw):
-    if model not in SIZES:
-        raise UserError(f"--model must be one of {', '.join(SIZES)}, got {model!r}")
-    if img_size % patch_size:
-        raise UserError(f"--img-size {img_size} is not a multiple of --patch-size {patch_size}")
-    dim, depth, heads = SIZES[model]
-    return ViT(img_size, patch_size, dim, depth, heads, **kw)
-
-
-POOLS = ("cls", "cls-prenorm", "mean")
-
-
-def features_of(encoder, x, how):
-    """(B, 3, H, W) -> (B, D): "cls" the CLS token after the final norm, "cls-prenorm" before it
-    (MSN's evaluations), "mean" the mean of the normed patch tokens."""
-    if how not in POOLS:
-        raise UserError(f"--pool must be one of {', '.join(POOLS)}, got {how!r}")
-    tokens = encoder(x, norm=how != "cls-prenorm")
-    return tokens[:, 1:].mean(1) if how == "mean" else tokens[:, 0]
-
-
-# ----------------------------------------------------------------------------------------------
-# Masking and patches
-# ----------------------------------------------------------------------------------------------
-def random_masking(batch, grid, ratio, unit=1, device=None):
-    """MAE-style random masking on a grid x grid patch map, in unit x unit blocks of patches.
-
-    Returns ids_keep (B, n_keep) kept patch indices (ascending), ids_restore (B, N) such that
-    gathering cat([kept, masked]) with it restores raster order, mask (B, N) float, 1 = masked.
-    Exactly int(n_blocks * (1 - ratio)) blocks are kept in every image.
-    """
-    if grid % unit:
-        raise UserError(f"patch grid {grid} is not divisible by the mask unit {unit}")
-    g = grid // unit
-    n_keep = int(g * g * (1 - ratio)) * unit * unit
-    noise = torch.rand(batch, g * g, device=device)                 # argsort of noise (MAE)
-    block_masked = noise.argsort(1).argsort(1) >= int(g * g * (1 - ratio))
-    mask = block_masked.view(batch, g, 1, g, 1).expand(-1, -1, unit, -1, unit).reshape(batch, -1)
-    ids_shuffle = mask.to(torch.uint8).argsort(dim=1, stable=True)     # kept first, then masked
-    ids_restore = ids_shuffle.argsort(1)
-    return ids_shuffle[:, :n_keep], ids_restore, mask.float()
-
-
-def restore_tokens(x, mask_token, ids_restore):
-    """(B, 1+n_keep, D) encoder output -> (B, 1+N, D): append mask tokens, unshuffle (MAE)."""
-    B, N = ids_restore.shape
-    fill = mask_token.to(x.dtype).expand(B, N + 1 - x.shape[1], -1)
-    patches = torch.cat([x[:, 1:], fill], dim=1)
-    patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-    return torch.cat([x[:, :1], patches], dim=1)
-
-
-def patchify(imgs, p):
-    """(B, C, H, W) -> (B, N, p*p*C), row-major patches, (p, p, C) inside each patch (MAE)."""
-    B, C, H, W = imgs.shape
-    x = imgs.reshape(B, C, H // p, p, W // p, p)
-    return torch.einsum("bchpwq->bhwpqc", x).reshape(B, (H // p) * (W // p), p * p * C)
-
-
-def unpatchify(x, p, h=None, c=3):
-    """Inverse of patchify: (B, N, p*p*C) -> (B, C, h*p, w*p); square unless h given."""
-    B, N, _ = x.shape
-    h = h or int(round(math.sqrt(N)))
-    w = N // h
-    x = x.reshape(B, h, w, p, p, c)
-    return torch.einsum("bhwpqc->bchpwq", x).reshape(B, c, h * p, w * p)
-
-
-def norm_pix(target, eps=1e-6):
-    """Per-patch normalised pixels (MAE norm_pix_loss): (x - mean) / sqrt(var + eps) over a patch."""
-    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
-    return (target - mean) / (var + eps) ** 0.5
-
-
-def unnorm_pix(pred, target, eps=1e-6):
-    """Map norm_pix-space predictions back to pixel space with the target patches' mean/var."""
-    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
-    return pred * (var + eps) ** 0.5 + mean
-
-
 def save_image_grid(path, rows):
     """rows: list of (B, 3, H, W) ImageNet-normalised tensors -> one PNG, a row per tensor (rank 0)."""
     if not is_main():
@@ -331,27 +67,6 @@ def save_image_grid(path, rows):
 # ----------------------------------------------------------------------------------------------
 # EMA, schedules, optimiser
 # ----------------------------------------------------------------------------------------------
-def frozen_copy(module):
-    """EMA target / teacher: a deep copy without gradients and with drop path off in every block, so
-    that its outputs are deterministic in train mode (DINO / iBOT teachers; BatchNorm stays in train
-    mode where a method wants batch statistics)."""
-    import copy
-    target = copy.deepcopy(module).requires_grad_(False)
-    for m in target.modules():
-        if isinstance(m, Block):
-            m.drop_path = 0.0
-    return target
-
-
-@torch.no_grad()
-def ema_update(target, online, m):
-    """theta_t <- m * theta_t + (1 - m) * theta_o for every parameter (buffers are not touched)."""
-    tp = list(target.parameters())
-    op = [p.detach() for p in online.parameters()]
-    assert len(tp) == len(op), "target and online modules differ"
-    torch._foreach_lerp_(tp, op, 1.0 - m)
-
-
 def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
     """Linear warm-up start -> base over `warmup` steps, then half-cosine base -> final at `total`."""
     if step < warmup:
@@ -630,72 +345,6 @@ def eval_transform(img_size, synthetic=False):
                       T.CenterCrop(img_size), to_uint8])
 
 
-SHAPES = ("disc", "square", "triangle", "plus", "ring", "star", "crescent", "bar", "ell", "dots")
-
-
-def shape_mask(name, xx, yy, center, s, rot):
-    """Boolean mask of shape `name` on the coordinate grids xx, yy in [-1, 1], scaled by s,
-    rotated by rot (radians) and centred at center = (cx, cy)."""
-    x0, y0 = (xx - center[0]) / s, (yy - center[1]) / s
-    u, v = x0 * np.cos(rot) + y0 * np.sin(rot), -x0 * np.sin(rot) + y0 * np.cos(rot)
-    r, a = np.hypot(u, v), np.arctan2(v, u)
-    return {
-        "disc": r < 0.9,
-        "square": np.maximum(abs(u), abs(v)) < 0.75,
-        "triangle": (v > -0.5) & (v < 1 - 1.732 * abs(u) - 0.0) & (v < 1.0),
-        "plus": ((abs(u) < 0.3) & (abs(v) < 1)) | ((abs(v) < 0.3) & (abs(u) < 1)),
-        "ring": (r < 0.95) & (r > 0.6),
-        "star": r < 0.55 + 0.4 * np.cos(5 * a),
-        "crescent": (r < 0.95) & (np.hypot(u - 0.45, v) > 0.75),
-        "bar": (abs(u) < 1.0) & (abs(v) < 0.3),
-        "ell": ((abs(u + 0.35) < 0.25) & (abs(v) < 0.9)) | ((abs(v - 0.65) < 0.25) & (abs(u) < 0.6)),
-        "dots": (np.hypot(u - 0.5, v) < 0.38) | (np.hypot(u + 0.5, v) < 0.38),
-    }[name]
-
-
-def synthetic_image(idx, seed=0, split="train", size=64):
-    """Procedural image of one of 10 shape classes (label = idx % 10), deterministic per index.
-
-    Grey images: random shape intensity, scale, position and rotation over a random grey textured
-    background. No colour and no class-specific intensity: only the outline identifies the class,
-    and the outline is also what two crops of one image share most (colour would otherwise be the
-    easiest instance cue for a siamese method, and tell nothing about the class).
-    """
-    rng = np.random.default_rng([seed, {"train": 0, "val": 1}[split], idx])
-    label = idx % len(SHAPES)
-    yy, xx = np.mgrid[-1:1:size * 1j, -1:1:size * 1j]
-    # background: a grey level with a faint gradient, grating and pixel noise
-    g = rng.uniform(0.25, 0.75)
-    th = rng.uniform(0, 2 * np.pi)
-    t = 0.08 * (xx * np.cos(th) + yy * np.sin(th)) + 0.05 * np.sin(
-        rng.uniform(3, 9) * np.pi * (xx * np.sin(th) - yy * np.cos(th)))
-    img = (g + t + rng.normal(0, 0.03, (size, size)))[..., None].repeat(3, -1)
-    # shape in its own frame (u, v): scaled, rotated, translated; brighter or darker than the bg
-    s, rot = rng.uniform(0.5, 0.8), rng.uniform(0, 2 * np.pi)
-    cx, cy = rng.uniform(-0.25, 0.25, 2)
-    m = shape_mask(SHAPES[label], xx, yy, (cx, cy), s, rot)
-    fg = g + rng.choice([-1, 1]) * rng.uniform(0.25, 0.45)                     # contrast >= 0.25
-    u = ((xx - cx) * np.cos(rot) + (yy - cy) * np.sin(rot)) / s                # shape-frame x
-    fg = (fg * (1 + 0.1 * np.sin(6 * u)))[..., None].repeat(3, -1)             # faintly textured fill
-    img = np.where(m[..., None], fg, img)
-    return Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)), label
-
-
-class SyntheticImages(torch.utils.data.Dataset):
-    """The built-in `--data synthetic` dataset: generated on the fly, nothing on disk."""
-
-    def __init__(self, split="train", n=None, seed=0, size=64):
-        self.split, self.seed, self.size = split, seed, size
-        self.n = n or (8000 if split == "train" else 1000)
-        self.classes = list(SHAPES)
-
-    def __len__(self):
-        return self.n
-
-    def load(self, i):
-        return synthetic_image(i, self.seed, self.split, self.size)
-
-
 class ImageFiles(torch.utils.data.Dataset):
     """Images under a directory: class = first-level sub-folder (ImageFolder), or one class if flat.
 
@@ -753,6 +402,7 @@ class ImageFiles(torch.utils.data.Dataset):
 def image_dataset(data, split="train", skip_unreadable=False):
     """`synthetic`, or DIR (DIR/train or DIR/val when present, else DIR itself for training)."""
     if data == "synthetic":
+        from synthetic import SyntheticImages           # only for --data synthetic
         return SyntheticImages(split)
     root = os.path.join(data, split) if os.path.isdir(os.path.join(data, split)) else None
     if root is None and split == "train":
@@ -1246,7 +896,7 @@ def save_checkpoint(path, state):
         raise UserError(f"cannot write checkpoint {path} ({type(e).__name__}: {e}); {kept}") from None
 
 
-def _read(path):
+def read_checkpoint_file(path):
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
@@ -1269,7 +919,7 @@ def _legacy_keys(sd):
 def load_checkpoint(path, method=None):
     """Load a checkpoint of the common format (older ones are remapped to today's key names); clear
     errors for missing / foreign / other-method files."""
-    ckpt = _read(path)
+    ckpt = read_checkpoint_file(path)
     if not isinstance(ckpt, dict) or "method" not in ckpt or "encoder" not in ckpt:
         raise UserError(f"{path} is not a checkpoint of this project (no 'method'/'encoder' keys)")
     if method and ckpt["method"] != method:
@@ -1330,18 +980,6 @@ class Logger:
 # k-NN monitor (weighted k-NN on L2-normalised features, InstDisc / DINO protocol)
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def extract_features(encoder, loader, device, how="cls", autocast=contextlib.nullcontext()):
-    encoder.eval()
-    feats, labels = [], []
-    for x, y in loader:
-        with autocast:
-            f = features_of(encoder, normalize(x.to(device, non_blocking=True)), how)
-        feats.append(f.float().cpu())
-        labels.append(y)
-    return torch.cat(feats), torch.cat(labels)                       # raw (un-normalised) features
-
-
-@torch.no_grad()
 def knn_predict(train_f, train_y, test_f, num_classes, k=20, T=0.07, chunk=1024):
     """Cosine similarity top-k, votes weighted by exp(sim / T); returns (n_test, C) class scores."""
     out = []
@@ -1355,16 +993,23 @@ def knn_predict(train_f, train_y, test_f, num_classes, k=20, T=0.07, chunk=1024)
 
 def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, workers=0, k=20,
                  autocast=contextlib.nullcontext()):
-    """Top-1 (%) of weighted k-NN: train split as memory bank, val split as queries."""
+    """Top-1 (%) of weighted k-NN: train split as memory bank, val split as queries (labels matched
+    by class name); features: the [CLS] token ("cls") or the mean patch token ("mean"), normed."""
     val = image_dataset(data, "val")
     if val is None:
         raise UserError(f"--data {data}: k-NN needs a val/ split next to train/")
     train = image_dataset(data, "train")
     tf = eval_transform(img_size, synthetic=data == "synthetic")
+    encoder.eval()
     res = []
     for ds in (train, val):
-        dl = torch.utils.data.DataLoader(Views(ds, tf), batch_size, num_workers=workers)
-        res.append(extract_features(encoder, dl, device, how, autocast))
+        feats, labels = [], []
+        for x, y in torch.utils.data.DataLoader(Views(ds, tf), batch_size, num_workers=workers):
+            with torch.no_grad(), autocast:
+                t = encoder(normalize(x.to(device)))                                  # (B, 1+N, D)
+            feats.append((t[:, 1:].mean(1) if how == "mean" else t[:, 0]).float().cpu())
+            labels.append(y)
+        res.append((torch.cat(feats), torch.cat(labels)))
     (ftr, ytr), (fva, yva) = res
     index = {c: i for i, c in enumerate(train.classes)}              # val labels matched by class name
     yva = torch.tensor([index.get(c, -1) for c in val.classes])[yva]
@@ -1439,67 +1084,6 @@ def resume_run(run, method, args, model, optimizer, scaler, target=None):
                "random draws of the old run are not continued exactly")
     print0(f"resumed from {run.ckpt}: epoch {ckpt['epoch']}, step {ckpt['step']}")
     return step
-
-
-def build_vit(config):
-    """Rebuild a ViT from a checkpoint's `vit` config."""
-    return ViT(**config)
-
-
-# A ViT's own tensors in timm / DeiT / MAE / MSN naming (heads, decoders, prototypes are not).
-VIT_KEY = re.compile(r"cls_token|pos_embed|patch_embed\.proj\.(weight|bias)|norm\.(weight|bias)|"
-                     r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)")
-HEADS = {192: 3, 384: 6, 768: 12, 1024: 16}                       # timm's ViT-Ti/S/B/L
-
-
-def foreign_encoder(obj, path, model=None, patch_size=None):
-    """(layout, ViT config, ViT state dict) of a checkpoint not written here: the official MSN file
-    (`target_encoder`, `module.` prefix), an MAE-style file (`model`: MAE, CAN, DeiT and many MAE
-    derivatives) or a plain timm / DeiT state dict. The architecture comes from the tensor shapes;
-    the heads from --model (else timm's default for the width)."""
-    if not isinstance(obj, dict):
-        raise UserError(f"{path}: not a dict of tensors")
-    layout, sd = next(((k, obj[k]) for k in ("target_encoder", "model") if isinstance(obj.get(k), dict)), ("timm", obj))
-    sd = {k.removeprefix("module."): v for k, v in sd.items() if torch.is_tensor(v)}
-    vit = {k: v for k, v in sd.items() if VIT_KEY.fullmatch(k)}
-    if "cls_token" not in vit or "patch_embed.proj.weight" not in vit or "blocks.0.attn.qkv.weight" not in vit:
-        raise UserError(f"{path}: unknown checkpoint layout (keys: {', '.join(list(obj)[:6])}{', ...' if len(obj) > 6 else ''}); "
-                        "expected this project's format, MSN's target_encoder, an MAE-style 'model' or a timm ViT state dict")
-    dim, p = vit["cls_token"].shape[-1], vit["patch_embed.proj.weight"].shape[-1]
-    depth = 1 + max(int(k.split(".")[1]) for k in vit if k.startswith("blocks."))
-    grid = math.isqrt(vit["pos_embed"].shape[1] - 1)
-    if model is not None:
-        if model not in SIZES or SIZES[model][0] != dim:
-            raise UserError(f"--model {model} does not match {path} (width {dim})")
-    if patch_size is not None and patch_size != p:
-        raise UserError(f"--patch-size {patch_size} does not match {path} (patch {p})")
-    heads = SIZES[model][2] if model else HEADS.get(dim)
-    if heads is None:
-        raise UserError(f"{path}: width {dim} is not a standard ViT size; give --model")
-    config = dict(img_size=grid * p, patch_size=p, dim=dim, depth=depth, heads=heads,
-                  mlp_ratio=vit["blocks.0.mlp.fc1.weight"].shape[0] / dim, pos_embed="learned")
-    return {"target_encoder": "msn", "model": "mae-style"}.get(layout, "timm"), config, vit
-
-
-def load_encoder(path, random_init=False, model=None, patch_size=None):
-    """(encoder, checkpoint) of a checkpoint file: this project's format, or (see foreign_encoder)
-    the official MSN layout, an MAE-style `model` dict or a timm/DeiT state dict, whose `method` is
-    then "msn", "mae-style" or "timm". random_init: the same ViT at its default initialisation drawn
-    with the run's seed (weights not loaded). Returned in eval mode."""
-    obj = _read(path)
-    if isinstance(obj, dict) and "method" in obj and "encoder" in obj:
-        ckpt = load_checkpoint(path)
-    else:
-        method, config, sd = foreign_encoder(obj, path, model, patch_size)
-        ckpt = {"method": method, "vit": config, "encoder": sd, "args": {"seed": 0}}
-    torch.manual_seed(ckpt["args"].get("seed", 0))
-    enc = build_vit(ckpt["vit"])
-    if not random_init:
-        try:
-            enc.load_state_dict(ckpt["encoder"])
-        except RuntimeError as e:
-            raise UserError(f"{path}: the encoder does not fit a ViT ({' '.join(str(e).split())[:300]})") from None
-    return enc.eval(), ckpt
 
 
 def knn_report(args, run, log, encoder, build_init, how, what):

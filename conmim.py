@@ -15,7 +15,7 @@ in 80 GB; README). The loss is per image, so accumulation is exact by constructi
   torchrun --nproc_per_node=8 conmim.py --data /imagenet  # the same objective on 8 GPUs: 8 x 256
 
 Paper -> code.
-  Corrupted input x^ (masked patches -> [MASK]) ... Net.mask_token, C.ViT.forward(mask=, mask_token=)
+  Corrupted input x^ (masked patches -> [MASK]) ... random_masking, Net.mask_token, ViT.forward(mask=, mask_token=)
   Backbone f and slowly progressing teacher ......... Net (student) / make_teacher (EMA, cosine momentum)
   Patch-level dynamic dictionary, Eq. (2) ........... conmim_loss (keys: the image's own patches)
   Asymmetric augmentation (strong teacher input) ..... WeakStrongViews
@@ -49,6 +49,8 @@ Where this file follows the official code (TencentARC/ConMIM) rather than the pa
     `--no-gpu-aug` keeps them in the workers.
 """
 import contextlib
+import copy
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -63,7 +65,7 @@ class Args(C.RunArgs):
     """ConMIM pre-training (defaults: official recipe, ViT-B/16)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/conmim"})
-    model: str = field(default="base", metadata={"help": "ViT size: " + "|".join(C.SIZES)})
+    model: str = field(default="base", metadata={"help": "ViT size: nano|micro|tiny|small|base|large"})
     patch_size: int = 16
     img_size: int = 224
     epochs: int = 800
@@ -96,6 +98,148 @@ class Args(C.RunArgs):
 
 
 # ----------------------------------------------------------------------------------------------
+# Model: ConMIM's BEiT-style ViT: [CLS], learned position embeddings, masked patches replaced by
+# a [MASK] embedding (all N patches enter the encoder). timm's key names: the encoder loads into timm's
+# VisionTransformer and into every other method's ViT (tests/test_interop.py).
+# ----------------------------------------------------------------------------------------------
+SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small": (384, 12, 6),
+         "base": (768, 12, 12), "large": (1024, 24, 16)}                # width, depth, heads
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):                                            # (B, N, D)
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def drop_path(x, p, training):
+    """Stochastic depth: zero a sample's residual branch with probability p, rescale the rest."""
+    if p == 0.0 or not training:
+        return x
+    return x * x.new_empty(x.shape[0], 1, 1).bernoulli_(1 - p) / (1 - p)
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + DP(Attn(LN(x))); x + DP(MLP(LN(x)))."""
+
+    def __init__(self, dim, heads, drop_path=0.0):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
+        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, 4 * dim)
+        self.drop_path = drop_path
+
+    def forward(self, x):
+        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
+        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, patch_size, dim):
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
+
+    def forward(self, x):                                            # (B, 3, H, W) -> (B, N, D)
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+def beit_init(module):
+    """BEiT / ConMIM init: Linear and the patch-embedding Conv2d trunc-normal(0.02) cut at +-1 std
+    (a = -0.02, b = 0.02), biases 0; LayerNorm and BatchNorm keep 1 / 0."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            nn.init.trunc_normal_(m.weight, std=0.02, a=-0.02, b=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+def beit_token(t):
+    return nn.init.trunc_normal_(t, std=0.02, a=-0.02, b=0.02)
+
+
+class ViT(nn.Module):
+    """forward(x, mask=None, mask_token=None, norm=True) -> (B, 1 + N, D), [CLS] first; mask (B, N),
+    1 = masked: those patch embeddings are replaced by mask_token (1, 1, D) before the position
+    embeddings are added (BEiT / SimMIM). The [MASK] parameter lives in Net, so the checkpoint's
+    encoder is a plain ViT. Init: beit_init, then each block's attn.proj and mlp.fc2 divided by
+    sqrt(2 layer) (BEiT's fix_init_weight)."""
+
+    def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0):
+        super().__init__()
+        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
+                           mlp_ratio=4.0, pos_embed="learned", init="beit")      # the checkpoint's `vit`
+        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
+        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(beit_token(torch.zeros(1, 1 + self.grid ** 2, dim)))
+        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in torch.linspace(0, drop_path, depth).tolist())
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.grad_ckpt = False                                       # C.set_grad_checkpointing
+        beit_init(self)
+        beit_token(self.cls_token)
+        with torch.no_grad():
+            for layer, blk in enumerate(self.blocks, start=1):
+                blk.attn.proj.weight.div_(math.sqrt(2.0 * layer))
+                blk.mlp.fc2.weight.div_(math.sqrt(2.0 * layer))
+
+    def forward(self, x, mask=None, mask_token=None, norm=True):
+        x = self.patch_embed(x)                                      # (B, N, D)
+        if mask is not None:                                         # corrupt: masked -> [MASK]
+            w = mask.unsqueeze(-1).to(x.dtype)
+            x = x * (1 - w) + mask_token.to(x.dtype) * w
+        x = x + self.pos_embed[:, 1:]
+        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
+        x = C.run_blocks(self.blocks, x, self.grad_ckpt)
+        return self.norm(x) if norm else x
+
+
+def make_vit(a):
+    if a.model not in SIZES:
+        raise C.UserError(f"--model must be one of {', '.join(SIZES)}, got {a.model!r}")
+    dim, depth, heads = SIZES[a.model]
+    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path)
+
+
+def random_masking(batch, grid, ratio, unit=2, device=None):
+    """Random masking in unit x unit blocks of patches, per image: exactly int(n_blocks (1 - ratio))
+    blocks stay visible. Returns mask (B, N) float, 1 = masked."""
+    if grid % unit:
+        raise C.UserError(f"patch grid {grid} is not divisible by the mask unit {unit}")
+    g = grid // unit
+    masked = torch.rand(batch, g * g, device=device).argsort(1).argsort(1) >= int(g * g * (1 - ratio))
+    return masked.view(batch, g, 1, g, 1).expand(-1, -1, unit, -1, unit).reshape(batch, -1).float()
+
+
+def make_teacher(model):
+    """EMA teacher: a copy of the student without gradients and with drop path off in every block, so
+    its targets are deterministic in train mode (DINO / iBOT teachers)."""
+    teacher = copy.deepcopy(model).requires_grad_(False)
+    for m in teacher.modules():
+        if isinstance(m, Block):
+            m.drop_path = 0.0
+    return teacher
+
+
+@torch.no_grad()
+def ema_update(teacher, student, m):
+    """theta' <- m theta' + (1 - m) theta, every parameter (BatchNorm buffers are the teacher's own)."""
+    torch._foreach_lerp_(list(teacher.parameters()), [p.detach() for p in student.parameters()], 1.0 - m)
+
+
+# ----------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------
 class Projector(nn.Module):
@@ -119,20 +263,15 @@ class Net(nn.Module):
 
     def __init__(self, a):
         super().__init__()
-        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, init="beit")
+        self.encoder = make_vit(a)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, self.encoder.dim))
         self.projector = Projector(self.encoder.dim, a.proj_hidden, a.proj_dim)
-        C.init_token(self.mask_token, "beit")
-        C.init_weights(self.projector, "beit")
+        beit_token(self.mask_token)
+        beit_init(self.projector)
 
     def forward(self, x, mask=None):                                    # -> (B, N, d) patch features
         tokens = self.encoder(x, mask=mask, mask_token=self.mask_token)  # (B, 1+N, D)
         return self.projector(tokens)[:, 1:]                            # CLS projected too (official)
-
-
-def make_teacher(model):
-    """EMA teacher: a copy of the student with drop path off, so its targets are deterministic."""
-    return C.frozen_copy(model)
 
 
 def no_decay(name, p):
@@ -251,14 +390,14 @@ def train(args):
             if args.gpu_aug:                                          # the strong view's photometric ops
                 x_strong = C.color_augment_batch(x_strong, **STRONG)
             x_weak, x_strong = C.normalize(x_weak), C.normalize(x_strong)
-            _, _, mask = C.random_masking(x_weak.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
+            mask = random_masking(x_weak.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(student, teacher_fwd, x_weak, x_strong, mask, args, micro, run.autocast,
                                      scaler.scale, ddp)
             parts["grad_norm"] = C.clip_grads(model.parameters(), args.clip_grad, scaler, opt)
             scaler.step(opt)
             scaler.update()
-            C.ema_update(teacher, model, m)
+            ema_update(teacher, model, m)
             if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save, dataset, (it + 1) * per, bad0,
                           lr=lr, mom=m):                                 # log, NaN watch; preempted: stop
                 return

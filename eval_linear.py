@@ -36,12 +36,16 @@ Protocol differences from the official evaluations, not fixed: MSN resizes bilin
 we resize bicubically to img*256/224 (= 256 at 224) for every method, as MAE's evaluation does.
 cyanure's solver (tol 1e-3, at most 300 epochs) is replaced by L-BFGS on the same objective.
 """
+import contextlib
 import hashlib
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import common as C
@@ -82,6 +86,199 @@ class Args:
     cache: bool = field(default=True, metadata={"help": "cache features next to the checkpoint"})
 
 
+# ----------------------------------------------------------------------------------------------
+# The evaluated encoder: a plain ViT with timm's key names, rebuilt from any checkpoint's `vit`
+# config (each method file has its own training ViT; tests/test_interop.py pins that they agree)
+# ----------------------------------------------------------------------------------------------
+SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small": (384, 12, 6),
+         "base": (768, 12, 12), "large": (1024, 24, 16)}                # width, depth, heads
+HEADS = {192: 3, 384: 6, 768: 12, 1024: 16}                            # timm's ViT-Ti/S/B/L
+POOLS = ("cls", "cls-prenorm", "mean")
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):                                            # (B, N, D)
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, mlp_ratio=4.0):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
+        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, int(dim * mlp_ratio))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, patch_size, dim):
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+def sincos_pos_embed(dim, grid):
+    """MAE's fixed 2-D sin-cos table (grid*grid, dim): [x sin, x cos, y sin, y cos]."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
+    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
+                            indexing="ij")
+    return torch.cat([f(p.flatten()[:, None] * omega[None]) for p in (xs, ys) for f in (torch.sin, torch.cos)], 1).float()
+
+
+class ViT(nn.Module):
+    """forward(x, norm=True) -> (B, 1+N, D), [CLS] first. The position table is a parameter here
+    (a checkpoint's fixed sin-cos buffer loads into it), interpolated bicubically at other sizes.
+    --random-init draws the weights as the method's own ViT does (init "trunc": DeiT / MSN,
+    "xavier": MAE / CMAE / CAN / SiamMAE, "beit": ConMIM), in the same order, so the baseline is
+    that method's initialisation for the same seed."""
+
+    def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, mlp_ratio=4.0,
+                 pos_embed="learned", init="trunc", **_):
+        super().__init__()
+        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
+        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid ** 2, dim))
+        if pos_embed == "sincos":
+            self.pos_embed.data[0, 1:] = sincos_pos_embed(dim, self.grid)
+        else:
+            self.init_token(self.pos_embed, init)
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                conv = isinstance(m, nn.Conv2d)
+                if init == "beit":
+                    nn.init.trunc_normal_(m.weight, std=0.02, a=-0.02, b=0.02)
+                elif init == "xavier":
+                    nn.init.xavier_uniform_(m.weight.view(m.weight.shape[0], -1) if conv else m.weight)
+                elif conv:
+                    nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
+                else:
+                    nn.init.trunc_normal_(m.weight, std=0.02)
+                if not (conv and init == "xavier"):
+                    nn.init.zeros_(m.bias)
+        self.init_token(self.cls_token, init)
+        if init == "beit":                                           # BEiT's fix_init_weight
+            for layer, blk in enumerate(self.blocks, start=1):
+                blk.attn.proj.weight.data.div_(math.sqrt(2.0 * layer))
+                blk.mlp.fc2.weight.data.div_(math.sqrt(2.0 * layer))
+
+    @staticmethod
+    def init_token(t, init):
+        if init == "xavier":
+            nn.init.normal_(t, std=0.02)
+        else:
+            nn.init.trunc_normal_(t, std=0.02, **(dict(a=-0.02, b=0.02) if init == "beit" else {}))
+
+    def forward(self, x, norm=True):
+        gh, gw = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
+        pe = self.pos_embed[:, 1:]
+        if (gh, gw) != (self.grid, self.grid):
+            pe = F.interpolate(pe.reshape(1, self.grid, self.grid, -1).permute(0, 3, 1, 2).float(), size=(gh, gw),
+                               mode="bicubic", align_corners=False).permute(0, 2, 3, 1).reshape(1, gh * gw, -1)
+        x = self.patch_embed(x) + pe.to(x.dtype)
+        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.norm(x) if norm else x
+
+
+def features_of(encoder, x, how):
+    """(B, 3, H, W) -> (B, D): "cls" the CLS token after the final norm, "cls-prenorm" before it
+    (MSN's evaluations), "mean" the mean of the normed patch tokens."""
+    if how not in POOLS:
+        raise C.UserError(f"--pool must be one of {', '.join(POOLS)}, got {how!r}")
+    tokens = encoder(x, norm=how != "cls-prenorm")
+    return tokens[:, 1:].mean(1) if how == "mean" else tokens[:, 0]
+
+
+@torch.no_grad()
+def extract_features(encoder, loader, device, how="cls", autocast=contextlib.nullcontext()):
+    encoder.eval()
+    feats, labels = [], []
+    for x, y in loader:
+        with autocast:
+            f = features_of(encoder, C.normalize(x.to(device, non_blocking=True)), how)
+        feats.append(f.float().cpu())
+        labels.append(y)
+    return torch.cat(feats), torch.cat(labels)                       # raw (un-normalised) features
+
+
+# A ViT's own tensors in timm / DeiT / MAE / MSN naming (heads, decoders, prototypes are not).
+VIT_KEY = re.compile(r"cls_token|pos_embed|patch_embed\.proj\.(weight|bias)|norm\.(weight|bias)|"
+                     r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)")
+
+
+def foreign_encoder(obj, path, model=None, patch_size=None):
+    """(layout, ViT config, ViT state dict) of a checkpoint not written here: the official MSN file
+    (`target_encoder`, `module.` prefix), an MAE-style file (`model`: MAE, CAN, DeiT and many MAE
+    derivatives) or a plain timm / DeiT state dict. The architecture comes from the tensor shapes;
+    the heads from --model (else timm's default for the width)."""
+    if not isinstance(obj, dict):
+        raise C.UserError(f"{path}: not a dict of tensors")
+    layout, sd = next(((k, obj[k]) for k in ("target_encoder", "model") if isinstance(obj.get(k), dict)), ("timm", obj))
+    sd = {k.removeprefix("module."): v for k, v in sd.items() if torch.is_tensor(v)}
+    vit = {k: v for k, v in sd.items() if VIT_KEY.fullmatch(k)}
+    if "cls_token" not in vit or "patch_embed.proj.weight" not in vit or "blocks.0.attn.qkv.weight" not in vit:
+        raise C.UserError(f"{path}: unknown checkpoint layout (keys: {', '.join(list(obj)[:6])}{', ...' if len(obj) > 6 else ''}); "
+                        "expected this project's format, MSN's target_encoder, an MAE-style 'model' or a timm ViT state dict")
+    dim, p = vit["cls_token"].shape[-1], vit["patch_embed.proj.weight"].shape[-1]
+    depth = 1 + max(int(k.split(".")[1]) for k in vit if k.startswith("blocks."))
+    grid = math.isqrt(vit["pos_embed"].shape[1] - 1)
+    if model is not None:
+        if model not in SIZES or SIZES[model][0] != dim:
+            raise C.UserError(f"--model {model} does not match {path} (width {dim})")
+    if patch_size is not None and patch_size != p:
+        raise C.UserError(f"--patch-size {patch_size} does not match {path} (patch {p})")
+    heads = SIZES[model][2] if model else HEADS.get(dim)
+    if heads is None:
+        raise C.UserError(f"{path}: width {dim} is not a standard ViT size; give --model")
+    config = dict(img_size=grid * p, patch_size=p, dim=dim, depth=depth, heads=heads,
+                  mlp_ratio=vit["blocks.0.mlp.fc1.weight"].shape[0] / dim, pos_embed="learned")
+    return {"target_encoder": "msn", "model": "mae-style"}.get(layout, "timm"), config, vit
+
+
+def load_encoder(path, random_init=False, model=None, patch_size=None):
+    """(encoder, checkpoint) of a checkpoint file: this project's format, or (see foreign_encoder)
+    the official MSN layout, an MAE-style `model` dict or a timm/DeiT state dict, whose `method` is
+    then "msn", "mae-style" or "timm". random_init: the same ViT at its default initialisation drawn
+    with the run's seed (weights not loaded). Returned in eval mode."""
+    obj = C.read_checkpoint_file(path)
+    if isinstance(obj, dict) and "method" in obj and "encoder" in obj:
+        ckpt = C.load_checkpoint(path)
+    else:
+        method, config, sd = foreign_encoder(obj, path, model, patch_size)
+        ckpt = {"method": method, "vit": config, "encoder": sd, "args": {"seed": 0}}
+    torch.manual_seed(ckpt["args"].get("seed", 0))
+    enc = ViT(**ckpt["vit"])
+    if not random_init:
+        try:
+            enc.load_state_dict(ckpt["encoder"])
+        except RuntimeError as e:
+            raise C.UserError(f"{path}: the encoder does not fit a ViT ({' '.join(str(e).split())[:300]})") from None
+    return enc.eval(), ckpt
+
+
 def splits(data):
     """The train and val datasets, checked before any feature is computed, and val's labels mapped
     to train's class indices BY NAME (a val/ that lacks a class, or orders them otherwise, keeps
@@ -110,7 +307,7 @@ def features(a, enc, ckpt, split, ds, device):
     tf = C.eval_transform(size, synthetic=a.data == "synthetic")
     dl = torch.utils.data.DataLoader(C.Views(ds, tf), a.batch_size, num_workers=a.workers)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    out = C.extract_features(enc, dl, device, pool, autocast)
+    out = extract_features(enc, dl, device, pool, autocast)
     if a.cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         C.save_checkpoint(path, out)
@@ -243,7 +440,7 @@ def evaluate(a):
     if not 0 <= a.percent <= 100 or a.lambd < 0 or a.workers < 0:
         raise C.UserError("--percent must be in [0, 100], --lambd and --workers >= 0")
     device = C.resolve_device(a.device)
-    enc, ckpt = C.load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
+    enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
     if a.img_size is not None and (a.img_size <= 0 or a.img_size % enc.patch_size):
         raise C.UserError(f"--img-size {a.img_size} is not a positive multiple of the checkpoint's patch size {enc.patch_size}")
     train, val, val_to_train = splits(a.data)                     # layout checked before any extraction

@@ -26,7 +26,7 @@ labels with PIL's nearest (also patch centres); CRW downsamples labels to the fe
 three sample at patch centres; ours does not stretch the aspect ratio.
 
 Data: DAVIS-2017 layout (JPEGImages/480p/<video>/*.jpg, Annotations/480p/<video>/*.png palette
-masks, ImageSets/2017/val.txt), or `synthetic` (moving-shape clips of siammae.py, val split).
+masks, ImageSets/2017/val.txt), or `synthetic` (moving-shape clips of synthetic.py, val split).
 Metrics: J (region IoU) and F (boundary F-measure, boundary tolerance 0.008 x image diagonal, as
 the DAVIS toolkit), per object, on all frames but the first and last; J&F = (J + F) / 2.
 """
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import common as C
+from eval_linear import load_encoder
 
 
 @dataclass
@@ -162,7 +163,7 @@ def davis_videos(root, split):
 
 
 def synthetic_videos():
-    from siammae import SyntheticVideos
+    from synthetic import SyntheticVideos
     ds = SyntheticVideos("val")
     for i in range(len(ds)):
         clip, _ = ds.load(i)
@@ -255,7 +256,7 @@ def evaluate(a):
     if a.n_context < 0 or a.short_side < 0:
         raise C.UserError("--n-context and --short-side must be >= 0")
     device = C.resolve_device(a.device)
-    enc, ckpt = C.load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
+    enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
     enc = enc.to(device)
     synthetic = a.data == "synthetic"
     short_side = 0 if synthetic else a.short_side                  # synthetic clips: native 64 px

@@ -17,8 +17,8 @@ fits in 80 GB; README) and the step is exact: Sinkhorn and ME-MAX stay over the 
 
 Paper -> code.
   Views x+ (target), x_1..x_M (anchors), Sec 3.1 .... MultiView (data section)
-  Random masking of anchor patches, Sec 3.2 ......... common.random_masking, MSN.forward(ids_keep)
-  Encoders f_theta / EMA f_theta_bar, Sec 3.3 ........ Net (ViT [CLS] + 3-layer head), ema_update
+  Random masking of anchor patches, Sec 3.2 ......... random_masking, ViT.forward(ids_keep)
+  Encoders f_theta / EMA f_theta_bar, Sec 3.3 ........ ViT, Net (ViT [CLS] + 3-layer head), make_target, ema_update
   p = softmax(<z, q>/tau), Eq. (1) ................... msn_loss: log_p
   p+ = sharpen(softmax(<z+, q>/tau)), tau+ < tau ..... msn_loss: p_plus (softmax at tau_plus)
   Sinkhorn balancing of p+ (official code) ........... sinkhorn
@@ -58,6 +58,7 @@ differs from both, and why:
   - The official extra entropy term (weight 0 in every released config) is omitted.
 """
 import contextlib
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -73,7 +74,7 @@ class Args(C.RunArgs):
     """MSN pre-training (defaults: official ViT-S/16 ImageNet recipe)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/msn"})
-    model: str = field(default="small", metadata={"help": "ViT size: " + "|".join(C.SIZES)})
+    model: str = field(default="small", metadata={"help": "ViT size: nano|micro|tiny|small|base|large"})
     patch_size: int = 16
     img_size: int = field(default=224, metadata={"help": "target / random anchor view size"})
     epochs: int = 800
@@ -118,20 +119,154 @@ class Args(C.RunArgs):
 
 
 # ----------------------------------------------------------------------------------------------
-# Model
+# Model: MSN's ViT (DeiT-style, official src/deit.py): [CLS], learned position embeddings
+# (interpolated for the 96 px focal views), patch drop. timm's key names: the encoder loads into
+# timm's VisionTransformer and into every other method's ViT (tests/test_interop.py).
 # ----------------------------------------------------------------------------------------------
+SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small": (384, 12, 6),
+         "base": (768, 12, 12), "large": (1024, 24, 16)}                # width, depth, heads
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):                                            # (B, N, D)
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def drop_path(x, p, training):
+    """Stochastic depth: zero a sample's residual branch with probability p, rescale the rest."""
+    if p == 0.0 or not training:
+        return x
+    return x * x.new_empty(x.shape[0], 1, 1).bernoulli_(1 - p) / (1 - p)
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + DP(Attn(LN(x))); x + DP(MLP(LN(x)))."""
+
+    def __init__(self, dim, heads, drop_path=0.0):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
+        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, 4 * dim)
+        self.drop_path = drop_path
+
+    def forward(self, x):
+        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
+        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, patch_size, dim):
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
+
+    def forward(self, x):                                            # (B, 3, H, W) -> (B, N, D)
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+def trunc_init(module):
+    """DeiT / MSN init: Linear trunc-normal(0.02) (timm's, cut at +-2 absolute), the patch-embedding
+    Conv2d kaiming-normal (fan_in, relu); biases 0; LayerNorm and BatchNorm keep 1 / 0."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            nn.init.zeros_(m.bias)
+
+
+class ViT(nn.Module):
+    """forward(x, ids_keep=None, norm=True) -> (B, 1 + n, D), [CLS] first; ids_keep (B, n): the
+    patches kept (MSN's patch drop). Init as official (trunc_init; cls and pos-embed trunc-normal)."""
+
+    def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, drop_path=0.0):
+        super().__init__()
+        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
+                           mlp_ratio=4.0, pos_embed="learned", init="trunc")     # the checkpoint's `vit`
+        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
+        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(nn.init.trunc_normal_(torch.zeros(1, 1 + self.grid ** 2, dim), std=0.02))
+        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in torch.linspace(0, drop_path, depth).tolist())
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.grad_ckpt = False                                       # C.set_grad_checkpointing
+        trunc_init(self)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+
+    def patch_pos_embed(self, gh, gw):                               # (1, gh*gw, D), bicubic if resized
+        pe = self.pos_embed[:, 1:]
+        if (gh, gw) == (self.grid, self.grid):
+            return pe
+        pe = pe.reshape(1, self.grid, self.grid, self.dim).permute(0, 3, 1, 2)
+        pe = F.interpolate(pe.float(), size=(gh, gw), mode="bicubic", align_corners=False)
+        return pe.permute(0, 2, 3, 1).reshape(1, gh * gw, self.dim).to(self.pos_embed.dtype)
+
+    def forward(self, x, ids_keep=None, norm=True):
+        gh, gw = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
+        x = self.patch_embed(x) + self.patch_pos_embed(gh, gw)       # (B, N, D)
+        if ids_keep is not None:                                     # patch drop: keep a subset
+            x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
+        x = C.run_blocks(self.blocks, x, self.grad_ckpt)
+        return self.norm(x) if norm else x
+
+
+def make_vit(a):
+    if a.model not in SIZES:
+        raise C.UserError(f"--model must be one of {', '.join(SIZES)}, got {a.model!r}")
+    dim, depth, heads = SIZES[a.model]
+    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path)
+
+
+def random_masking(n, grid, ratio, device=None):
+    """MSN's patch drop: each of n anchor views keeps int(N (1 - ratio)) of its N = grid^2 patches,
+    drawn uniformly (indices ascending); the others never enter the encoder. -> ids_keep (n, n_keep)."""
+    N = grid * grid
+    return torch.rand(n, N, device=device).argsort(1)[:, :int(N * (1 - ratio))].sort(1).values
+
+
+def make_target(net):
+    """f_theta_bar: a copy of f_theta without gradients and with drop path off in every block, so its
+    targets are deterministic in train mode (its BatchNorm keeps batch statistics, as official)."""
+    target = copy.deepcopy(net).requires_grad_(False)
+    for m in target.modules():
+        if isinstance(m, Block):
+            m.drop_path = 0.0
+    return target
+
+
+@torch.no_grad()
+def ema_update(target, online, m):
+    """theta_bar <- m theta_bar + (1 - m) theta, every parameter (BatchNorm buffers are the target's own)."""
+    torch._foreach_lerp_(list(target.parameters()), [p.detach() for p in online.parameters()], 1.0 - m)
+
+
 class Net(nn.Module):
     """f_theta: ViT [CLS] (after the final norm) -> Linear-BN-GELU-Linear-BN-GELU-Linear head."""
 
     def __init__(self, a):
         super().__init__()
-        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, init="trunc")
+        self.encoder = make_vit(a)
         d = self.encoder.dim
         self.head = nn.Sequential(
             nn.Linear(d, a.head_hidden), nn.BatchNorm1d(a.head_hidden), nn.GELU(),
             nn.Linear(a.head_hidden, a.head_hidden), nn.BatchNorm1d(a.head_hidden), nn.GELU(),
             nn.Linear(a.head_hidden, a.head_dim))
-        C.init_weights(self.head, "trunc")
+        trunc_init(self.head)
 
     def forward(self, x, ids_keep=None):                             # (B, 3, H, W) -> (B, d)
         return self.head(self.encoder(x, ids_keep)[:, 0])
@@ -278,7 +413,7 @@ def train(args):
     sched = int(args.ipe_scale * total)                              # schedules over 1.25x, stop at 80%
 
     model = MSN(args).to(dev)                                        # seeded in setup: same on all ranks
-    target = C.frozen_copy(model.net)                                # f_theta_bar: EMA of f_theta, no drop path
+    target = make_target(model.net)                                  # f_theta_bar: EMA of f_theta, no drop path
     if run.world > 1 and dev.type == "cuda":
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
     C.set_grad_checkpointing(model, args.grad_ckpt)
@@ -314,14 +449,14 @@ def train(args):
             x_target, x_rand = views[0], torch.stack(views[1:1 + R])  # (B, ...), (R, B, ...)
             x_focal = torch.stack(views[1 + R:]) if args.focal_views else None
             B = x_target.shape[0]
-            ids_keep, _, _ = C.random_masking(R * B, model.net.encoder.grid, args.mask_ratio, device=dev)
+            ids_keep = random_masking(R * B, model.net.encoder.grid, args.mask_ratio, device=dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(online, target_fwd, x_target, x_rand, x_focal, ids_keep.view(R, B, -1), args,
                                      micro, run.autocast, scaler.scale, ddp)
             parts["grad_norm"] = C.clip_grads(model.net.parameters(), args.clip_grad, scaler, opt)
             scaler.step(opt)
             scaler.update()
-            C.ema_update(target, model.net, m)
+            ema_update(target, model.net, m)
             if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save, dataset, (it + 1) * per, bad0,
                           lr=lr, wd=wd, mom=m):                          # log, NaN watch; preempted: stop
                 return

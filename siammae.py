@@ -19,7 +19,7 @@ at any depth (DAVIS `JPEGImages/480p/<video>/`, Kinetics frame folders, ...).
 
 Paper -> code.
   Frame pair, gap 4..48, same crop + flip .... FramePair
-  Siamese encoder, 0% / 95% masking .......... SiamMAE.forward (C.ViT, C.random_masking)
+  Siamese encoder, 0% / 95% masking .......... SiamMAE.forward (ViT, random_masking)
   Cross-self decoder (Fig. 2) ................ CrossSelfBlock; `--decoder cross|joint` (ablation)
   Loss: norm-pix MSE on f2's masked patches .. siammae_loss
 
@@ -46,7 +46,6 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -60,7 +59,7 @@ class Args(C.RunArgs):
     """SiamMAE pre-training on frame pairs (defaults: ViT-S/16, paper ablation recipe)."""
     data: str = field(default=None, metadata={"help": "directory of frame folders, or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/siammae"})
-    model: str = field(default="small", metadata={"help": "ViT size: " + "|".join(C.SIZES)})
+    model: str = field(default="small", metadata={"help": "ViT size: nano|micro|tiny|small|base|large"})
     patch_size: int = 16
     img_size: int = 224
     epochs: int = field(default=400, metadata={"help": "effective epochs = passes over the videos x repeated-sampling"})
@@ -93,7 +92,7 @@ class Args(C.RunArgs):
 
 
 # ----------------------------------------------------------------------------------------------
-# Video data: folders of frames, and synthetic moving-shape clips with object masks
+# Video data: folders of frames (the synthetic clips are in synthetic.py)
 # ----------------------------------------------------------------------------------------------
 class FrameFolder:
     """One video: sorted frame files. len() = number of frames, load(t) -> PIL RGB."""
@@ -147,58 +146,11 @@ class VideoFolders(torch.utils.data.Dataset):
         return self.videos[i], 0
 
 
-class SyntheticClip:
-    """Procedural clip: 1-3 grey shapes moving (and turning) over a drifting textured background.
-    load(t) -> PIL frame; mask(t) -> (H, W) uint8 object ids (0 = background, later objects on top)."""
-
-    def __init__(self, idx, split="train", n_frames=32, size=64):
-        rng = np.random.default_rng([11, {"train": 0, "val": 1}[split], idx])
-        self.n, self.size = n_frames, size
-        self.bg = (rng.uniform(0.3, 0.7), rng.uniform(2, 6), rng.uniform(0, np.pi), rng.uniform(-0.02, 0.02, 2))
-        self.objs = []
-        for _ in range(rng.integers(1, 4)):
-            self.objs.append(dict(shape=rng.integers(len(C.SHAPES)), s=rng.uniform(0.25, 0.4), p0=rng.uniform(-0.6, 0.6, 2),
-                                  vel=rng.uniform(-0.04, 0.04, 2), rot0=rng.uniform(0, 2 * np.pi), w=rng.uniform(-0.1, 0.1),
-                                  level=rng.uniform(0, 1)))
-
-    def __len__(self):
-        return self.n
-
-    def _render(self, t):
-        size = self.size
-        yy, xx = np.mgrid[-1:1:size * 1j, -1:1:size * 1j]
-        g, f, th, drift = self.bg
-        bx, by = xx + drift[0] * t, yy + drift[1] * t
-        img = g + 0.15 * np.sin(f * np.pi * (bx * np.cos(th) + by * np.sin(th))) * np.sin(f * np.pi * by)
-        ids = np.zeros((size, size), np.uint8)
-        for k, o in enumerate(self.objs):
-            c = np.clip(o["p0"] + o["vel"] * t, -0.8, 0.8)
-            m = C.shape_mask(C.SHAPES[o["shape"]], xx, yy, c, o["s"], o["rot0"] + o["w"] * t)
-            img = np.where(m, o["level"], img)
-            ids[m] = k + 1
-        return img, ids
-
-    def load(self, t):
-        img = np.clip(self._render(t)[0], 0, 1)
-        return Image.fromarray((img[..., None].repeat(3, -1) * 255).astype(np.uint8))
-
-    def mask(self, t):
-        return self._render(t)[1]
-
-
-class SyntheticVideos(torch.utils.data.Dataset):
-    def __init__(self, split="train", n=None):
-        self.split, self.n = split, n or (2000 if split == "train" else 20)
-
-    def __len__(self):
-        return self.n
-
-    def load(self, i):
-        return SyntheticClip(i, self.split), 0
-
-
 def video_dataset(data, split="train"):
-    return SyntheticVideos(split) if data == "synthetic" else VideoFolders(data)
+    if data == "synthetic":
+        from synthetic import SyntheticVideos           # only for --data synthetic
+        return SyntheticVideos(split)
+    return VideoFolders(data)
 
 
 class FramePair:
@@ -228,6 +180,183 @@ class FramePair:
 
 
 # ----------------------------------------------------------------------------------------------
+# Model: an MAE-style ViT (models_mae.py): [CLS], fixed 2-D sin-cos position embeddings, masked
+# patches dropped before the encoder. timm's key names: the encoder loads into timm's
+# VisionTransformer and into every other method's ViT (tests/test_interop.py).
+# ----------------------------------------------------------------------------------------------
+SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small": (384, 12, 6),
+         "base": (768, 12, 12), "large": (1024, 24, 16)}                # width, depth, heads
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):                                            # (B, N, D)
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def drop_path(x, p, training):
+    """Stochastic depth: zero a sample's residual branch with probability p, rescale the rest."""
+    if p == 0.0 or not training:
+        return x
+    return x * x.new_empty(x.shape[0], 1, 1).bernoulli_(1 - p) / (1 - p)
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + DP(Attn(LN(x))); x + DP(MLP(LN(x)))."""
+
+    def __init__(self, dim, heads, drop_path=0.0):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
+        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, 4 * dim)
+        self.drop_path = drop_path
+
+    def forward(self, x):
+        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
+        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, patch_size, dim):
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
+
+    def forward(self, x):                                            # (B, 3, H, W) -> (B, N, D)
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+def sincos_pos_embed(dim, grid):
+    """MAE's fixed 2-D sin-cos table, with a zero row for [CLS] first: (1, 1 + grid^2, dim),
+    channels [x sin, x cos, y sin, y cos], frequencies 1 / 10000^(k / (dim/4))."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
+    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
+                            indexing="ij")
+    table = torch.cat([f(p.flatten()[:, None] * omega[None]) for p in (xs, ys) for f in (torch.sin, torch.cos)], 1)
+    return torch.cat([torch.zeros(1, dim), table.float()])[None]
+
+
+def init_weights(module, style="xavier"):
+    """"xavier" (MAE's, default): Linear xavier-uniform, biases 0; the patch-embedding Conv2d
+    xavier-uniform on its (D, 3 p p) view, bias PyTorch's default (as MAE). "trunc" (DeiT):
+    Linear trunc-normal(0.02), patch embedding kaiming-normal, biases 0. LayerNorm keeps 1 / 0."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            if style == "xavier":
+                nn.init.xavier_uniform_(m.weight.view(m.weight.shape[0], -1))
+            else:
+                nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Linear):
+            (nn.init.xavier_uniform_ if style == "xavier" else lambda w: nn.init.trunc_normal_(w, std=0.02))(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+def init_token(t, style="xavier"):
+    return nn.init.normal_(t, std=0.02) if style == "xavier" else nn.init.trunc_normal_(t, std=0.02)
+
+
+class ViT(nn.Module):
+    """forward(x, ids_keep=None, norm=True) -> (B, 1 + n, D), [CLS] first; ids_keep (B, n): the
+    visible patches, the only ones the encoder sees."""
+
+    def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0, init="xavier"):
+        super().__init__()
+        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
+                           mlp_ratio=4.0, pos_embed="sincos", init=init)        # the checkpoint's `vit`
+        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
+        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.register_buffer("pos_embed", sincos_pos_embed(dim, self.grid))    # fixed, in the state dict
+        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in torch.linspace(0, drop_path, depth).tolist())
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.grad_ckpt = False                                       # C.set_grad_checkpointing
+        init_weights(self, init)
+        init_token(self.cls_token, init)
+
+    def forward(self, x, ids_keep=None, norm=True):
+        x = self.patch_embed(x) + self.pos_embed[:, 1:]              # (B, N, D)
+        if ids_keep is not None:                                     # drop the masked patches
+            x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
+        x = C.run_blocks(self.blocks, x, self.grad_ckpt)
+        return self.norm(x) if norm else x
+
+
+def make_vit(a):
+    if a.model not in SIZES:
+        raise C.UserError(f"--model must be one of {', '.join(SIZES)}, got {a.model!r}")
+    dim, depth, heads = SIZES[a.model]
+    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path, a.init)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masking and patches (MAE)
+# ----------------------------------------------------------------------------------------------
+def random_masking(batch, grid, ratio, unit=1, device=None):
+    """MAE-style random masking of a grid x grid patch map in unit x unit blocks, per image: exactly
+    int(n_blocks (1 - ratio)) blocks kept. Returns ids_keep (B, n_keep) kept patch indices
+    (ascending), ids_restore (B, N) (gathering cat([kept, masked]) with it restores raster order),
+    mask (B, N) float, 1 = masked."""
+    if grid % unit:
+        raise C.UserError(f"patch grid {grid} is not divisible by the mask unit {unit}")
+    g = grid // unit
+    n_keep = int(g * g * (1 - ratio)) * unit * unit
+    noise = torch.rand(batch, g * g, device=device)                 # argsort of noise (MAE)
+    block_masked = noise.argsort(1).argsort(1) >= int(g * g * (1 - ratio))
+    mask = block_masked.view(batch, g, 1, g, 1).expand(-1, -1, unit, -1, unit).reshape(batch, -1)
+    ids_shuffle = mask.to(torch.uint8).argsort(dim=1, stable=True)  # kept first, then masked
+    return ids_shuffle[:, :n_keep], ids_shuffle.argsort(1), mask.float()
+
+
+def restore_tokens(x, mask_token, ids_restore):
+    """(B, 1+n_keep, d) encoder tokens -> (B, 1+N, d): append mask tokens, unshuffle (MAE decoder)."""
+    B, N = ids_restore.shape
+    patches = torch.cat([x[:, 1:], mask_token.to(x.dtype).expand(B, N + 1 - x.shape[1], -1)], dim=1)
+    patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    return torch.cat([x[:, :1], patches], dim=1)
+
+
+def patchify(imgs, p):
+    """(B, 3, H, W) -> (B, N, p*p*3), row-major patches, (p, p, 3) inside each patch (MAE)."""
+    B, C3, H, W = imgs.shape
+    x = imgs.reshape(B, C3, H // p, p, W // p, p)
+    return torch.einsum("bchpwq->bhwpqc", x).reshape(B, (H // p) * (W // p), p * p * C3)
+
+
+def unpatchify(x, p):
+    """Inverse of patchify for square images: (B, N, p*p*3) -> (B, 3, h p, h p)."""
+    B, N, _ = x.shape
+    h = int(round(N ** 0.5))
+    return torch.einsum("bhwpqc->bchpwq", x.reshape(B, h, h, p, p, 3)).reshape(B, 3, h * p, h * p)
+
+
+def norm_pix(target, eps=1e-6):
+    """MAE's norm_pix_loss target: each patch's pixels (x - mean) / sqrt(var + eps), over the patch."""
+    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
+    return (target - mean) / (var + eps) ** 0.5
+
+
+def unnorm_pix(pred, target, eps=1e-6):
+    """norm_pix-space predictions back to pixels with the target patches' mean / var (for pictures)."""
+    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
+    return pred * (var + eps) ** 0.5 + mean
+
+
+# ----------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------
 class CrossAttention(nn.Module):
@@ -252,8 +381,8 @@ class CrossSelfBlock(nn.Module):
     def __init__(self, dim, heads, self_attn=True):
         super().__init__()
         self.norm_x, self.norm_ctx, self.cross = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6), CrossAttention(dim, heads)
-        self.norm_sa, self.attn = (nn.LayerNorm(dim, eps=1e-6), C.Attention(dim, heads)) if self_attn else (None, None)
-        self.norm_mlp, self.mlp = nn.LayerNorm(dim, eps=1e-6), C.Mlp(dim, 4 * dim)
+        self.norm_sa, self.attn = (nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)) if self_attn else (None, None)
+        self.norm_mlp, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, 4 * dim)
 
     def forward(self, x, ctx):
         x = x + self.cross(self.norm_x(x), self.norm_ctx(ctx))
@@ -269,29 +398,27 @@ class SiamMAE(nn.Module):
             raise C.UserError(f"--decoder must be cross-self, cross or joint, got {a.decoder!r}")
         if a.init not in ("xavier", "trunc"):
             raise C.UserError(f"--init must be xavier or trunc, got {a.init!r}")
-        self.encoder = C.make_vit(a.model, a.img_size, a.patch_size, drop_path=a.drop_path, pos_embed="sincos",
-                                  init=a.init)
+        self.encoder = make_vit(a)
         D, dd, p = self.encoder.dim, a.decoder_dim, a.patch_size
         self.kind = a.decoder
         self.decoder_embed = nn.Linear(D, dd)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dd))
-        pe = torch.cat([torch.zeros(1, dd), C.sincos_pos_embed(dd, self.encoder.grid)])[None]
-        self.register_buffer("decoder_pos_embed", pe)
+        self.register_buffer("decoder_pos_embed", sincos_pos_embed(dd, self.encoder.grid))
         if self.kind == "joint":
             self.stream_embed = nn.Parameter(torch.zeros(1, 1, dd))            # marks f1 tokens
-            self.blocks = nn.ModuleList(C.Block(dd, a.decoder_heads) for _ in range(a.decoder_depth))
+            self.blocks = nn.ModuleList(Block(dd, a.decoder_heads) for _ in range(a.decoder_depth))
         else:
             self.blocks = nn.ModuleList(CrossSelfBlock(dd, a.decoder_heads, self.kind == "cross-self")
                                         for _ in range(a.decoder_depth))
         self.grad_ckpt = False
         self.norm, self.pred = nn.LayerNorm(dd, eps=1e-6), nn.Linear(dd, p * p * 3)
-        C.init_weights(self, a.init)                                          # MAE: the whole model
-        C.init_token(self.mask_token, a.init)
+        init_weights(self, a.init)                                            # MAE: the whole model
+        init_token(self.mask_token, a.init)
 
     def forward(self, f1, f2, ids_keep, ids_restore):
         """f1, f2 (B, 3, H, W); f2 keeps ids_keep. Returns predicted f2 patches (B, N, p*p*3)."""
         h1 = self.decoder_embed(self.encoder(f1)) + self.decoder_pos_embed              # (B, 1+N, dd)
-        h2 = C.restore_tokens(self.decoder_embed(self.encoder(f2, ids_keep)), self.mask_token, ids_restore)
+        h2 = restore_tokens(self.decoder_embed(self.encoder(f2, ids_keep)), self.mask_token, ids_restore)
         h2 = h2 + self.decoder_pos_embed                                                 # (B, 1+N, dd)
         if self.kind == "joint":
             x = C.run_blocks(self.blocks, torch.cat([h1 + self.stream_embed, h2], dim=1), self.grad_ckpt)
@@ -323,7 +450,7 @@ def train_step(net, f1, f2, ids_keep, ids_restore, mask, a, micro=None, autocast
     micro-batches (micro pairs) accumulate directly.
     """
     P = f1.shape[0]
-    target = C.norm_pix(C.patchify(f2, a.patch_size))                      # (P, N, p*p*3)
+    target = norm_pix(patchify(f2, a.patch_size))                      # (P, N, p*p*3)
 
     def forward(sl, local):
         with autocast:
@@ -378,7 +505,7 @@ def train(args):
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, warmup))
             x = C.normalize(clips.to(dev, non_blocking=True).flatten(0, 1))    # (B*R, 2, 3, S, S)
             f1, f2 = x[:, 0], x[:, 1]
-            ids_keep, ids_restore, mask = C.random_masking(f2.shape[0], grid, args.mask_ratio, device=dev)
+            ids_keep, ids_restore, mask = random_masking(f2.shape[0], grid, args.mask_ratio, device=dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(net, f1, f2, ids_keep, ids_restore, mask, args, micro * R, run.autocast,
                                      scaler.scale, ddp)
@@ -392,9 +519,9 @@ def train(args):
         n, m = min(8, f2.shape[0]), mask[:min(8, f2.shape[0]), :, None]      # f1 / masked f2 / predicted f2
         with torch.no_grad(), run.autocast:
             pred = model.eval()(f1[:n], f2[:n], ids_keep[:n], ids_restore[:n]).float()
-        xp = C.patchify(f2[:n], p)
+        xp = patchify(f2[:n], p)
         C.save_image_grid(f"{run.out}/pairs_ep{epoch + 1:04d}.png", [
-            f1[:n], C.unpatchify(xp * (1 - m), p), C.unpatchify(torch.where(m.bool(), C.unnorm_pix(pred, xp), xp), p)])
+            f1[:n], unpatchify(xp * (1 - m), p), unpatchify(torch.where(m.bool(), unnorm_pix(pred, xp), xp), p)])
 
 
 if __name__ == "__main__":

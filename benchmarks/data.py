@@ -37,6 +37,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
+import synthetic as S  # noqa: E402
 
 METHODS = ("msn", "cmae", "conmim", "can", "siammae")
 VIEWS = dict(msn="MultiView", cmae="PixelShiftViews", conmim="WeakStrongViews", can="TwoViews", siammae="FramePair")
@@ -47,7 +48,7 @@ def write_folder(root, n):
     rng = np.random.default_rng(0)
 
     def photo(i, w, h):
-        img = np.asarray(C.synthetic_image(i, size=64)[0].resize((w, h), Image.BICUBIC), np.float32)
+        img = np.asarray(S.synthetic_image(i, size=64)[0].resize((w, h), Image.BICUBIC), np.float32)
         return Image.fromarray(np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8))
     for i in range(n):
         d = os.path.join(root, "images", "train", f"c{i % 10}")

@@ -43,7 +43,7 @@ def setup(method, a, dev):
     B, S, p = a.batch_size, args.img_size, args.patch_size
     micro = a.micro_batch or B
     g = S // p
-    D, depth, _ = C.SIZES[a.model]
+    D, depth, _ = mod.SIZES[a.model]
     N = g * g
     x = lambda *n, s=S: torch.randn(*n, 3, s, s, device=dev)                     # noqa: E731
     amp = torch.autocast(dev.type, torch.bfloat16) if a.precision == "bf16" else torch.autocast(dev.type, enabled=False)
@@ -67,9 +67,9 @@ def setup(method, a, dev):
             nonlocal xt, xr, xf
             if a.gpu_aug:
                 xt, xr, xf = (C.normalize(C.color_augment_batch(v.flatten(0, -4)).view(v.shape)) for v in u8)
-            ids, _, _ = C.random_masking(R * B, g, args.mask_ratio, device=dev)
+            ids = mod.random_masking(R * B, g, args.mask_ratio, device=dev)
             mod.train_step(fm, ft, xt, xr, xf, ids.view(R, B, -1), args, micro, amp)
-        ema = lambda: C.ema_update(target, model.net, 0.996)        # noqa: E731
+        ema = lambda: mod.ema_update(target, model.net, 0.996)        # noqa: E731
     elif method == "cmae":
         model = mod.CMAE(args).to(dev)
         target = mod.Target(model).to(dev)
@@ -83,9 +83,9 @@ def setup(method, a, dev):
             + B * (vit_flops(D, depth, N + 1, p) + proj)
 
         def train_step():
-            ids, rest, mask = C.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
+            ids, rest, mask = mod.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
             mod.train_step(fm, ft, xs, xt, ids, rest, mask, args, micro, amp)
-        ema = lambda: C.ema_update(target, target.online_params(model), 0.996)   # noqa: E731
+        ema = lambda: mod.ema_update(target, target.online_params(model), 0.996)   # noqa: E731
     elif method == "conmim":
         model = mod.Net(args).to(dev)
         teacher = mod.make_teacher(model)
@@ -95,9 +95,9 @@ def setup(method, a, dev):
         flops = 3 * B * (vit_flops(D, depth, N + 1, p) + proj) + B * (vit_flops(D, depth, N + 1, p) + proj)
 
         def train_step():
-            _, _, mask = C.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
+            mask = mod.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
             mod.train_step(fm, ft, xw, xs, mask, args, micro, amp)
-        ema = lambda: C.ema_update(teacher, model, 0.996)            # noqa: E731
+        ema = lambda: mod.ema_update(teacher, model, 0.996)            # noqa: E731
     elif method == "can":
         model = mod.CAN(args).to(dev)
         fm = comp(model)
@@ -110,7 +110,7 @@ def setup(method, a, dev):
         def train_step():
             sig = torch.rand(2, B, device=dev) * args.sigma_max
             noise = sig.view(2, B, 1, 1, 1) * torch.randn_like(xx)
-            ids, rest, mask = (t.view(2, B, -1) for t in C.random_masking(2 * B, g, args.mask_ratio, device=dev))
+            ids, rest, mask = (t.view(2, B, -1) for t in mod.random_masking(2 * B, g, args.mask_ratio, device=dev))
             mod.train_step(fm, xx, sig, noise, ids, rest, mask, args, micro, amp)
     else:                                                                            # siammae: B pairs
         model = mod.SiamMAE(args).to(dev)
@@ -123,7 +123,7 @@ def setup(method, a, dev):
                          + cross + 2 * (N + 1) * lin(D, dd) + (N + 1) * lin(dd, p * p * 3))
 
         def train_step():
-            ids, rest, mask = C.random_masking(B, g, args.mask_ratio, device=dev)
+            ids, rest, mask = mod.random_masking(B, g, args.mask_ratio, device=dev)
             mod.train_step(fm, f1, f2, ids, rest, mask, args, micro, amp)
 
     C.set_grad_checkpointing(model, a.grad_ckpt)

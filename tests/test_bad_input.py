@@ -8,6 +8,7 @@ import torch
 
 import can
 import common as C
+import synthetic as S
 import eval_linear as E
 from helpers import one_line_error, run_cli
 from test_can import tiny_args
@@ -16,12 +17,12 @@ from test_faults import CAN_CLI
 
 def _png(path, i, split="train"):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    C.synthetic_image(i, split=split)[0].save(path)
+    S.synthetic_image(i, split=split)[0].save(path)
 
 
 def _timm_ckpt(path):
     torch.manual_seed(0)
-    torch.save(C.ViT(16, 4, 192, 1, 3).state_dict(), path)        # a timm-layout ViT-Ti-width file
+    torch.save(E.ViT(16, 4, 192, 1, 3).state_dict(), path)        # a timm-layout ViT-Ti-width file
     return str(path)
 
 

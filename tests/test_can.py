@@ -56,7 +56,7 @@ def tiny_args(tmp, **kw):
 def test_noise_embedding_changes_decoder_output_and_gradients_reach_everything():
     model = can.CAN(tiny_args("/tmp/unused")).eval()
     x = torch.randn(4, 3, 16, 16)
-    ids_keep, ids_restore, mask = C.random_masking(4, 4, 0.5)
+    ids_keep, ids_restore, mask = can.random_masking(4, 4, 0.5)
     p0, u0 = model(x, torch.zeros(4), ids_keep, ids_restore)
     p1, u1 = model(x, torch.full((4,), 0.05), ids_keep, ids_restore)
     assert not torch.allclose(p0, p1)                      # decoder knows sigma, at every token
@@ -66,9 +66,9 @@ def test_noise_embedding_changes_decoder_output_and_gradients_reach_everything()
     x = torch.randn(8, 3, 16, 16)
     sigma = torch.rand(8) * 0.05
     noise = sigma.view(-1, 1, 1, 1) * torch.randn_like(x)
-    ids_keep, ids_restore, mask = C.random_masking(8, 4, 0.5)
+    ids_keep, ids_restore, mask = can.random_masking(8, 4, 0.5)
     pred, u = model(x + noise, sigma, ids_keep, ids_restore)
-    loss, _ = can.can_loss(u[:4], u[4:], pred, C.patchify(x, 4), C.patchify(noise, 4), mask)
+    loss, _ = can.can_loss(u[:4], u[4:], pred, can.patchify(x, 4), can.patchify(noise, 4), mask)
     loss.backward()
     for n, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, n

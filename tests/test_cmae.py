@@ -7,6 +7,7 @@ import torch
 
 import cmae
 import common as C
+import synthetic as S
 from ddp import spawn
 from helpers import exact_resume, one_line_error, run_cli
 
@@ -48,7 +49,7 @@ def test_contrastive_loss_matches_naive(B, d, tau):
 @pytest.mark.parametrize("B,N,P", [(2, 4, 3), (3, 9, 12)])
 def test_reconstruction_loss_matches_naive(B, N, P):
     pred, target = torch.randn(B, N, P, dtype=torch.float64), torch.randn(B, N, P, dtype=torch.float64)
-    _, _, mask = C.random_masking(B, int(math.sqrt(N)), 0.5)
+    _, _, mask = cmae.random_masking(B, int(math.sqrt(N)), 0.5)
     torch.testing.assert_close(cmae.reconstruction_loss(pred, target, mask.double()), naive_reconstruction(pred, target, mask))
     # visible patches do not matter
     pred2 = pred + (1 - mask.double())[..., None] * 100
@@ -58,7 +59,7 @@ def test_reconstruction_loss_matches_naive(B, N, P):
 def test_pixel_shift_views_overlap_where_the_shift_says():
     a = cmae.Args(data="synthetic", img_size=32, master_size=40)
     views = cmae.PixelShiftViews(a, color=False)
-    img = C.SyntheticImages().load(3)[0]
+    img = S.SyntheticImages().load(3)[0]
     seen = set()
     for i in range(30):
         torch.manual_seed(i)
@@ -88,17 +89,17 @@ def test_gradients_reach_both_decoders_and_heads_not_target():
     model = cmae.CMAE(a)
     target = cmae.Target(model)
     x_s, x_t = torch.randn(8, 3, 16, 16), torch.randn(8, 3, 16, 16)
-    ids_keep, ids_restore, mask = C.random_masking(8, 4, 0.5, 2)
+    ids_keep, ids_restore, mask = cmae.random_masking(8, 4, 0.5, 2)
     pred, u = model(x_s, ids_keep, ids_restore)
     assert pred.shape == (8, 16, 48) and u.shape == (8, 16)
     v = target(x_t)
-    loss = cmae.reconstruction_loss(pred, C.norm_pix(C.patchify(x_s, 4)), mask) + cmae.cmae_contrastive_loss(u, v)
+    loss = cmae.reconstruction_loss(pred, cmae.norm_pix(cmae.patchify(x_s, 4)), mask) + cmae.cmae_contrastive_loss(u, v)
     loss.backward()
     for n, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, n
     assert all(p.grad is None for p in target.parameters())
     before = [p.clone() for p in target.parameters()]
-    C.ema_update(target, target.online_params(model), 0.9)
+    cmae.ema_update(target, target.online_params(model), 0.9)
     for b, t, o in zip(before, target.parameters(), target.online_params(model).parameters()):
         torch.testing.assert_close(t, 0.9 * b + 0.1 * o)
 

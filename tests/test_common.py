@@ -1,4 +1,4 @@
-"""common.py: masking, patches, position embeddings, EMA, schedules, optimiser groups, data, CLI."""
+"""common.py: schedules, optimiser groups, data, augmentation, CLI (each method's ViT, masking and EMA: test_vits.py)."""
 import math
 import os
 
@@ -6,126 +6,9 @@ import pytest
 import torch
 
 import common as C
+import msn
+import synthetic as S
 from ddp import spawn
-
-
-@pytest.mark.parametrize("grid,ratio,unit", [(8, 0.15, 1), (8, 0.75, 1), (8, 0.65, 2), (14, 0.95, 1), (4, 0.5, 2)])
-def test_random_masking_invariants(grid, ratio, unit):
-    B, N = 5, grid * grid
-    ids_keep, ids_restore, mask = C.random_masking(B, grid, ratio, unit)
-    n_blocks = (grid // unit) ** 2
-    n_keep = int(n_blocks * (1 - ratio)) * unit * unit
-    assert ids_keep.shape == (B, n_keep) and mask.shape == (B, N)
-    assert (mask.sum(1) == N - n_keep).all()                                    # exact counts
-    for b in range(B):
-        kept = set(ids_keep[b].tolist())
-        assert kept == set((mask[b] == 0).nonzero().flatten().tolist())         # kept = unmasked
-        assert (ids_keep[b].diff() > 0).all()                                   # ascending
-        assert sorted(ids_restore[b].tolist()) == list(range(N))               # a permutation
-    # mask is constant over each unit x unit block
-    g = grid // unit
-    m = mask.view(B, g, unit, g, unit)
-    assert (m == m[:, :, :1, :, :1]).all()
-    # unshuffling [kept, masked] with ids_restore gives raster order back
-    assert torch.equal(ids_restore.argsort(1)[:, :n_keep], ids_keep)        # kept come first
-    x = torch.arange(N).float().repeat(B, 1)
-    tokens = torch.cat([torch.zeros(B, 1, 1), torch.gather(x, 1, ids_keep)[..., None]], 1)
-    restored = C.restore_tokens(tokens, torch.full((1, 1, 1), -1.0), ids_restore)
-    assert restored.shape == (B, N + 1, 1)
-    r = restored[:, 1:, 0]
-    assert torch.equal(r == -1, mask.bool())
-    assert torch.equal(r[~mask.bool()], x[~mask.bool()])
-
-
-def test_masking_is_random_per_image():
-    _, _, mask = C.random_masking(4000, 8, 0.5)
-    assert len({tuple(m.tolist()) for m in mask[:64]}) == 64
-    freq = mask.mean(0)                                                    # uniform over positions
-    assert (freq - 0.5).abs().max() < 0.04, freq
-
-
-@pytest.mark.parametrize("p,h,w,c", [(4, 16, 16, 3), (8, 32, 16, 3), (2, 6, 4, 1)])
-def test_patchify_roundtrip(p, h, w, c):
-    x = torch.randn(2, c, h, w)
-    y = C.patchify(x, p)
-    assert y.shape == (2, (h // p) * (w // p), p * p * c)
-    # patch n (row-major) holds pixels [i*p:(i+1)*p, j*p:(j+1)*p] in (p, p, C) order
-    i, j = (h // p) - 1, 0
-    n = i * (w // p) + j
-    assert torch.equal(y[1, n], x[1, :, i * p:(i + 1) * p, j * p:(j + 1) * p].permute(1, 2, 0).reshape(-1))
-    assert torch.equal(C.unpatchify(y, p, h // p, c), x)
-
-
-def test_norm_pix():
-    t = torch.randn(2, 5, 12) * 3 + 1
-    n = C.norm_pix(t)
-    assert torch.allclose(n.mean(-1), torch.zeros(2, 5), atol=1e-5)
-    assert torch.allclose(n.var(-1), torch.ones(2, 5), atol=1e-4)
-
-
-def test_sincos_matches_formula():
-    dim, grid = 16, 3
-    pe = C.sincos_pos_embed(dim, grid)
-    for n in range(grid * grid):
-        y, x = divmod(n, grid)
-        for ax, pos in ((0, x), (1, y)):
-            for k in range(dim // 4):
-                w = 1 / 10000 ** (k / (dim / 4))
-                assert math.isclose(pe[n, ax * dim // 2 + k], math.sin(pos * w), abs_tol=1e-6)
-                assert math.isclose(pe[n, ax * dim // 2 + dim // 4 + k], math.cos(pos * w), abs_tol=1e-6)
-
-
-@pytest.mark.parametrize("pos", ["learned", "sincos"])
-def test_vit_shapes_dropping_and_interpolation(pos):
-    vit = C.ViT(32, 8, 32, 2, 2, pos_embed=pos).eval()
-    x = torch.randn(3, 3, 32, 32)
-    assert vit(x).shape == (3, 17, 32)
-    ids_keep, _, mask = C.random_masking(3, 4, 0.5)
-    assert vit(x, ids_keep).shape == (3, 9, 32)
-    assert vit(x, mask=mask, mask_token=torch.zeros(1, 1, 32)).shape == (3, 17, 32)
-    assert vit(torch.randn(3, 3, 16, 16)).shape == (3, 5, 32)                # 16 px: 2x2 grid
-    assert torch.equal(vit.patch_pos_embed(4, 4), vit.pos_embed[:, 1:])
-    # interpolating a table that is constant over positions gives the same constant
-    with torch.no_grad():
-        vit.pos_embed[:, 1:] = torch.arange(32.0)
-    assert torch.allclose(vit.patch_pos_embed(2, 2), torch.arange(32.0).expand(1, 4, 32), atol=1e-4)
-
-
-def test_token_dropping_equals_running_on_kept_patches():
-    """Encoding with ids_keep == encoding a sequence made only of the kept (embedded) patches."""
-    vit = C.ViT(32, 8, 32, 2, 2).eval()
-    x = torch.randn(2, 3, 32, 32)
-    ids_keep, _, _ = C.random_masking(2, 4, 0.5)
-    emb = vit.patch_embed(x) + vit.pos_embed[:, 1:]
-    kept = torch.stack([emb[b, ids_keep[b]] for b in range(2)])
-    seq = torch.cat([(vit.cls_token + vit.pos_embed[:, :1]).expand(2, -1, -1), kept], 1)
-    for blk in vit.blocks:
-        seq = blk(seq)
-    assert torch.allclose(vit(x, ids_keep), vit.norm(seq), atol=1e-5)
-
-
-def test_mask_token_replaces_masked_patches():
-    vit = C.ViT(16, 8, 16, 1, 2).eval()
-    tok = torch.randn(1, 1, 16)
-    x = torch.randn(2, 3, 16, 16)
-    mask = torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 0]])
-    x2 = x.clone()
-    x2[0, :, :8, :8] = torch.randn(3, 8, 8)                                  # change the masked patch
-    assert torch.allclose(vit(x, mask=mask, mask_token=tok), vit(x2, mask=mask, mask_token=tok), atol=1e-6)
-    assert not torch.allclose(vit(x, mask=mask, mask_token=tok), vit(x, mask=mask, mask_token=torch.randn(1, 1, 16)))
-    assert not torch.allclose(vit(x), vit(x2))
-
-
-def test_ema_update():
-    online, target = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-    t0 = [p.clone() for p in target.parameters()]
-    C.ema_update(target, online, 1.0)
-    assert all(torch.equal(a, b) for a, b in zip(target.parameters(), t0))
-    C.ema_update(target, online, 0.9)
-    for a, b, o in zip(target.parameters(), t0, online.parameters()):
-        assert torch.allclose(a, 0.9 * b + 0.1 * o)
-    C.ema_update(target, online, 0.0)
-    assert all(torch.equal(a, o) for a, o in zip(target.parameters(), online.parameters()))
 
 
 def test_schedules():
@@ -141,7 +24,7 @@ def test_schedules():
 
 def test_optimizer_groups():
     """Default rule (timm add_weight_decay): biases and 1-d tensors exempt, tokens decayed."""
-    vit = C.ViT(16, 8, 16, 1, 2)
+    vit = msn.ViT(16, 8, 16, 1, 2)                      # learned pos_embed: a decayed parameter
     opt = C.make_optimizer(vit, 1e-3, 0.05, (0.9, 0.95), torch.device("cpu"))
     names = {id(p): n for n, p in vit.named_parameters()}
     decay = {names[id(p)] for p in opt.param_groups[0]["params"]}
@@ -220,19 +103,19 @@ def test_color_augment_batch_has_the_torchvision_distribution(params, device="cp
 
 
 def test_synthetic_dataset_deterministic_and_labelled():
-    ds = C.SyntheticImages("train")
+    ds = S.SyntheticImages("train")
     a, la = ds.load(7)
     b, lb = ds.load(7)
     assert la == lb == 7 % 10 and a.size == (64, 64) and a.tobytes() == b.tobytes()
     assert ds.load(8)[0].tobytes() != a.tobytes()
-    assert C.SyntheticImages("val").load(7)[0].tobytes() != a.tobytes()        # held-out split
-    assert len(ds) == 8000 and len(C.SyntheticImages("val")) == 1000
+    assert S.SyntheticImages("val").load(7)[0].tobytes() != a.tobytes()        # held-out split
+    assert len(ds) == 8000 and len(S.SyntheticImages("val")) == 1000
 
 
 def test_views_seeded_by_epoch_and_index():
     from torchvision import transforms as T
     tf = T.Compose([T.RandomResizedCrop(16), C.to_uint8])
-    v = C.Views(C.SyntheticImages(), tf, seed=3)
+    v = C.Views(S.SyntheticImages(), tf, seed=3)
     rng = torch.get_rng_state()
     x0, x1 = v[(5, 0)][0], v[(5, 1)][0]
     assert torch.equal(torch.get_rng_state(), rng)                          # caller's RNG untouched

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common as C
+import synthetic as S
 import eval_linear as E
 from helpers import one_line_error, run_cli
 
@@ -95,11 +96,11 @@ def test_subset_file_selects_the_listed_images(tmp_path):
 
 
 def test_msn_features_are_the_cls_token_before_the_final_norm():
-    enc = C.ViT(16, 4, 32, 2, 2).eval()
+    enc = E.ViT(16, 4, 32, 2, 2).eval()
     x = torch.randn(3, 3, 16, 16)
     assert E.DEFAULT_POOL["msn"] == "cls-prenorm"
-    torch.testing.assert_close(C.features_of(enc, x, "cls-prenorm"), enc(x, norm=False)[:, 0])
-    torch.testing.assert_close(C.features_of(enc, x, "cls"), enc.norm(enc(x, norm=False))[:, 0])
+    torch.testing.assert_close(E.features_of(enc, x, "cls-prenorm"), enc(x, norm=False)[:, 0])
+    torch.testing.assert_close(E.features_of(enc, x, "cls"), enc.norm(enc(x, norm=False))[:, 0])
 
 
 @pytest.mark.parametrize("shots,percent", [(1, 0), (2, 0), (5, 0), (0, 10)])
@@ -117,7 +118,7 @@ def tiny_folder(root):
         for c in range(3):
             os.makedirs(root / split / f"c{c}", exist_ok=True)
             for i in range(n):
-                img, _ = C.synthetic_image(c + 10 * i, split=split)        # class c shapes
+                img, _ = S.synthetic_image(c + 10 * i, split=split)        # class c shapes
                 img.save(root / split / f"c{c}" / f"{i}.png")
     return str(root)
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-import common as C
+import synthetic as S
+import eval_linear as E
 import eval_video as V
 from helpers import one_line_error, run_cli
 
@@ -106,7 +107,7 @@ def test_static_clip_at_davis_geometry_keeps_labels_in_place():
     yy, xx = np.mgrid[:H, :W]
     gt[((yy - 200) / 120) ** 2 + ((xx - 250) / 180) ** 2 < 1] = 1                 # ellipse
     gt[250:430, 500:780] = 2                                                      # rectangle
-    enc = C.ViT(224, 16, 32, 1, 2).eval()
+    enc = E.ViT(224, 16, 32, 1, 2).eval()
     pred, per_obj = V.evaluate_video(enc, [frame] * 3, [gt] * 3, V.Args(topk=1), 480, torch.device("cpu"))
     jf = 100 * np.mean([(j + f) / 2 for j, f in per_obj.values()])
     assert sorted(per_obj) == [1, 2] and jf >= 90, per_obj
@@ -120,7 +121,7 @@ def test_davis_layout_end_to_end_and_palette_output(tmp_path):
                                img_size=16, epochs=2, steps_per_epoch=1, batch_size=2, decoder_dim=16, warmup_epochs=0,
                                decoder_depth=1, decoder_heads=2, workers=0, gap=(1, 2)))
     root = tmp_path / "davis"
-    clip = siammae.SyntheticClip(3, "val", n_frames=5, size=32)
+    clip = S.SyntheticClip(3, "val", n_frames=5, size=32)
     for sub in ("JPEGImages/480p/v", "Annotations/480p/v", "ImageSets/2017"):
         os.makedirs(root / sub)
     for t in range(5):

@@ -15,6 +15,7 @@ import torch
 
 import can
 import common as C
+import synthetic as S
 import msn
 from helpers import ROOT, exact_resume, one_line_error, run_cli, torchrun
 from test_can import tiny_args as can_args
@@ -54,7 +55,7 @@ def test_guard_ignores_isolated_fp16_skips_but_not_a_long_run(tmp_path):
 
 def _image_folder(root, n=22):
     for i in range(n):
-        img, label = C.synthetic_image(i)
+        img, label = S.synthetic_image(i)
         os.makedirs(root / f"c{label}", exist_ok=True)
         img.save(root / f"c{label}" / f"{i:03d}.png")
     good = open(root / "c0" / "000.png", "rb").read()
@@ -135,7 +136,7 @@ def test_one_failing_rank_takes_the_others_down(tmp_path):
     the other rank must not hang in a collective."""
     data = tmp_path / "data"
     for i in range(15):
-        img, label = C.synthetic_image(i)
+        img, label = S.synthetic_image(i)
         os.makedirs(data / f"c{label % 2}", exist_ok=True)
         img.save(data / f"c{label % 2}" / f"{i:03d}.png")
     (data / "c0" / "zz_bad.png").write_bytes(b"broken")

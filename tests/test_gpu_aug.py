@@ -7,6 +7,7 @@ import torch
 import can
 import cmae
 import common as C
+import synthetic as S
 import conmim
 import msn
 from helpers import exact_resume
@@ -34,7 +35,7 @@ def test_gpu_aug_reaches_the_right_views_with_the_method_parameters(method, tmp_
 
 
 def test_workers_skip_the_colour_ops_with_gpu_aug():
-    img = C.SyntheticImages().load(3)[0]
+    img = S.SyntheticImages().load(3)[0]
     a = cmae_args("/tmp/u", gpu_aug=True, master_size=16)               # no shift: target = source crop
     torch.manual_seed(0)
     src, tgt, _ = cmae.PixelShiftViews(a, color=not a.gpu_aug)(img)

@@ -2,14 +2,17 @@
 installed), older checkpoints still load, and the evaluations read the official MSN layout, MAE-style
 `model` files and plain timm / DeiT state dicts, ignoring heads and decoders."""
 import importlib
+import os
 
 import pytest
 import torch
 
 import common as C
+import synthetic as S
 import eval_linear as E
 import eval_video as V
-from helpers import one_line_error, run_cli
+import msn
+from helpers import ROOT, one_line_error, run_cli
 from test_eval_linear import TINY, tiny_folder
 
 
@@ -31,7 +34,7 @@ def test_every_checkpoint_encoder_has_timm_keys_only(method, tmp_path):
     assert set(ckpt["encoder"]) == timm_keys(2)                     # no mask token, no head
     pytest.importorskip("timm")
     from timm.models.vision_transformer import VisionTransformer
-    enc = C.build_vit(ckpt["vit"]).eval()
+    enc = E.ViT(**ckpt["vit"]).eval()
     enc.load_state_dict(ckpt["encoder"])
     tm = VisionTransformer(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=2, num_classes=0).eval()
     tm.load_state_dict(ckpt["encoder"], strict=True)
@@ -39,10 +42,40 @@ def test_every_checkpoint_encoder_has_timm_keys_only(method, tmp_path):
     torch.testing.assert_close(tm(x), enc(x)[:, 0], atol=1e-5, rtol=1e-5)
 
 
+VITS = ["msn", "cmae", "conmim", "can", "siammae", "eval_linear"]
+
+
+@pytest.mark.parametrize("src", VITS)
+def test_every_methods_encoder_loads_into_every_other_vit_with_equal_features(src):
+    """Each method file defines its own ViT (deliberate repetition); the copies must agree where it
+    matters: timm's key names and the same function of the same weights. Each one's state dict loads
+    with strict=True into every other (and into timm's where installed) and gives equal tokens."""
+    torch.manual_seed(0)
+    make = lambda m: importlib.import_module(m).ViT(16, 4, 64, 2, 2).eval()       # noqa: E731
+    enc = make(src)
+    sd = enc.state_dict()
+    if src in ("cmae", "can", "siammae"):                       # a fixed sin-cos table: make it non-trivial
+        sd["pos_embed"] = sd["pos_embed"] + 0.1 * torch.randn_like(sd["pos_embed"])
+        enc.load_state_dict(sd)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        ref = enc(x)
+        assert set(sd) == timm_keys(2)
+        for dst in VITS:
+            other = make(dst)
+            other.load_state_dict(sd, strict=True)
+            torch.testing.assert_close(other(x), ref, atol=1e-5, rtol=1e-5, msg=f"{src} -> {dst}")
+        timm = pytest.importorskip("timm")
+        tm = timm.models.vision_transformer.VisionTransformer(img_size=16, patch_size=4, embed_dim=64, depth=2,
+                                                              num_heads=2, num_classes=0).eval()
+        tm.load_state_dict(sd, strict=True)
+        torch.testing.assert_close(tm(x), ref[:, 0], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("size", ["tiny", "small", "base", "large"])
 def test_encoder_loads_into_timm_named_models(size):
     timm = pytest.importorskip("timm")
-    enc = C.make_vit(size, 32, 16).eval()                           # img/patch size via timm's kwargs
+    enc = msn.ViT(32, 16, *msn.SIZES[size]).eval()                  # img/patch size via timm's kwargs
     tm = timm.create_model(f"vit_{size}_patch16_224", pretrained=False, num_classes=0, img_size=32).eval()
     tm.load_state_dict(enc.state_dict(), strict=True)
     x = torch.randn(2, 3, 32, 32)
@@ -68,8 +101,8 @@ def test_checkpoints_written_before_the_renaming_still_load(tmp_path):
         sd["encoder.mask_token"] = sd.pop("mask_token")
         old[key] = sd
     torch.save(old, tmp_path / "old.pth")
-    enc, _ = C.load_encoder(str(tmp_path / "old.pth"))
-    ref, _ = C.load_encoder(str(tmp_path / "checkpoint.pth"))
+    enc, _ = E.load_encoder(str(tmp_path / "old.pth"))
+    ref, _ = E.load_encoder(str(tmp_path / "checkpoint.pth"))
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(enc(x), ref(x))
     ck = C.load_checkpoint(str(tmp_path / "old.pth"), "conmim")     # resume path: model / target keys
@@ -97,31 +130,31 @@ def _layouts(enc):
 @pytest.mark.parametrize("layout", ["msn", "mae-style", "timm"])
 def test_foreign_layouts_load_with_the_same_features(layout, tmp_path):
     torch.manual_seed(1)
-    enc = C.ViT(16, 4, 192, 2, 3).eval()                            # width 192: timm's ViT-Ti heads (3)
+    enc = E.ViT(16, 4, 192, 2, 3).eval()                            # width 192: timm's ViT-Ti heads (3)
     torch.save(_layouts(enc)[layout], tmp_path / "w.pth")
-    loaded, ckpt = C.load_encoder(str(tmp_path / "w.pth"))
+    loaded, ckpt = E.load_encoder(str(tmp_path / "w.pth"))
     assert ckpt["method"] == layout and ckpt["vit"]["img_size"] == 16 and ckpt["vit"]["patch_size"] == 4
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(loaded(x), enc(x))
     with pytest.raises(C.UserError, match="--model small does not match"):
-        C.load_encoder(str(tmp_path / "w.pth"), model="small")
+        E.load_encoder(str(tmp_path / "w.pth"), model="small")
     with pytest.raises(C.UserError, match="--patch-size 16 does not match"):
-        C.load_encoder(str(tmp_path / "w.pth"), patch_size=16)
+        E.load_encoder(str(tmp_path / "w.pth"), patch_size=16)
 
 
 def test_nonstandard_width_needs_model_flag(tmp_path):
-    enc = C.ViT(16, 4, 64, 2, 2).eval()
+    enc = E.ViT(16, 4, 64, 2, 2).eval()
     torch.save(enc.state_dict(), tmp_path / "w.pth")
     with pytest.raises(C.UserError, match="give --model"):
-        C.load_encoder(str(tmp_path / "w.pth"))
-    loaded, _ = C.load_encoder(str(tmp_path / "w.pth"), model="nano")
+        E.load_encoder(str(tmp_path / "w.pth"))
+    loaded, _ = E.load_encoder(str(tmp_path / "w.pth"), model="nano")
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(loaded(x), enc(x))
 
 
 def test_eval_linear_and_eval_video_read_foreign_checkpoints(tmp_path):
     torch.manual_seed(2)
-    enc = C.ViT(16, 4, 192, 1, 3).eval()
+    enc = E.ViT(16, 4, 192, 1, 3).eval()
     lay = _layouts(enc)
     torch.save(lay["msn"], tmp_path / "msn.pth")
     data = tiny_folder(tmp_path / "data")
@@ -141,3 +174,23 @@ def test_unknown_layout_is_a_one_line_error_listing_keys(tmp_path):
     torch.save({"state_dict": {"backbone.x": torch.zeros(1)}, "meta": 1}, tmp_path / "odd.pth")
     r = run_cli("eval_linear.py", "--ckpt", str(tmp_path / "odd.pth"), "--data", "synthetic")
     one_line_error(r, "unknown checkpoint layout", "state_dict, meta")
+
+
+def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_path):
+    """Copy-paste use: can.py + common.py alone in a new project (no synthetic.py, no other file)
+    train on an image folder and write a checkpoint."""
+    import shutil
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    for f in ("can.py", "common.py"):
+        shutil.copy(os.path.join(ROOT, f), proj / f)
+    for i in range(8):
+        os.makedirs(tmp_path / "imgs" / f"c{i % 2}", exist_ok=True)
+        S.synthetic_image(i)[0].save(tmp_path / "imgs" / f"c{i % 2}" / f"{i}.png")
+    r = run_cli("can.py", "--data", str(tmp_path / "imgs"), "--model", "nano", "--patch-size", "4", "--img-size", "16",
+                "--batch-size", "4", "--epochs", "1", "--warmup-epochs", "0", "--decoder-dim", "16", "--decoder-depth", "1",
+                "--decoder-heads", "2", "--proj-hidden", "16", "--proj-dim", "8", "--workers", "0", "--output-dir",
+                str(tmp_path / "out"), cwd=str(proj))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(os.listdir(proj)) == ["can.py", "common.py"] or "__pycache__" in os.listdir(proj)
+    assert C.load_checkpoint(str(tmp_path / "out" / "checkpoint.pth"), "can")["step"] == 2

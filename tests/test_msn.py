@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import common as C
+import synthetic as S
+import eval_linear as E
 import msn
 from ddp import spawn
 from helpers import exact_resume, one_line_error, run_cli, torchrun
@@ -102,25 +104,25 @@ def test_train_step_gradients_and_stop_gradients():
     import copy
     target = copy.deepcopy(model.net).requires_grad_(False)
     x_target, x_rand, x_focal = torch.randn(8, 3, 16, 16), torch.randn(1, 8, 3, 16, 16), torch.randn(2, 8, 3, 8, 8)
-    ids_keep, _, _ = C.random_masking(8, 4, 0.15)
+    ids_keep = msn.random_masking(8, 4, 0.15)
     assert model(x_rand[0], x_focal.flatten(0, 1), ids_keep).shape == (3 * 8, 16)   # M = 1 + 2, view-major
     msn.train_step(model, target, x_target, x_rand, x_focal, ids_keep.view(1, 8, -1), a)
     for n, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, n
     assert all(p.grad is None for p in target.parameters())
     before = [p.clone() for p in target.parameters()]
-    C.ema_update(target, model.net, 0.99)
+    msn.ema_update(target, model.net, 0.99)
     for b, p, o in zip(before, target.parameters(), model.net.parameters()):
         torch.testing.assert_close(p, 0.99 * b + 0.01 * o)
 
 
 def test_views_shapes():
     a = msn.Args(data="synthetic", img_size=32, focal_size=16, focal_views=3, rand_views=1)
-    views = msn.MultiView(a)(C.SyntheticImages().load(0)[0])
+    views = msn.MultiView(a)(S.SyntheticImages().load(0)[0])
     assert len(views) == 1 + 1 + 3
     assert [tuple(v.shape) for v in views] == [(3, 32, 32)] * 2 + [(3, 16, 16)] * 3
     assert all(v.dtype == torch.uint8 for v in views)
-    vit = C.ViT(32, 4, 32, 1, 2)                             # focal views go through interpolated pos-embeds
+    vit = msn.ViT(32, 4, 32, 1, 2)                             # focal views go through interpolated pos-embeds
     assert vit(C.normalize(torch.stack(views[2:]))).shape == (3, 1 + 16, 32)
 
 
@@ -171,7 +173,7 @@ def test_end_to_end_checkpoint_and_resume(tmp_path, gpu_aug):
     assert set(ck) >= {"method", "args", "epoch", "step", "encoder", "model", "target", "optimizer", "scaler", "rng"}
     for k, v in ck["encoder"].items():
         assert torch.equal(v, ck["target"]["encoder." + k])
-    enc = C.build_vit(ck["vit"])
+    enc = E.ViT(**ck["vit"])                                       # the evaluation rebuilds it
     enc.load_state_dict(ck["encoder"])
     log = (tmp_path / "full" / "log.jsonl").read_text().splitlines()
     assert len(log) == 4 and '"ce"' in log[0] and '"lr"' in log[0]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common as C
+import synthetic as S
 import siammae
 from ddp import spawn
 from helpers import exact_resume, one_line_error, run_cli
@@ -30,7 +31,7 @@ def test_loss_matches_naive():
 
 @pytest.mark.parametrize("grid,masked", [(14, 187), (8, 61), (4, 16)])
 def test_exact_95_percent_mask_count(grid, masked):
-    _, _, mask = C.random_masking(3, grid, 0.95)
+    _, _, mask = siammae.random_masking(3, grid, 0.95)
     assert (mask.sum(1) == masked).all() and masked == grid * grid - int(grid * grid * 0.05)
 
 
@@ -39,10 +40,10 @@ def test_decoder_variants_shapes_and_f1_gets_gradient_without_loss(kind):
     model = siammae.SiamMAE(tiny_args(decoder=kind))
     f1 = torch.randn(3, 3, 16, 16, requires_grad=True)
     f2 = torch.randn(3, 3, 16, 16)
-    ids_keep, ids_restore, mask = C.random_masking(3, 4, 0.75)
+    ids_keep, ids_restore, mask = siammae.random_masking(3, 4, 0.75)
     pred = model(f1, f2, ids_keep, ids_restore)
     assert pred.shape == (3, 16, 48)                             # f2's patches only: f1 has no loss term
-    loss = siammae.siammae_loss(pred, C.norm_pix(C.patchify(f2, 4)), mask)
+    loss = siammae.siammae_loss(pred, siammae.norm_pix(siammae.patchify(f2, 4)), mask)
     loss.backward()
     assert f1.grad.abs().sum() > 0                               # f1 shapes the prediction (cross-attention)
     for n, p in model.named_parameters():
@@ -74,7 +75,7 @@ def _ddp_worker(rank, world, state, f1, f2, ids_keep, ids_restore, mask):
     b = f1.shape[0] // world
     sl = slice(rank * b, (rank + 1) * b)
     pred = ddp(f1[sl], f2[sl], ids_keep[sl], ids_restore[sl])
-    loss = siammae.siammae_loss(pred, C.norm_pix(C.patchify(f2[sl], 4)), mask[sl])
+    loss = siammae.siammae_loss(pred, siammae.norm_pix(siammae.patchify(f2[sl], 4)), mask[sl])
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -82,8 +83,8 @@ def _ddp_worker(rank, world, state, f1, f2, ids_keep, ids_restore, mask):
 def test_ddp_two_processes_equal_one_process():
     model = siammae.SiamMAE(tiny_args())
     f1, f2 = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
-    ids_keep, ids_restore, mask = C.random_masking(4, 4, 0.75)
-    loss = siammae.siammae_loss(model(f1, f2, ids_keep, ids_restore), C.norm_pix(C.patchify(f2, 4)), mask)
+    ids_keep, ids_restore, mask = siammae.random_masking(4, 4, 0.75)
+    loss = siammae.siammae_loss(model(f1, f2, ids_keep, ids_restore), siammae.norm_pix(siammae.patchify(f2, 4)), mask)
     loss.backward()
     (l0, g0), (l1, g1) = spawn(_ddp_worker, model.state_dict(), f1, f2, ids_keep, ids_restore, mask)
     torch.testing.assert_close((l0 + l1) / 2, loss.detach())
@@ -118,7 +119,7 @@ def test_frame_pair_gap_and_shared_crop():
             return 10
 
         def load(self, t):
-            return C.SyntheticImages().load(1)[0]
+            return S.SyntheticImages().load(1)[0]
 
     out = siammae.FramePair(a)(Static())
     assert out.shape == (2, 2, 3, 16, 16) and out.dtype == torch.uint8
@@ -134,7 +135,7 @@ def test_frame_pair_gap_and_shared_crop():
         siammae.FramePair(a)(Counter())
     gaps = [seen[i + 1] - seen[i] for i in range(0, len(seen), 2)]
     assert min(gaps) >= 2 and max(gaps) <= 5 and len(set(gaps)) > 1
-    clip = siammae.SyntheticClip(0)                               # synthetic clips move, with object masks
+    clip = S.SyntheticClip(0)                               # synthetic clips move, with object masks
     assert clip.load(0).tobytes() != clip.load(5).tobytes() and clip.mask(0).max() >= 1
 
 

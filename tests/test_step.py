@@ -48,7 +48,7 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None):
         target = copy.deepcopy(model.net).requires_grad_(False)
         bn_eval(model, target)
         xt, xr, xf = x(B, 3, 16, 16), x(1, B, 3, 16, 16), x(2, B, 3, 8, 8)
-        ids = C.random_masking(B, 4, 0.15)[0].view(1, B, -1).to(device)
+        ids = msn.random_masking(B, 4, 0.15).view(1, B, -1).to(device)
         step = lambda net, r, micro, ddp: msn.train_step(net, target, xt[r], xr[:, r], xf[:, r], ids[:, r], a,  # noqa: E731
                                                          micro, ddp=ddp, **ac)
     elif method == "cmae":
@@ -57,7 +57,7 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None):
         target = cmae.Target(model)
         bn_eval(model, target)
         xs, xt = x(B, 3, 16, 16), x(B, 3, 16, 16)
-        ids, rest, mask = (t.to(device) for t in C.random_masking(B, 4, 0.5, 2))
+        ids, rest, mask = (t.to(device) for t in cmae.random_masking(B, 4, 0.5, 2))
         step = lambda net, r, micro, ddp: cmae.train_step(net, target, xs[r], xt[r], ids[r], rest[r], mask[r], a,  # noqa: E731
                                                           micro, ddp=ddp, **ac)
     elif method == "conmim":
@@ -66,7 +66,7 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None):
         teacher = conmim.make_teacher(model)
         bn_eval(model, teacher)
         xw, xs = x(B, 3, 16, 16), x(B, 3, 16, 16)
-        mask = C.random_masking(B, 4, 0.75, 2)[2].to(device)
+        mask = conmim.random_masking(B, 4, 0.75, 2).to(device)
         step = lambda net, r, micro, ddp: conmim.train_step(net, teacher, xw[r], xs[r], mask[r], a, micro, ddp=ddp, **ac)  # noqa: E731
     elif method == "can":
         a = can_args("/tmp/unused", drop_path=drop_path)
@@ -74,14 +74,14 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None):
         bn_eval(model)
         xx, sigma = x(2, B, 3, 16, 16), (0.05 * torch.rand(2, B, generator=g)).to(device)
         noise = sigma.view(2, B, 1, 1, 1) * x(2, B, 3, 16, 16)
-        ids, rest, mask = (t.view(2, B, -1).to(device) for t in C.random_masking(2 * B, 4, 0.5))
+        ids, rest, mask = (t.view(2, B, -1).to(device) for t in can.random_masking(2 * B, 4, 0.5))
         step = lambda net, r, micro, ddp: can.train_step(net, xx[:, r], sigma[:, r], noise[:, r], ids[:, r],  # noqa: E731
                                                          rest[:, r], mask[:, r], a, micro, ddp=ddp, **ac)
     else:
         a = siammae_args(drop_path=drop_path)
         model = siammae.SiamMAE(a).to(device)
         f1, f2 = x(B, 3, 16, 16), x(B, 3, 16, 16)
-        ids, rest, mask = (t.to(device) for t in C.random_masking(B, 4, 0.95))
+        ids, rest, mask = (t.to(device) for t in siammae.random_masking(B, 4, 0.95))
         step = lambda net, r, micro, ddp: siammae.train_step(net, f1[r], f2[r], ids[r], rest[r], mask[r], a,  # noqa: E731
                                                              micro, ddp=ddp, **ac)
     C.set_grad_checkpointing(model, grad_ckpt)

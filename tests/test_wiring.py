@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import can
 import cmae
-import common as C
 import conmim
 import eval_video as V
 import msn
@@ -51,9 +50,9 @@ def rand(*s, seed=0):
 def msn_setup():
     a = msn_args("/tmp/unused")
     model = msn.MSN(a)
-    target = C.frozen_copy(model.net)
+    target = msn.make_target(model.net)
     xt, xr, xf = rand(8, 3, 16, 16, seed=1), rand(1, 8, 3, 16, 16, seed=2), rand(2, 8, 3, 8, 8, seed=3)
-    ids = C.random_masking(8, 4, 0.5)[0].view(1, 8, -1)
+    ids = msn.random_masking(8, 4, 0.5).view(1, 8, -1)
     return a, model, target, xt, xr, xf, ids
 
 
@@ -79,7 +78,7 @@ def test_msn_loss_is_msn_loss_of_the_view_major_anchors_and_the_target_embedding
 
 def test_targets_and_teachers_are_deterministic_in_train_mode():
     a, model, target, xt, *_ = msn_setup()
-    for net, x in ((C.frozen_copy(msn.MSN(msn_args("/tmp/u", drop_path=0.5)).net), xt),
+    for net, x in ((msn.make_target(msn.MSN(msn_args("/tmp/u", drop_path=0.5)).net), xt),
                    (cmae.Target(cmae.CMAE(cmae_args("/tmp/u", drop_path=0.5))), xt),
                    (conmim.make_teacher(conmim.Net(conmim_args("/tmp/u", drop_path=0.5))), xt)):
         net.train()
@@ -95,7 +94,7 @@ def cmae_setup():
     target = cmae.Target(model)
     bn_eval(model, target)
     xs, xt = rand(8, 3, 16, 16, seed=1), rand(8, 3, 16, 16, seed=2)
-    ids, rest, mask = C.random_masking(8, 4, 0.5, 2)
+    ids, rest, mask = cmae.random_masking(8, 4, 0.5, 2)
     return a, model, target, xs, xt, ids, rest, mask
 
 
@@ -109,7 +108,7 @@ def test_cmae_views_reach_the_right_networks():
 
 def test_cmae_reconstruction_reads_masked_patches_of_the_source_view():
     a, model, target, xs, xt, ids, rest, mask = cmae_setup()
-    px = C.norm_pix(C.patchify(xs, 4))
+    px = cmae.norm_pix(cmae.patchify(xs, 4))
     oracle = lambda out: torch.cat([out[:, :1], px], 1)                  # perfect predictions (B, 1+N, P)
     h = replace_output(model.pixel_decoder, oracle)
     _, parts = cmae.train_step(model, target, xs, xt, ids, rest, mask, a)
@@ -141,7 +140,7 @@ def conmim_setup():
     teacher = conmim.make_teacher(model)
     bn_eval(model, teacher)
     xw, xs = rand(8, 3, 16, 16, seed=1), rand(8, 3, 16, 16, seed=2)
-    mask = C.random_masking(8, 4, 0.75, 2)[2]
+    mask = conmim.random_masking(8, 4, 0.75, 2)
     return a, model, teacher, xw, xs, mask
 
 
@@ -175,7 +174,7 @@ def can_setup():
     bn_eval(model)
     x, sigma = rand(2, 8, 3, 16, 16, seed=1), 0.05 * torch.rand(2, 8)
     noise = sigma.view(2, 8, 1, 1, 1) * rand(2, 8, 3, 16, 16, seed=2)
-    ids, rest, mask = (t.view(2, 8, -1) for t in C.random_masking(16, 4, 0.5))
+    ids, rest, mask = (t.view(2, 8, -1) for t in can.random_masking(16, 4, 0.5))
     return a, model, x, sigma, noise, ids, rest, mask
 
 
@@ -190,7 +189,7 @@ def test_can_noise_goes_into_the_encoder_input_and_sigma_into_the_decoder_embedd
 
 def test_can_reconstructs_the_clean_image_on_masked_and_the_noise_on_visible_patches():
     a, model, x, sigma, noise, ids, rest, mask = can_setup()
-    clean, npx = C.patchify(x.flatten(0, 1), 4), C.patchify(noise.flatten(0, 1), 4)
+    clean, npx = can.patchify(x.flatten(0, 1), 4), can.patchify(noise.flatten(0, 1), 4)
     m = mask.flatten(0, 1).bool()[..., None]
     oracle = torch.where(m, clean, npx)                                 # the ideal prediction of both heads
     for pert, rec, den in ((None, False, False), (~m, False, True), (m, True, False)):
@@ -207,7 +206,7 @@ def test_can_total_is_can_loss_with_the_two_views_paired():
     loss, _ = can.train_step(model, x, sigma, noise, ids, rest, mask, a)
     with torch.no_grad():
         pred, u = model((x + noise).flatten(0, 1), sigma.flatten(), ids.flatten(0, 1), rest.flatten(0, 1))
-        ref, _ = can.can_loss(u[:8], u[8:], pred, C.patchify(x.flatten(0, 1), 4), C.patchify(noise.flatten(0, 1), 4),
+        ref, _ = can.can_loss(u[:8], u[8:], pred, can.patchify(x.flatten(0, 1), 4), can.patchify(noise.flatten(0, 1), 4),
                               mask.flatten(0, 1), a.tau, a.weights)
     torch.testing.assert_close(loss, ref)
 
@@ -219,7 +218,7 @@ def siammae_setup(decoder="cross-self", depth=2):
     a = siammae_args(decoder=decoder, decoder_depth=depth)
     model = siammae.SiamMAE(a)
     f1, f2 = rand(6, 3, 16, 16, seed=1), rand(6, 3, 16, 16, seed=2)
-    ids, rest, mask = C.random_masking(6, 4, 0.75)
+    ids, rest, mask = siammae.random_masking(6, 4, 0.75)
     return a, model, f1, f2, ids, rest, mask
 
 
@@ -229,7 +228,7 @@ def test_siammae_f1_is_encoded_whole_f2_masked_and_the_loss_reads_f2():
     siammae.train_step(model, f1, f2, ids, rest, mask, a)
     assert torch.equal(enc.arg(0), f1) and enc.arg(0, 1, "ids_keep") is None
     assert torch.equal(enc.arg(1), f2) and torch.equal(enc.arg(1, 1, "ids_keep"), ids)
-    px = C.norm_pix(C.patchify(f2, 4))
+    px = siammae.norm_pix(siammae.patchify(f2, 4))
     m = mask.bool()[..., None]
     for pert, changes in ((None, False), (~m, False), (m, True)):
         h = replace_output(model.pred, lambda out: torch.cat([out[:, :1], px + (0 if pert is None else pert * 1.0)], 1))
@@ -279,11 +278,11 @@ def test_schedule_directions(tmp_path):
 
 def test_drop_path_keeps_the_expected_activation_and_is_identity_in_eval():
     x = torch.ones(20000, 3)
-    y = C.drop_path(x, 0.3, training=True)
+    y = can.drop_path(x, 0.3, training=True)
     assert abs(y.mean().item() - 1.0) < 0.02
     assert torch.all((y == 0) | torch.isclose(y, torch.tensor(1 / 0.7)))
     assert torch.equal(y[:, 0], y[:, 1])                                  # one draw per sample
-    assert torch.equal(C.drop_path(x, 0.3, training=False), x)
+    assert torch.equal(can.drop_path(x, 0.3, training=False), x)
 
 
 # ---------------------------------------------------------------------------------------------

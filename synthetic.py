@@ -1,0 +1,128 @@
+"""The built-in `--data synthetic` datasets: procedural images and clips, generated on the fly and
+deterministic per index and seed (nothing downloaded, nothing written). Imported only for
+`--data synthetic`: a method file plus common.py trains on an image folder without this file.
+
+Images: 10 shape classes (label = index % 10), grey shapes of random intensity, scale, position and
+rotation over a random grey textured background, with a held-out val split, so a k-NN or linear
+probe shows whether pre-training learned something. Clips: 1-3 shapes moving and turning over a
+drifting background, with per-object masks (eval_video.py's synthetic DAVIS).
+"""
+import numpy as np
+import torch
+from PIL import Image
+
+
+SHAPES = ("disc", "square", "triangle", "plus", "ring", "star", "crescent", "bar", "ell", "dots")
+
+
+def shape_mask(name, xx, yy, center, s, rot):
+    """Boolean mask of shape `name` on the coordinate grids xx, yy in [-1, 1], scaled by s,
+    rotated by rot (radians) and centred at center = (cx, cy)."""
+    x0, y0 = (xx - center[0]) / s, (yy - center[1]) / s
+    u, v = x0 * np.cos(rot) + y0 * np.sin(rot), -x0 * np.sin(rot) + y0 * np.cos(rot)
+    r, a = np.hypot(u, v), np.arctan2(v, u)
+    return {
+        "disc": r < 0.9,
+        "square": np.maximum(abs(u), abs(v)) < 0.75,
+        "triangle": (v > -0.5) & (v < 1 - 1.732 * abs(u) - 0.0) & (v < 1.0),
+        "plus": ((abs(u) < 0.3) & (abs(v) < 1)) | ((abs(v) < 0.3) & (abs(u) < 1)),
+        "ring": (r < 0.95) & (r > 0.6),
+        "star": r < 0.55 + 0.4 * np.cos(5 * a),
+        "crescent": (r < 0.95) & (np.hypot(u - 0.45, v) > 0.75),
+        "bar": (abs(u) < 1.0) & (abs(v) < 0.3),
+        "ell": ((abs(u + 0.35) < 0.25) & (abs(v) < 0.9)) | ((abs(v - 0.65) < 0.25) & (abs(u) < 0.6)),
+        "dots": (np.hypot(u - 0.5, v) < 0.38) | (np.hypot(u + 0.5, v) < 0.38),
+    }[name]
+
+
+def synthetic_image(idx, seed=0, split="train", size=64):
+    """Procedural image of one of 10 shape classes (label = idx % 10), deterministic per index.
+
+    Grey images: random shape intensity, scale, position and rotation over a random grey textured
+    background. No colour and no class-specific intensity: only the outline identifies the class,
+    and the outline is also what two crops of one image share most (colour would otherwise be the
+    easiest instance cue for a siamese method, and tell nothing about the class).
+    """
+    rng = np.random.default_rng([seed, {"train": 0, "val": 1}[split], idx])
+    label = idx % len(SHAPES)
+    yy, xx = np.mgrid[-1:1:size * 1j, -1:1:size * 1j]
+    # background: a grey level with a faint gradient, grating and pixel noise
+    g = rng.uniform(0.25, 0.75)
+    th = rng.uniform(0, 2 * np.pi)
+    t = 0.08 * (xx * np.cos(th) + yy * np.sin(th)) + 0.05 * np.sin(
+        rng.uniform(3, 9) * np.pi * (xx * np.sin(th) - yy * np.cos(th)))
+    img = (g + t + rng.normal(0, 0.03, (size, size)))[..., None].repeat(3, -1)
+    # shape in its own frame (u, v): scaled, rotated, translated; brighter or darker than the bg
+    s, rot = rng.uniform(0.5, 0.8), rng.uniform(0, 2 * np.pi)
+    cx, cy = rng.uniform(-0.25, 0.25, 2)
+    m = shape_mask(SHAPES[label], xx, yy, (cx, cy), s, rot)
+    fg = g + rng.choice([-1, 1]) * rng.uniform(0.25, 0.45)                     # contrast >= 0.25
+    u = ((xx - cx) * np.cos(rot) + (yy - cy) * np.sin(rot)) / s                # shape-frame x
+    fg = (fg * (1 + 0.1 * np.sin(6 * u)))[..., None].repeat(3, -1)             # faintly textured fill
+    img = np.where(m[..., None], fg, img)
+    return Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)), label
+
+
+class SyntheticImages(torch.utils.data.Dataset):
+    """The built-in `--data synthetic` dataset: generated on the fly, nothing on disk."""
+
+    def __init__(self, split="train", n=None, seed=0, size=64):
+        self.split, self.seed, self.size = split, seed, size
+        self.n = n or (8000 if split == "train" else 1000)
+        self.classes = list(SHAPES)
+
+    def __len__(self):
+        return self.n
+
+    def load(self, i):
+        return synthetic_image(i, self.seed, self.split, self.size)
+
+
+class SyntheticClip:
+    """Procedural clip: 1-3 grey shapes moving (and turning) over a drifting textured background.
+    load(t) -> PIL frame; mask(t) -> (H, W) uint8 object ids (0 = background, later objects on top)."""
+
+    def __init__(self, idx, split="train", n_frames=32, size=64):
+        rng = np.random.default_rng([11, {"train": 0, "val": 1}[split], idx])
+        self.n, self.size = n_frames, size
+        self.bg = (rng.uniform(0.3, 0.7), rng.uniform(2, 6), rng.uniform(0, np.pi), rng.uniform(-0.02, 0.02, 2))
+        self.objs = []
+        for _ in range(rng.integers(1, 4)):
+            self.objs.append(dict(shape=rng.integers(len(SHAPES)), s=rng.uniform(0.25, 0.4), p0=rng.uniform(-0.6, 0.6, 2),
+                                  vel=rng.uniform(-0.04, 0.04, 2), rot0=rng.uniform(0, 2 * np.pi), w=rng.uniform(-0.1, 0.1),
+                                  level=rng.uniform(0, 1)))
+
+    def __len__(self):
+        return self.n
+
+    def _render(self, t):
+        size = self.size
+        yy, xx = np.mgrid[-1:1:size * 1j, -1:1:size * 1j]
+        g, f, th, drift = self.bg
+        bx, by = xx + drift[0] * t, yy + drift[1] * t
+        img = g + 0.15 * np.sin(f * np.pi * (bx * np.cos(th) + by * np.sin(th))) * np.sin(f * np.pi * by)
+        ids = np.zeros((size, size), np.uint8)
+        for k, o in enumerate(self.objs):
+            c = np.clip(o["p0"] + o["vel"] * t, -0.8, 0.8)
+            m = shape_mask(SHAPES[o["shape"]], xx, yy, c, o["s"], o["rot0"] + o["w"] * t)
+            img = np.where(m, o["level"], img)
+            ids[m] = k + 1
+        return img, ids
+
+    def load(self, t):
+        img = np.clip(self._render(t)[0], 0, 1)
+        return Image.fromarray((img[..., None].repeat(3, -1) * 255).astype(np.uint8))
+
+    def mask(self, t):
+        return self._render(t)[1]
+
+
+class SyntheticVideos(torch.utils.data.Dataset):
+    def __init__(self, split="train", n=None):
+        self.split, self.n = split, n or (2000 if split == "train" else 20)
+
+    def __len__(self):
+        return self.n
+
+    def load(self, i):
+        return SyntheticClip(i, self.split), 0

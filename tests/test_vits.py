@@ -1,0 +1,145 @@
+"""Each method file's own ViT, masking, patches and EMA target (the copies are deliberate; where they
+must agree, test_interop.py cross-loads them)."""
+import importlib
+import math
+
+import pytest
+import torch
+
+import can
+import cmae
+import conmim
+import eval_linear as E
+import msn
+import siammae
+
+MAE = ["cmae", "can", "siammae"]                   # MAE-style masking with ids_restore and token dropping
+
+
+@pytest.mark.parametrize("method", MAE)
+@pytest.mark.parametrize("grid,ratio,unit", [(8, 0.15, 1), (8, 0.75, 1), (8, 0.65, 2), (14, 0.95, 1), (4, 0.5, 2)])
+def test_mae_random_masking_invariants(method, grid, ratio, unit):
+    mod = importlib.import_module(method)
+    B, N = 5, grid * grid
+    ids_keep, ids_restore, mask = mod.random_masking(B, grid, ratio, unit)
+    n_keep = int((grid // unit) ** 2 * (1 - ratio)) * unit * unit
+    assert ids_keep.shape == (B, n_keep) and mask.shape == (B, N)
+    assert (mask.sum(1) == N - n_keep).all()                                    # exact counts
+    for b in range(B):
+        assert set(ids_keep[b].tolist()) == set((mask[b] == 0).nonzero().flatten().tolist())   # kept = unmasked
+        assert (ids_keep[b].diff() > 0).all()                                   # ascending
+        assert sorted(ids_restore[b].tolist()) == list(range(N))               # a permutation
+    g = grid // unit
+    m = mask.view(B, g, unit, g, unit)
+    assert (m == m[:, :, :1, :, :1]).all()                                      # constant per block
+    assert torch.equal(ids_restore.argsort(1)[:, :n_keep], ids_keep)           # kept come first
+    x = torch.arange(N).float().repeat(B, 1)
+    tokens = torch.cat([torch.zeros(B, 1, 1), torch.gather(x, 1, ids_keep)[..., None]], 1)
+    r = mod.restore_tokens(tokens, torch.full((1, 1, 1), -1.0), ids_restore)[:, 1:, 0]
+    assert torch.equal(r == -1, mask.bool()) and torch.equal(r[~mask.bool()], x[~mask.bool()])
+
+
+def test_msn_and_conmim_masking_counts():
+    ids = msn.random_masking(6, 8, 0.15)                          # patch drop: kept indices only
+    assert ids.shape == (6, int(64 * 0.85)) and all((i.diff() > 0).all() for i in ids)
+    mask = conmim.random_masking(6, 8, 0.75, 2)                   # [MASK] positions in 2x2 blocks
+    assert (mask.sum(1) == 64 - int(16 * 0.25) * 4).all()
+    m = mask.view(6, 4, 2, 4, 2)
+    assert (m == m[:, :, :1, :, :1]).all()
+    freq = cmae.random_masking(4000, 8, 0.5)[2].mean(0)          # uniform over positions
+    assert (freq - 0.5).abs().max() < 0.04
+
+
+@pytest.mark.parametrize("method", MAE)
+@pytest.mark.parametrize("p,h", [(4, 16), (8, 32), (2, 6)])
+def test_patchify_roundtrip(method, p, h):
+    mod = importlib.import_module(method)
+    x = torch.randn(2, 3, h, h)
+    y = mod.patchify(x, p)
+    assert y.shape == (2, (h // p) ** 2, p * p * 3)
+    i, j = (h // p) - 1, 0                                        # row-major, (p, p, 3) inside a patch
+    assert torch.equal(y[1, i * (h // p) + j], x[1, :, i * p:(i + 1) * p, j * p:(j + 1) * p].permute(1, 2, 0).reshape(-1))
+    assert torch.equal(mod.unpatchify(y, p), x)
+    n = mod.norm_pix(y * 3 + 1)
+    assert torch.allclose(n.mean(-1), torch.zeros(2, (h // p) ** 2), atol=1e-5)
+    assert torch.allclose(mod.unnorm_pix(n, y * 3 + 1), y * 3 + 1, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", MAE + ["eval_linear"])
+def test_sincos_matches_formula(method):
+    dim, grid = 16, 3
+    pe = importlib.import_module(method).sincos_pos_embed(dim, grid)
+    pe = pe[0, 1:] if pe.ndim == 3 else pe                       # method files: [CLS] row 0 first
+    for n in range(grid * grid):
+        y, x = divmod(n, grid)
+        for ax, pos in ((0, x), (1, y)):
+            for k in range(dim // 4):
+                w = 1 / 10000 ** (k / (dim / 4))
+                assert math.isclose(pe[n, ax * dim // 2 + k], math.sin(pos * w), abs_tol=1e-6)
+                assert math.isclose(pe[n, ax * dim // 2 + dim // 4 + k], math.cos(pos * w), abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["msn"] + MAE)
+def test_token_dropping_equals_running_on_kept_patches(method):
+    """Encoding with ids_keep == encoding a sequence made only of the kept (embedded) patches."""
+    vit = importlib.import_module(method).ViT(32, 8, 32, 2, 2).eval()
+    x = torch.randn(2, 3, 32, 32)
+    ids_keep = cmae.random_masking(2, 4, 0.5)[0]
+    emb = vit.patch_embed(x) + vit.pos_embed[:, 1:]
+    kept = torch.stack([emb[b, ids_keep[b]] for b in range(2)])
+    seq = torch.cat([(vit.cls_token + vit.pos_embed[:, :1]).expand(2, -1, -1), kept], 1)
+    for blk in vit.blocks:
+        seq = blk(seq)
+    assert vit(x).shape == (2, 17, 32) and vit(x, ids_keep).shape == (2, 9, 32)
+    assert torch.allclose(vit(x, ids_keep), vit.norm(seq), atol=1e-5)
+
+
+def test_msn_interpolates_position_embeddings_for_focal_views():
+    vit = msn.ViT(32, 8, 32, 2, 2).eval()
+    assert vit(torch.randn(3, 3, 16, 16)).shape == (3, 5, 32)    # 16 px: 2x2 grid
+    assert torch.equal(vit.patch_pos_embed(4, 4), vit.pos_embed[:, 1:])
+    with torch.no_grad():                                         # a constant table stays constant
+        vit.pos_embed[:, 1:] = torch.arange(32.0)
+    assert torch.allclose(vit.patch_pos_embed(2, 2), torch.arange(32.0).expand(1, 4, 32), atol=1e-4)
+    vit = E.ViT(32, 8, 32, 2, 2).eval()                          # the evaluation's copy too
+    assert vit(torch.randn(3, 3, 16, 16)).shape == (3, 5, 32)
+
+
+def test_conmim_mask_token_replaces_masked_patches():
+    vit = conmim.ViT(16, 8, 16, 1, 2).eval()
+    tok = torch.randn(1, 1, 16)
+    x = torch.randn(2, 3, 16, 16)
+    mask = torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 0]])
+    x2 = x.clone()
+    x2[0, :, :8, :8] = torch.randn(3, 8, 8)                      # change the masked patch
+    assert torch.allclose(vit(x, mask=mask, mask_token=tok), vit(x2, mask=mask, mask_token=tok), atol=1e-6)
+    assert not torch.allclose(vit(x, mask=mask, mask_token=tok), vit(x, mask=mask, mask_token=torch.randn(1, 1, 16)))
+    assert not torch.allclose(vit(x), vit(x2))
+
+
+@pytest.mark.parametrize("method", ["msn", "cmae", "conmim"])
+def test_ema_update(method):
+    ema = importlib.import_module(method).ema_update
+    online, target = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    t0 = [p.clone() for p in target.parameters()]
+    ema(target, online, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(target.parameters(), t0))
+    ema(target, online, 0.9)
+    for a, b, o in zip(target.parameters(), t0, online.parameters()):
+        assert torch.allclose(a, 0.9 * b + 0.1 * o)
+    ema(target, online, 0.0)
+    assert all(torch.equal(a, o) for a, o in zip(target.parameters(), online.parameters()))
+
+
+def test_each_method_initialises_its_vit_as_its_official_code():
+    """MSN trunc-normal Linear + kaiming patch embedding; MAE family xavier; ConMIM BEiT (cut at +-1 std,
+    blocks rescaled); the evaluation's --random-init copy draws the same weights for the same seed."""
+    for mod in (msn, cmae, conmim, can, siammae):
+        torch.manual_seed(0)
+        a = mod.ViT(32, 8, 64, 2, 2)
+        torch.manual_seed(0)
+        b = E.ViT(**a.config)
+        for k, v in a.state_dict().items():
+            assert torch.equal(v, b.state_dict()[k]), (mod.__name__, k)
+    w = conmim.ViT(32, 8, 64, 2, 2).blocks[1].mlp.fc2.weight
+    assert w.abs().max() <= 0.02 / math.sqrt(4) + 1e-7               # cut at 1 std, then / sqrt(2 * 2)
