@@ -398,7 +398,19 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
     target = patchify(x.flatten(0, 1), a.patch_size).view(2, B, -1, 3 * a.patch_size ** 2)
     target = norm_pix(target) if a.norm_pix else target
     noise_px = patchify(noise.flatten(0, 1), a.patch_size).view_as(target)
+    micro, scale = micro or B, scale or (lambda t: t)
 
+    if micro >= B:                                                      # the paper's step, one pass
+        with autocast:                                                  # noisy views, visible patches only
+            pred, u = net((x + noise).flatten(0, 1), sigma.flatten(0, 1), ids_keep.flatten(0, 1),
+                          ids_restore.flatten(0, 1))                    # (2B, N, p*p*3), (2B, r)
+        u1, u2 = u.float().view(2, B, -1)                               # the two views' projections
+        loss, parts = can_loss(u1, u2, pred.float(), target.flatten(0, 1), noise_px.flatten(0, 1),
+                               mask.flatten(0, 1), a.tau, a.weights)    # 0.03 L_c + 0.67 L_rec + 0.3 L_den
+        scale(loss).backward()
+        return loss.detach(), parts
+    # Micro-batches: InfoNCE couples the whole batch (negatives with gradient), so the gradient cache
+    # computes the same loss and gradient (tests/test_step.py); L_rec and L_denoise enter per micro-batch.
     def forward(sl, local):
         with autocast:
             pred, u = net(rows(x + noise, sl), rows(sigma, sl), rows(ids_keep, sl), rows(ids_restore, sl))
@@ -414,7 +426,7 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
         l_c = info_nce(u[:, 0], u[:, 1], a.tau)
         return a.weights[0] * l_c, {"infonce": l_c.detach()}
 
-    loss, parts = C.accumulate(forward, coupled, B, micro or B, scale, ddp)
+    loss, parts = C.gradient_cache(forward, coupled, B, micro, scale, ddp)
     return loss, {"loss": loss, **parts}
 
 

@@ -20,7 +20,7 @@ Paper -> code.
   Pixel decoder G_p, L_r (Eq. 1) ........... CMAE.pixel_decoder (depth 8) + reconstruction_loss (norm-pix MSE)
   Feature decoder G_f, y_s ................. CMAE.feature_decoder (depth 2, own parameters), mean of patch tokens
   Projection + prediction heads ............ CMAE.projector / CMAE.predictor
-  Momentum target encoder F_t, z_t ......... target (EMA of encoder + projector), mean patch token
+  Momentum target encoder F_t, z_t ......... Target (frozen_copy + ema_update of encoder + projector), mean patch token
   L_c InfoNCE (Eq. 3), L = L_r + l_c L_c ... cmae_contrastive_loss, train()
 
 Where this file follows the official code (ZhichengHuang/CMAE) rather than the paper, or differs:
@@ -421,11 +421,21 @@ def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=N
     micro: images per forward/backward; InfoNCE stays over the whole (all-gathered) batch.
     """
     B = x_s.shape[0]
-    micro = micro or B
-    with torch.no_grad(), autocast:
+    micro, scale = micro or B, scale or (lambda t: t)
+    with torch.no_grad(), autocast:                                     # x_t -> momentum target only
         v = torch.cat([target(x_t[i:i + micro]) for i in range(0, B, micro)]).float()   # (B, d)
     px = norm_pix(patchify(x_s, a.patch_size))                          # (B, N, p*p*3) targets
 
+    if micro >= B:                                                      # the paper's step, one pass
+        with autocast:
+            pred, u = online(x_s, ids_keep, ids_restore)                # (B, N, p*p*3), (B, d)
+        l_r = reconstruction_loss(pred.float(), px, mask)               # Eq. (1): masked patches of x_s
+        l_c = cmae_contrastive_loss(u.float(), v, a.tau)                # Eq. (3): global-batch negatives
+        loss = l_r + a.lambda_c * l_c
+        scale(loss).backward()
+        return loss.detach(), {"loss": loss.detach(), "l_r": l_r.detach(), "l_c": l_c.detach()}
+    # Micro-batches: InfoNCE couples the whole batch, so the gradient cache computes the same loss and
+    # gradient (tests/test_step.py); L_r enters as each micro-batch's share of the mean.
     def forward(sl, local):
         with autocast:
             pred, u = online(x_s[sl], ids_keep[sl], ids_restore[sl], pixels=local)
@@ -438,7 +448,7 @@ def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=N
         l_c = cmae_contrastive_loss(u, v, a.tau)
         return a.lambda_c * l_c, {"l_c": l_c.detach()}
 
-    loss, parts = C.accumulate(forward, coupled, B, micro, scale, ddp)
+    loss, parts = C.gradient_cache(forward, coupled, B, micro, scale, ddp)
     return loss, {"loss": loss, **parts}
 
 

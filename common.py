@@ -147,59 +147,59 @@ def allreduce_grads(params):
         g.copy_(r)
 
 
-def accumulate(forward, coupled, n, micro, scale=None, ddp=None):
-    """Forward + backward of one optimiser step over this process's n samples, micro at a time.
+def micro_batches(n, micro, ddp=None):
+    """The slices of this process's n samples, micro at a time, for a loss that is a sum over samples:
+    the caller weights each slice's loss by its share of the batch and back-propagates it, which
+    accumulates the exact batch gradient. With several slices under DDP, the reducer is paused
+    (no_sync) until the last backward and gradients are averaged once, as one DDP backward would."""
+    slices = [slice(i, min(i + micro, n)) for i in range(0, n, micro)]
+    if ddp is None or len(slices) == 1:
+        yield from slices
+        return
+    with ddp.no_sync():
+        yield from slices                                # the caller's backward runs in here
+    allreduce_grads(list(ddp.parameters()))
+
+
+def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
+    """Exact forward + backward of one step over this process's n samples in micro-batches when the
+    loss couples the whole batch (Sinkhorn, ME-MAX, InfoNCE negatives): the gradient cache (Gao et
+    al. 2021). Each method file writes its one-pass step itself and calls this for k > 1 slices.
 
     forward(sl, local) -> (local_loss, emb, parts) for the samples sl (a slice):
-      local_loss: the per-sample loss terms of sl, as their share of the batch loss (summed over
-        the micro-batches it is the batch value); None if the method has none, and may be None
-        when local is False (pass 1 skips what only the local terms need);
-      emb: (len(sl), ...) the rows that enter the batch-coupled term, or None;
+      local_loss: the per-sample loss terms of sl as their share of the batch loss (None if the
+        method has none; may be None when local is False, pass 1 skips what only they need);
+      emb: (len(sl), ...) the rows that enter the batch-coupled term;
       parts: dict of 0-d tensors to log (summed over micro-batches, like local_loss).
-    coupled(emb of all n samples) -> (loss, parts): the batch-coupled term (Sinkhorn, ME-MAX,
-      InfoNCE: anything that is not a sum over samples), or coupled = None.
-    One micro-batch: local + coupled, one backward. k > 1 (gradient cache, Gao et al. 2021): a
-    no-grad pass embeds every micro-batch (each one's RNG state saved); coupled and its gradient G
-    w.r.t. the embeddings are computed once on all n rows (parameters used directly in it, such
-    as MSN's prototypes, get their gradient there); then each micro-batch is run again with
-    gradient from its saved RNG state (same drop-path draws) and back-propagates
-    local + <emb, G>. The gradient equals the one-pass gradient of local + coupled up to float
-    rounding, except for BatchNorm, whose statistics are per micro-batch.
-    scale: GradScaler.scale for fp16. ddp: the DistributedDataParallel wrapper, if any: with k > 1
-    its reducer is bypassed (no_sync) and gradients are averaged once at the end.
+    coupled(emb of all n samples) -> (loss, parts): the batch-coupled term.
+    A no-grad pass embeds every micro-batch (each one's RNG state saved); coupled and its gradient G
+    w.r.t. the embeddings are computed once on all n rows (parameters used directly in it, such as
+    MSN's prototypes, get their gradient there); then each micro-batch runs again with gradient from
+    its saved RNG state (same drop-path draws) and back-propagates local + <emb, G>. The gradient
+    equals the one-pass gradient of local + coupled up to float rounding (tests/test_step.py), except
+    for BatchNorm, whose statistics are per micro-batch. scale: GradScaler.scale for fp16. ddp: the
+    DDP wrapper, if any (its reducer is bypassed and gradients are averaged once at the end).
     Returns the loss and the parts, detached.
     """
     scale = scale or (lambda t: t)
     slices = [slice(i, min(i + micro, n)) for i in range(0, n, micro)]
-    if len(slices) == 1:
-        local, emb, parts = forward(slices[0], True)
-        loss, cparts = coupled(emb) if coupled else (0.0, {})
-        total = loss if local is None else local + loss
-        scale(total).backward()
-        return total.detach(), {**parts, **cparts}
     sync = ddp.no_sync if ddp is not None else contextlib.nullcontext
-    states, G, cparts, total = [], None, {}, 0.0
-    if coupled is not None:
-        embs = []
-        with torch.no_grad():
-            for sl in slices:
-                states.append(RNGState())
-                embs.append(forward(sl, False)[1])
-        E = torch.cat(embs).float().requires_grad_()
-        loss, cparts = coupled(E)
-        with sync():
-            scale(loss).backward()
-        G, total = E.grad, loss.detach()
-    parts = {}
-    for i, sl in enumerate(slices):
-        if states:
-            states[i].restore()
+    states, embs = [], []
+    with torch.no_grad():
+        for sl in slices:
+            states.append(RNGState())
+            embs.append(forward(sl, False)[1])
+    E = torch.cat(embs).float().requires_grad_()
+    loss, cparts = coupled(E)
+    with sync():
+        scale(loss).backward()
+    G, total, parts = E.grad, loss.detach(), {}
+    for state, sl in zip(states, slices):
+        state.restore()
         with sync():
             local, emb, p = forward(sl, True)
-            t = 0.0 if local is None else scale(local)
-            if G is not None:
-                t = t + (emb.float() * G[sl]).sum()
-            t.backward()
+            t = (emb.float() * G[sl]).sum()
+            (t if local is None else scale(local) + t).backward()
         total = total if local is None else total + local.detach()
         for k, v in p.items():
             parts[k] = parts.get(k, 0.0) + v.detach()
@@ -432,24 +432,39 @@ class Views(torch.utils.data.Dataset):
 
 
 class EpochSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler (also for one process) yielding (index, epoch) for `Views`; `skip` drops
-    the first indices of the epoch (resuming mid-epoch)."""
-    skip = 0
+    """DistributedSampler (also for one process) yielding (index, epoch) for `Views`, after skipping
+    `skip` indices of the first epoch (resuming mid-epoch). With `ipe` set (by epoch_batches) it runs
+    on through the following epochs, each cut to ipe full batches, so that one DataLoader iterator
+    serves the whole run and its workers prefetch across epoch boundaries (no stall at an epoch's
+    first step); without it, one epoch."""
+    skip, ipe, batch = 0, None, 1
 
     def __iter__(self):
-        return ((i, self.epoch) for i in itertools.islice(super().__iter__(), self.skip, None))
+        epoch, skip = self.epoch, self.skip
+        while True:
+            self.set_epoch(epoch)                                    # the shuffle is seeded by seed + epoch
+            n = None if self.ipe is None else self.ipe * self.batch
+            yield from ((i, epoch) for i in itertools.islice(super().__iter__(), skip, n))
+            if self.ipe is None:
+                return
+            epoch, skip = epoch + 1, 0
 
 
 def epoch_batches(loader, epoch, ipe, start_step, seed, rank):
     """enumerate(batches of `epoch`), starting after the batches a checkpoint at global step
     start_step already covered. A fresh epoch reseeds the RNG (seed_epoch); a resumed one keeps the
-    RNG state restored from the checkpoint, so masks and noise continue exactly."""
+    RNG state restored from the checkpoint, so masks and noise continue exactly. The loader's
+    iterator is kept from one epoch to the next (EpochSampler runs on), a new one only at the start
+    of a run or of a resumed one."""
     first = min(ipe, max(0, start_step - epoch * ipe))
-    loader.sampler.set_epoch(epoch)
-    loader.sampler.skip = first * loader.batch_size
     if first == 0:
         seed_epoch(seed, epoch, rank)
-    return enumerate(itertools.islice(loader, ipe - first), start=first)
+    if getattr(loader, "run_next", None) != (epoch, first):         # new or resumed run: start the stream here
+        loader.sampler.set_epoch(epoch)
+        loader.sampler.skip, loader.sampler.ipe = first * loader.batch_size, ipe
+        loader.run_iter = iter(loader)
+    loader.run_next = (epoch + 1, 0)
+    return enumerate(itertools.islice(loader.run_iter, ipe - first), start=first)
 
 
 def make_loader(dataset, batch_size, workers, seed, train=True, drop_last=True):
@@ -458,6 +473,7 @@ def make_loader(dataset, batch_size, workers, seed, train=True, drop_last=True):
     if train and len(sampler) < batch_size:
         raise UserError(f"dataset has {len(dataset)} images: too few for --batch-size {batch_size} "
                         f"x {world} process(es); lower --batch-size")
+    sampler.batch = batch_size
     return torch.utils.data.DataLoader(          # own generator: iterating never touches the global RNG
         dataset, batch_size, sampler=sampler, num_workers=workers, pin_memory=torch.cuda.is_available(),
         drop_last=drop_last, persistent_workers=workers > 0, generator=torch.Generator(),
@@ -702,7 +718,7 @@ def validate(args):
     if d.get("warmup_epochs", 0) > d.get("epochs", 1):
         raise bad(f"warmup-epochs {d['warmup_epochs']} is longer than --epochs {d['epochs']}")
     for k in ("img_size", "focal_size"):
-        if k in d and d[k] % d["patch_size"]:
+        if d.get(k) is not None and d.get("patch_size") and d[k] % d["patch_size"]:
             raise bad(f"{k.replace('_', '-')} {d[k]} is not a multiple of --patch-size {d['patch_size']}")
     if "master_size" in d and d["master_size"] < d["img_size"]:
         raise bad(f"master-size {d['master_size']} is smaller than --img-size {d['img_size']}")

@@ -335,17 +335,16 @@ def train_step(student, teacher, x_weak, x_strong, mask, a, micro=None, autocast
     accumulate directly (BatchNorm statistics of the projectors are per micro-batch).
     """
     B = x_weak.shape[0]
-
-    def forward(sl, local):
+    scale, total = scale or (lambda t: t), 0.0
+    for sl in C.micro_batches(B, micro or B, ddp):                      # one slice, or exact accumulation
         with autocast:
-            s = student(x_weak[sl], mask[sl])                                  # (b, N, d)
+            s = student(x_weak[sl], mask[sl])                           # f(x^): (b, N, d), masked -> [MASK]
             with torch.no_grad():
-                t = teacher(x_strong[sl])                                      # (b, N, d), full image
-        loss = conmim_loss(s.float(), t.float(), mask[sl], a.tau) * (len(s) / B)   # share of the mean
-        return loss, None, {}
-
-    loss, _ = C.accumulate(forward, None, B, micro or B, scale, ddp)
-    return loss, {"loss": loss}
+                t = teacher(x_strong[sl])                               # sg f'(x): (b, N, d), whole image
+        loss = conmim_loss(s.float(), t.float(), mask[sl], a.tau) * (len(s) / B)   # Eq. (2), share of the mean
+        scale(loss).backward()
+        total = total + loss.detach()
+    return total, {"loss": total}
 
 
 # ----------------------------------------------------------------------------------------------

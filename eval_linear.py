@@ -117,14 +117,22 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, heads, mlp_ratio=4.0):
+    """Pre-norm block; drop_path: stochastic depth (used by eval_finetune.py only)."""
+
+    def __init__(self, dim, heads, mlp_ratio=4.0, drop_path=0.0):
         super().__init__()
         self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
         self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, int(dim * mlp_ratio))
+        self.drop_path = drop_path
+
+    def residual(self, x):
+        if self.drop_path == 0.0 or not self.training:
+            return x
+        return x * x.new_empty(x.shape[0], 1, 1).bernoulli_(1 - self.drop_path) / (1 - self.drop_path)
 
     def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        x = x + self.residual(self.attn(self.norm1(x)))
+        return x + self.residual(self.mlp(self.norm2(x)))
 
 
 class PatchEmbed(nn.Module):
@@ -152,8 +160,10 @@ class ViT(nn.Module):
     that method's initialisation for the same seed."""
 
     def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, mlp_ratio=4.0,
-                 pos_embed="learned", init="trunc", **_):
+                 pos_embed="learned", init="trunc", drop_path=0.0, **_):
         super().__init__()
+        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
+                           mlp_ratio=mlp_ratio, pos_embed="learned", init=init)
         self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
         self.patch_embed = PatchEmbed(patch_size, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
@@ -162,7 +172,7 @@ class ViT(nn.Module):
             self.pos_embed.data[0, 1:] = sincos_pos_embed(dim, self.grid)
         else:
             self.init_token(self.pos_embed, init)
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, p) for p in torch.linspace(0, drop_path, depth).tolist())
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Conv2d)):
@@ -198,8 +208,7 @@ class ViT(nn.Module):
                                mode="bicubic", align_corners=False).permute(0, 2, 3, 1).reshape(1, gh * gw, -1)
         x = self.patch_embed(x) + pe.to(x.dtype)
         x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
-        for blk in self.blocks:
-            x = blk(x)
+        x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False))
         return self.norm(x) if norm else x
 
 
@@ -258,7 +267,7 @@ def foreign_encoder(obj, path, model=None, patch_size=None):
     return {"target_encoder": "msn", "model": "mae-style"}.get(layout, "timm"), config, vit
 
 
-def load_encoder(path, random_init=False, model=None, patch_size=None):
+def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path=0.0):
     """(encoder, checkpoint) of a checkpoint file: this project's format, or (see foreign_encoder)
     the official MSN layout, an MAE-style `model` dict or a timm/DeiT state dict, whose `method` is
     then "msn", "mae-style" or "timm". random_init: the same ViT at its default initialisation drawn
@@ -270,7 +279,7 @@ def load_encoder(path, random_init=False, model=None, patch_size=None):
         method, config, sd = foreign_encoder(obj, path, model, patch_size)
         ckpt = {"method": method, "vit": config, "encoder": sd, "args": {"seed": 0}}
     torch.manual_seed(ckpt["args"].get("seed", 0))
-    enc = ViT(**ckpt["vit"])
+    enc = ViT(**ckpt["vit"], drop_path=drop_path)
     if not random_init:
         try:
             enc.load_state_dict(ckpt["encoder"])

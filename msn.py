@@ -374,26 +374,34 @@ def train_step(online, target, x_target, x_rand, x_focal, ids_keep, a, micro=Non
     x_rand (R, B, 3, S, S): random anchors, masked by ids_keep (R, B, n_keep) (kept patch indices);
     x_focal (F, B, 3, s, s) or None: focal anchors, unmasked. Anchors go to the online network.
     online: MSN (or its DDP / compiled wrapper); target: Net. micro: images per forward/backward
-    (Sinkhorn and ME-MAX stay over the whole batch, C.accumulate). Returns (loss, parts).
+    (Sinkhorn and ME-MAX stay over the whole batch: C.gradient_cache). Returns (loss, parts).
     """
     B = x_target.shape[0]
-    micro = micro or B
-    prototypes = C.unwrap(online).prototypes
-    with torch.no_grad(), autocast:                                    # p+ from the target view
+    micro, scale = micro or B, scale or (lambda t: t)
+    q = C.unwrap(online).prototypes.float()                             # prototypes (K, d)
+    with torch.no_grad(), autocast:                                     # target view -> f_theta_bar only
         z_plus = torch.cat([target(x_target[i:i + micro]) for i in range(0, B, micro)]).float()  # (B, d)
 
-    def forward(sl, local):
+    def anchors(sl):                                                    # anchor views -> f_theta: (M*b, d)
         with autocast:
-            z = online(x_rand[:, sl].flatten(0, 1), x_focal[:, sl].flatten(0, 1) if x_focal is not None else None,
-                       ids_keep[:, sl].flatten(0, 1))                  # (M*b, d) view-major
-        b = ids_keep[:, sl].shape[1]
-        return None, z.float().view(-1, b, z.shape[-1]).transpose(0, 1), {}   # (b, M, d) image-major
+            return online(x_rand[:, sl].flatten(0, 1), x_focal[:, sl].flatten(0, 1) if x_focal is not None else None,
+                          ids_keep[:, sl].flatten(0, 1)).float()        # view-major
 
-    def coupled(z):                                                    # z (B, M, d) -> (M*B, d) view-major
-        return msn_loss(z.transpose(0, 1).reshape(-1, z.shape[-1]), z_plus, prototypes.float(), a.tau,
-                        a.tau_plus, a.me_max_weight, a.sinkhorn_iters)
+    if micro >= B:                                                      # the paper's step, one pass
+        loss, parts = msn_loss(anchors(slice(None)), z_plus, q, a.tau, a.tau_plus, a.me_max_weight, a.sinkhorn_iters)
+        scale(loss).backward()                                          # loss = CE + ME-MAX, Eq. (2)
+        return loss.detach(), parts
+    # Micro-batches: Sinkhorn and ME-MAX couple the whole batch, so the gradient cache computes the
+    # same loss and gradient (tests/test_step.py); the anchors are passed image-major (b, M, d).
+    def forward(sl, local):
+        z = anchors(sl)
+        return None, z.view(-1, ids_keep[:, sl].shape[1], z.shape[-1]).transpose(0, 1), {}
 
-    return C.accumulate(forward, coupled, B, micro, scale, ddp)
+    def coupled(z):                                                     # (B, M, d) -> view-major (M*B, d)
+        return msn_loss(z.transpose(0, 1).reshape(-1, z.shape[-1]), z_plus, q, a.tau, a.tau_plus,
+                        a.me_max_weight, a.sinkhorn_iters)
+
+    return C.gradient_cache(forward, coupled, B, micro, scale, ddp)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -450,15 +450,15 @@ def train_step(net, f1, f2, ids_keep, ids_restore, mask, a, micro=None, autocast
     micro-batches (micro pairs) accumulate directly.
     """
     P = f1.shape[0]
-    target = norm_pix(patchify(f2, a.patch_size))                      # (P, N, p*p*3)
-
-    def forward(sl, local):
+    target = norm_pix(patchify(f2, a.patch_size))                       # (P, N, p*p*3)
+    scale, total = scale or (lambda t: t), 0.0
+    for sl in C.micro_batches(P, micro or P, ddp):                      # one slice, or exact accumulation
         with autocast:
-            pred = net(f1[sl], f2[sl], ids_keep[sl], ids_restore[sl])
-        return siammae_loss(pred.float(), target[sl], mask[sl]) * (len(pred) / P), None, {}
-
-    loss, _ = C.accumulate(forward, None, P, micro or P, scale, ddp)
-    return loss, {"loss": loss}
+            pred = net(f1[sl], f2[sl], ids_keep[sl], ids_restore[sl])   # f2's patches from f1 + visible f2
+        loss = siammae_loss(pred.float(), target[sl], mask[sl]) * (len(pred) / P)   # share of the mean
+        scale(loss).backward()
+        total = total + loss.detach()
+    return total, {"loss": total}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ Per method, with its default ImageNet recipe (its own view class and `Args` defa
       images; ratio = ours / official;
   gpu-aug workers, per core: the same for our CUDA default, where the workers only decode, crop
       and flip (colour runs batched on the device);
-  loader: images/s out of the training DataLoader (common.make_loader) with --workers processes;
+  loader: steady-state images/s out of the training DataLoader (common.make_loader) with --workers
+      processes (worker start-up, the first prefetch and epoch boundaries excluded);
   device aug: images/s of common.color_augment_batch + normalize over one step's views on
       --device (only with --device cuda, or --device-aug).
 SiamMAE has no official code (no reference) and no colour augmentation.
@@ -153,16 +154,30 @@ def per_worker(views, n):
     return k / (time.perf_counter() - t)
 
 
-def loader_rate(views, batch, workers, batches):
-    torch.set_num_threads(max(1, os.cpu_count() // 2))
-    loader = C.make_loader(views, batch, workers, seed=0)
+class Repeat(torch.utils.data.Dataset):
+    """The dataset's images repeated `reps` times, so that one epoch spans the whole measurement."""
 
-    def stream():                                                    # epochs back to back
-        for epoch in range(10 ** 6):
-            loader.sampler.set_epoch(epoch)
-            yield from loader
-    it = stream()
-    next(it)                                                         # worker start-up excluded
+    def __init__(self, ds, reps):
+        self.ds, self.reps = ds, reps
+
+    def __len__(self):
+        return len(self.ds) * self.reps
+
+    def load(self, i):
+        return self.ds.load(i % len(self.ds))
+
+
+def loader_rate(views, batch, workers, batches):
+    """Steady-state images/s out of the training DataLoader: one epoch long enough for every timed
+    batch (no epoch boundary inside the measurement), timed after 2 x workers + 1 warm-up batches
+    (worker start-up and the first prefetch excluded)."""
+    torch.set_num_threads(max(1, os.cpu_count() // 2))
+    warm = 2 * workers + 1
+    reps = -(-(warm + batches + 1) * batch // len(views.dataset))
+    loader = C.make_loader(C.Views(Repeat(views.dataset, reps), views.transform, views.seed), batch, workers, seed=0)
+    it = iter(loader)
+    for _ in range(warm):
+        next(it)
     t = time.perf_counter()
     for _ in range(batches):
         next(it)

@@ -181,3 +181,16 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
         can.train(can_args(tmp_path, epochs=2, steps_per_epoch=2, save_every_minutes=0))
     ck = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")
     assert ck["step"] == 2 and not [f for f in os.listdir(tmp_path) if ".tmp." in f]
+
+
+def test_one_loader_iterator_serves_every_epoch(tmp_path, monkeypatch):
+    """The training DataLoader is iterated once per run (its workers prefetch across epoch boundaries,
+    no restart at an epoch's first step); a resumed run starts one new iterator."""
+    calls = []
+    real = torch.utils.data.DataLoader.__iter__
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", lambda self: (calls.append(1), real(self))[1])
+    can.train(can_args(tmp_path, epochs=3, steps_per_epoch=2, workers=2, stop_epoch=2))
+    assert len(calls) == 1
+    can.train(can_args(tmp_path, epochs=3, steps_per_epoch=2, workers=2))           # resumes at epoch 2
+    assert len(calls) == 2
+    assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 6

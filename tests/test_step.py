@@ -164,7 +164,7 @@ def test_gradient_cache_replays_each_micro_batch_random_draws():
         return (E.sum(0) ** 2).sum(), {}
 
     torch.manual_seed(1)
-    loss, _ = C.accumulate(forward, coupled, 8, 2)
+    loss, _ = C.gradient_cache(forward, coupled, 8, 2)
     g = lin.weight.grad.clone()
     lin.zero_grad()
     torch.manual_seed(1)                                             # the same draws, one pass

@@ -1,0 +1,302 @@
+"""End-to-end fine-tuning of a pre-trained encoder with a linear head: the ImageNet-1k top-1 that
+CMAE, ConMIM and CAN report as their headline result, with each official fine-tuning recipe.
+
+  python eval_finetune.py --ckpt runs/cmae/checkpoint.pth --data /imagenet           # MAE's ViT-B recipe
+  python eval_finetune.py --ckpt runs/conmim/checkpoint.pth --data /imagenet         # BEiT-style recipe
+  torchrun --nproc_per_node=8 eval_finetune.py --ckpt runs/can/checkpoint.pth --data /imagenet
+  python eval_finetune.py --ckpt runs/cmae/checkpoint.pth --data synthetic [--random-init]
+
+Reads every checkpoint eval_linear.py reads (this project's image methods, the official MSN file,
+MAE-style and timm/DeiT files). The model (MAE `models_vit` with global_pool, BEiT with
+use_mean_pooling): the encoder's patch tokens, WITHOUT its final norm, averaged, then a fresh
+LayerNorm (fc_norm) and a linear head initialised trunc-normal(std 2e-5) (MAE; BEiT's 0.02 x
+init_scale 0.001 is the same scale). The encoder's pre-trained `norm` is kept in the checkpoint
+but frozen (unused). Drop path 0.1. Every value below is a flag; the default recipe follows the
+checkpoint's method:
+
+  "mae" (CMAE: configs/fine-tuning/cmae/*_8x128_100e; CAN, MSN and foreign files: MAE's
+  FINETUNE.md / main_finetune.py, ViT-B): global batch 1024, AdamW (0.9, 0.999), lr = blr 5e-4 x
+  batch / 256, layer-wise lr decay 0.65, weight decay 0.05 (none on biases, norms, pos_embed,
+  cls_token), 100 epochs, 5 warm-up epochs from 0, then cosine to min lr 1e-6 (per step),
+  RandomResizedCrop(0.08-1, bicubic) + flip + RandAugment(2 ops, magnitude 9), random erasing
+  0.25, MixUp 0.8 / CutMix 1.0 (one of the two per batch), label smoothing 0.1, no clipping.
+  "beit" (ConMIM: README command, run_class_finetuning.py): the same but lr 4e-3 ABSOLUTE for the
+  global batch 1024, 20 warm-up epochs from 1e-6.
+Layer ids (MAE's lr_decay.py = BEiT's get_num_layer_for_vit): cls_token, pos_embed, patch_embed
+-> 0; blocks.i -> i + 1; fc_norm, head -> depth + 1; lr scale = decay^(depth + 1 - id).
+
+Where torchvision's operations differ from the official timm ones (listed, not fixed):
+  - RandAugment: torchvision's (14 ops, fixed magnitude 9 of 31 bins, each op always applied)
+    vs timm's rand-m9-mstd0.5-inc1 (15 ops of the "increasing" family, magnitude 9 of 10 with
+    Gaussian noise std 0.5, each op applied with probability 0.5). Fill: torchvision 0, timm the mean.
+  - Random erasing: torchvision RandomErasing(value="random") after normalisation = timm's
+    mode "pixel", count 1 (same area 0.02-1/3 and aspect 0.3-3.3).
+  - MixUp / CutMix: torchvision v2, one lambda per process batch, switching with probability 0.5
+    (timm: mode "batch", switch_prob 0.5, same); label smoothing applied to the mixed one-hot
+    target (equal to timm's mixing of smoothed targets, mixing being linear).
+  - ConMIM's BEiT backbone has relative position bias and layer scale 0.1; this ViT has neither.
+  - Evaluation each epoch on val/ (Resize img*256/224 bicubic + CenterCrop), top-1 / top-5.
+
+Output: <output-dir>/checkpoint.pth (resumable, method "finetune", the fine-tuned encoder under
+`encoder`), log.jsonl, and a final JSON line with best_top1, last_top1 and last_top5.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common as C
+import eval_linear as E
+
+RECIPES = {  # per-method defaults of the fields left at None
+    "mae": dict(blr=5e-4, lr=None, warmup_epochs=5, warmup_lr=0.0),
+    "beit": dict(blr=None, lr=4e-3, warmup_epochs=20, warmup_lr=1e-6),
+}
+METHOD_RECIPE = {"conmim": "beit"}                       # every other checkpoint: "mae"
+
+
+@dataclass
+class Args(C.RunArgs):
+    """End-to-end fine-tuning of a checkpoint's encoder with a linear head (official recipes)."""
+    ckpt: str = field(default=None, metadata={"help": "pre-trained checkpoint (any that eval_linear.py reads)"})
+    data: str = field(default=None, metadata={"help": "image folder with train/ and val/ class folders, or 'synthetic'"})
+    output_dir: str = field(default=None, metadata={"help": "default runs/finetune"})
+    recipe: str = field(default=None, metadata={"help": "mae | beit (default: from the checkpoint's method)"})
+    random_init: bool = field(default=False, metadata={"help": "the same run from the ViT's initialisation"})
+    model: str = field(default=None, metadata={"help": "for a checkpoint of another code base: ViT size"})
+    patch_size: int = field(default=None, metadata={"help": "for a checkpoint of another code base: checked"})
+    img_size: int = field(default=None, metadata={"help": "default: the checkpoint's training size"})
+    epochs: int = 100
+    batch_size: int = field(default=1024, metadata={"help": "GLOBAL batch, all processes (official 1024)"})
+    micro_batch: int = field(default=256, metadata={"help": "images per forward/backward per process"})
+    lr: float = field(default=None, metadata={"help": "absolute peak lr (default: the recipe's)"})
+    blr: float = field(default=None, metadata={"help": "lr = blr x global batch / 256 when --lr is not given"})
+    warmup_lr: float = field(default=None, metadata={"help": "lr at the start of warm-up (mae 0, beit 1e-6)"})
+    min_lr: float = 1e-6
+    warmup_epochs: int = None
+    layer_decay: float = 0.65
+    weight_decay: float = 0.05
+    betas: tuple = (0.9, 0.999)
+    clip_grad: float = field(default=0.0, metadata={"help": "max grad norm (0 = off, as both recipes)"})
+    drop_path: float = 0.1
+    smoothing: float = 0.1
+    mixup: float = field(default=0.8, metadata={"help": "MixUp alpha (0 = off)"})
+    cutmix: float = field(default=1.0, metadata={"help": "CutMix alpha (0 = off)"})
+    reprob: float = field(default=0.25, metadata={"help": "random erasing probability"})
+    randaug_magnitude: int = field(default=9, metadata={"help": "RandAugment magnitude (2 ops; -1 = off)"})
+    crop_scale: tuple = (0.08, 1.0)
+    eval_batch: int = 256
+
+    # --data synthetic: a CPU-sized run (150 steps of 64, about 2 min on 2 cores). The recipe's heavy
+    # regularisation (MixUp, CutMix, RandAugment, erasing) is off: at 150 steps it kept both the
+    # pre-trained and the random-init run near chance (CMAE checkpoint: 13.9 vs 12.8% top-1).
+    SYNTHETIC = dict(epochs=5, batch_size=64, micro_batch=0, warmup_epochs=1, workers=2, log_every=20,
+                     steps_per_epoch=30, blr=4e-3, layer_decay=0.75, crop_scale=(0.3, 1.0), mixup=0.0, cutmix=0.0,
+                     reprob=0.0, randaug_magnitude=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model: encoder -> mean of patch tokens (no final norm) -> fc_norm -> head
+# ----------------------------------------------------------------------------------------------
+class Classifier(nn.Module):
+    def __init__(self, encoder, num_classes):
+        super().__init__()
+        self.encoder, D = encoder, encoder.dim
+        self.encoder.norm.requires_grad_(False)                      # unused (MAE deletes it, BEiT: Identity)
+        self.fc_norm, self.head = nn.LayerNorm(D, eps=1e-6), nn.Linear(D, num_classes)
+        nn.init.trunc_normal_(self.head.weight, std=2e-5)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, x):                                            # (B, 3, H, W) -> (B, classes)
+        return self.head(self.fc_norm(self.encoder(x, norm=False)[:, 1:].mean(1)))
+
+
+def layer_id(name, depth):
+    """MAE's get_layer_id_for_vit / BEiT's get_num_layer_for_vit for a Classifier parameter name."""
+    name = name.removeprefix("encoder.")
+    if name in ("cls_token", "pos_embed") or name.startswith("patch_embed"):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return depth + 1                                                 # fc_norm, head
+
+
+def param_groups(model, weight_decay, layer_decay):
+    """AdamW groups by (layer id, decay): lr_scale = layer_decay^(depth + 1 - id); no weight decay on
+    1-d tensors, biases, pos_embed and cls_token (MAE's param_groups_lrd, BEiT's get_parameter_groups)."""
+    depth = len(model.encoder.blocks)
+    groups = {}
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        lid = layer_id(n, depth)
+        decay = not (p.ndim == 1 or n.endswith(".bias") or n.removeprefix("encoder.") in ("pos_embed", "cls_token"))
+        g = groups.setdefault((lid, decay), {"params": [], "weight_decay": weight_decay if decay else 0.0,
+                                             "lr_scale": layer_decay ** (depth + 1 - lid), "apply_wd": False})
+        g["params"].append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss and batch mixing
+# ----------------------------------------------------------------------------------------------
+def soft_target_ce(logits, target):
+    """Cross-entropy with a distribution target (B, C): mean_i -sum_c target_ic log softmax(logits_i)_c."""
+    return -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+
+
+def smooth(target, eps):
+    """Label smoothing of a (mixed) one-hot target: (1 - eps) t + eps / C."""
+    return target * (1 - eps) + eps / target.shape[-1]
+
+
+class Mix:
+    """MixUp(alpha) or CutMix(alpha), one chosen per batch with probability 0.5 (torchvision v2, one
+    lambda per batch), then label smoothing: (x, y) -> (x mixed, target (B, C), a distribution)."""
+
+    def __init__(self, a, num_classes):
+        from torchvision.transforms import v2
+        ops = ([v2.MixUp(alpha=a.mixup, num_classes=num_classes)] if a.mixup > 0 else []) + \
+              ([v2.CutMix(alpha=a.cutmix, num_classes=num_classes)] if a.cutmix > 0 else [])
+        self.op = v2.RandomChoice(ops) if len(ops) == 2 else (ops[0] if ops else None)
+        self.C, self.eps = num_classes, a.smoothing
+
+    def __call__(self, x, y):
+        if self.op is None:
+            return x, smooth(F.one_hot(y, self.C).float(), self.eps)
+        x, t = self.op(x, y)
+        return x, smooth(t.float(), self.eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------
+def train_transform(a, size):
+    """RandomResizedCrop(bicubic) + flip + RandAugment(2, m) -> normalised float, random erasing."""
+    from torchvision import transforms as T
+    ops = [T.RandomResizedCrop(size, scale=a.crop_scale, interpolation=T.InterpolationMode.BICUBIC),
+           T.RandomHorizontalFlip()]
+    if a.randaug_magnitude >= 0:
+        ops.append(T.RandAugment(2, a.randaug_magnitude, interpolation=T.InterpolationMode.BICUBIC))
+    ops += [C.to_uint8, C.normalize]
+    if a.reprob > 0:
+        ops.append(T.RandomErasing(a.reprob, value="random"))
+    return T.Compose(ops)
+
+
+@torch.no_grad()
+def evaluate(model, val, size, a, run):
+    """Top-1 / top-5 (%) on val/, each process a strided share, counts summed over processes."""
+    model.eval()
+    share = torch.utils.data.Subset(C.Views(val, C.eval_transform(size, a.data == "synthetic")),
+                                    range(run.rank, len(val), run.world))
+    hits = torch.zeros(3, device=run.device)                       # top-1, top-5, count
+    for x, y in torch.utils.data.DataLoader(share, a.eval_batch, num_workers=a.workers):
+        x, y = C.normalize(x.to(run.device)), y.to(run.device)
+        with run.autocast:
+            top = model(x).topk(min(5, len(val.classes)), dim=1).indices
+        hits += torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(), torch.tensor(len(y), device=run.device)])
+    hits = C.all_reduce_sum_(hits)
+    model.train()
+    return (100 * hits[0] / hits[2]).item(), (100 * hits[1] / hits[2]).item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Fine-tuning
+# ----------------------------------------------------------------------------------------------
+def finetune(args):
+    if not args.ckpt:
+        raise C.UserError("--ckpt is required (a pre-trained checkpoint)")
+    for k in ("layer_decay", "smoothing", "reprob"):
+        if not 0 <= getattr(args, k) <= 1:
+            raise C.UserError(f"--{k.replace('_', '-')} must be in [0, 1], got {getattr(args, k)}")
+    if args.mixup < 0 or args.cutmix < 0 or args.eval_batch <= 0:
+        raise C.UserError("--mixup and --cutmix must be >= 0 and --eval-batch positive")
+    enc, ckpt = E.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size, args.drop_path)
+    recipe = args.recipe or METHOD_RECIPE.get(ckpt["method"], "mae")
+    if recipe not in RECIPES:
+        raise C.UserError(f"--recipe must be mae or beit, got {recipe!r}")
+    rec = RECIPES[recipe]                                            # the recipe fills what was not given
+    if args.lr is None and args.blr is None:
+        args.lr, args.blr = rec["lr"], rec["blr"]
+    for k in ("warmup_epochs", "warmup_lr"):
+        if getattr(args, k) is None:
+            setattr(args, k, rec[k])
+    size = args.img_size or ckpt["vit"]["img_size"]
+    if size % enc.patch_size:
+        raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size {enc.patch_size}")
+    run = C.setup(args, "finetune")
+    per, micro = C.batch_plan(args, run, 1024, "the recipe's lr and its batch statistics (MixUp per process batch) "
+                              "were tuned at 1024")
+    train, val, val_to_train = E.splits(args.data)
+    if len(val.classes) != len(train.classes) or val_to_train.tolist() != list(range(len(train.classes))):
+        raise C.UserError(f"--data {args.data}: val/ must have the same classes as train/ for top-1 (train "
+                          f"{len(train.classes)}, val {len(val.classes)})")
+    train = C.image_dataset(args.data, "train", skip_unreadable=True)
+    loader = C.make_loader(C.Views(train, train_transform(args, size), args.seed), per, args.workers, args.seed)
+    ipe = min(len(loader), args.steps_per_epoch or len(loader))
+    total = args.epochs * ipe
+    lr = args.lr or args.blr * args.batch_size / 256
+
+    model = Classifier(enc, len(train.classes)).to(run.device).train()    # the head: seeded in setup
+    C.set_grad_checkpointing(model, args.grad_ckpt)
+    opt = torch.optim.AdamW(param_groups(model, args.weight_decay, args.layer_decay), lr=lr, betas=args.betas,
+                            fused=run.device.type == "cuda")
+    scaler = torch.amp.GradScaler(run.device.type, enabled=run.precision == "fp16")
+    start = C.resume_run(run, "finetune", args, model, opt, scaler)
+    net = torch.compile(model) if args.compile else model
+    ddp = None
+    if run.world > 1:
+        net = ddp = nn.parallel.DistributedDataParallel(net, device_ids=[run.device] if run.device.type == "cuda" else None)
+    mix = Mix(args, len(train.classes))
+    log = C.Logger(run, total, args.batch_size, args.log_every, start)
+    save = lambda s: C.save_run(run, "finetune", args, s // ipe, s, model.encoder, model, opt, scaler)  # noqa: E731
+    C.print0(f"fine-tuning {ckpt['method']} ({'random init' if args.random_init else args.ckpt}), recipe {recipe}: "
+             f"{len(train)} images, {len(train.classes)} classes, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
+             + ("" if args.lr else f" (= blr {args.blr:g} x {args.batch_size} / 256)") + f", layer decay {args.layer_decay}")
+    best, top1, top5 = 0.0, None, None
+    if start and os.path.isfile(os.path.join(run.out, "log.jsonl")):     # resumed: the epochs already evaluated
+        for rec in map(json.loads, open(os.path.join(run.out, "log.jsonl"))):
+            if "val_top1" in rec and rec["epoch"] < start // ipe:
+                best, top1, top5 = max(best, rec["val_top1"]), rec["val_top1"], rec["val_top5"]
+    for epoch in range(start // ipe, args.stop_epoch or args.epochs):
+        bad0 = C.bad_reads(train)
+        for it, (x, y) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
+            step = epoch * ipe + it
+            lr_now = C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe, args.warmup_lr)
+            for g in opt.param_groups:
+                g["lr"] = lr_now * g["lr_scale"]
+            x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+            x, target = mix(x, y)                                     # MixUp / CutMix + smoothing
+            opt.zero_grad(set_to_none=True)
+            loss = 0.0
+            for sl in C.micro_batches(len(x), micro, ddp):            # one slice, or exact accumulation
+                with run.autocast:
+                    logits = net(x[sl])
+                part = soft_target_ce(logits, target[sl]) * (len(logits) / len(x))   # share of the mean
+                scaler.scale(part).backward()
+                loss = loss + part.detach()
+            parts = {"loss": loss, "grad_norm": C.clip_grads(list(model.parameters()), args.clip_grad, scaler, opt)}
+            scaler.step(opt)
+            scaler.update()
+            if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save, train, (it + 1) * per, bad0, lr=lr_now):
+                return None
+        C.check_unreadable(train, ipe * per, bad0, args.max_unreadable, final=True)
+        save((epoch + 1) * ipe)
+        top1, top5 = evaluate(model, val, size, args, run)
+        best = max(best, top1)
+        log.write({"epoch": epoch, "val_top1": round(top1, 3), "val_top5": round(top5, 3)})
+    if top1 is None:                                                 # nothing left to train: evaluate as is
+        top1, top5 = evaluate(model, val, size, args, run)
+        best = top1
+    res = {"method": ckpt["method"], "random_init": args.random_init, "recipe": recipe,
+           "best_top1": round(best, 2), "last_top1": round(top1, 2), "last_top5": round(top5, 2)}
+    log.write(res)
+    return res
+
+
+if __name__ == "__main__":
+    C.main(finetune, Args)

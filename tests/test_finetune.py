@@ -1,0 +1,135 @@
+"""eval_finetune.py: the official recipes' layer-wise lr decay, weight-decay groups, head and pooling,
+MixUp/CutMix targets, the smoothed loss, exact resume, micro-batches, bad input, and that fine-tuning a
+pre-trained checkpoint beats the same run from random initialisation. Runs are on the CPU (exactness
+is a CPU property; the CUDA paths are tests/test_cuda.py's)."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import can
+import common as C
+import eval_finetune as FT
+import eval_linear as E
+from helpers import exact_resume, one_line_error, run_cli
+
+DECAY = 0.65
+
+
+def test_layer_decay_assigns_the_official_layer_ids_and_scales():
+    """4 blocks: cls_token, pos_embed, patch_embed -> 0; blocks.i -> i+1; fc_norm, head -> 5 (MAE's
+    get_layer_id_for_vit, BEiT's get_num_layer_for_vit); scale 0.65^(5 - id); no decay on 1-d
+    tensors, biases, pos_embed, cls_token; the unused final norm is frozen."""
+    model = FT.Classifier(E.ViT(16, 4, 32, 4, 2), 10)
+    ids = {"encoder.cls_token": 0, "encoder.pos_embed": 0, "encoder.patch_embed.proj.weight": 0,
+           "encoder.patch_embed.proj.bias": 0, "encoder.blocks.0.attn.qkv.weight": 1, "encoder.blocks.0.norm1.bias": 1,
+           "encoder.blocks.2.mlp.fc1.weight": 3, "encoder.blocks.3.mlp.fc2.bias": 4, "fc_norm.weight": 5,
+           "head.weight": 5, "head.bias": 5}
+    for name, lid in ids.items():
+        assert FT.layer_id(name, 4) == lid, name
+    scales = {0: 0.11602906250000002, 1: 0.17850625000000003, 2: 0.274625, 3: 0.42250000000000004, 4: 0.65, 5: 1.0}
+    groups = FT.param_groups(model, 0.05, DECAY)
+    where = {id(p): g for g in groups for p in g["params"]}
+    names = dict(model.named_parameters())
+    no_wd = {"encoder.cls_token", "encoder.pos_embed", "encoder.patch_embed.proj.bias", "encoder.blocks.0.norm1.bias",
+             "encoder.blocks.3.mlp.fc2.bias", "fc_norm.weight", "head.bias"}
+    for name, lid in ids.items():
+        g = where[id(names[name])]
+        assert g["lr_scale"] == pytest.approx(scales[lid], rel=1e-12), name
+        assert g["weight_decay"] == (0.0 if name in no_wd else 0.05), name
+    assert id(names["encoder.norm.weight"]) not in where                 # frozen, in no group
+    assert sum(len(g["params"]) for g in groups) == sum(p.requires_grad for p in model.parameters())
+
+
+def test_head_and_pooling_follow_the_recipe():
+    """logits = head(fc_norm(mean of the encoder's patch tokens WITHOUT its final norm)); head
+    trunc-normal std 2e-5, bias 0; fc_norm a fresh LayerNorm."""
+    torch.manual_seed(0)
+    enc = E.ViT(16, 4, 64, 2, 2).eval()
+    model = FT.Classifier(enc, 1000).eval()
+    x = torch.randn(3, 3, 16, 16)
+    ref = model.head(F.layer_norm(enc(x, norm=False)[:, 1:].mean(1), (64,), eps=1e-6))
+    torch.testing.assert_close(model(x), ref)
+    w = model.head.weight
+    assert abs(w.std().item() - 2e-5) < 2e-6 and w.abs().max() < 1e-4 and (model.head.bias == 0).all()
+    assert (model.fc_norm.weight == 1).all() and not model.encoder.norm.weight.requires_grad
+
+
+def test_mixup_cutmix_targets_are_smoothed_distributions():
+    a = FT.Args(data="synthetic")
+    mix = FT.Mix(a, 10)
+    torch.manual_seed(0)
+    mixed = 0
+    for _ in range(20):
+        x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+        xm, t = mix(x, y)
+        assert xm.shape == x.shape and t.shape == (8, 10)
+        torch.testing.assert_close(t.sum(1), torch.ones(8))
+        assert (t >= 0.1 / 10 - 1e-7).all()                             # smoothing puts eps / C everywhere
+        assert (t.gather(1, y[:, None]) >= 0.1 / 10).all()
+        mixed += int((t.max(1).values < 0.9 + 0.01 - 1e-6).any())      # a second class got mass
+    assert mixed >= 15
+    a = FT.Args(data="synthetic", mixup=0.0, cutmix=0.0)                # off: the smoothed one-hot
+    _, t = FT.Mix(a, 10)(torch.randn(4, 3, 8, 8), torch.tensor([0, 3, 9, 3]))
+    torch.testing.assert_close(t, F.one_hot(torch.tensor([0, 3, 9, 3]), 10).float() * 0.9 + 0.01)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_smoothed_loss_equals_its_formula(eps):
+    """mean_i -sum_c [(1 - eps) 1[c = y_i] + eps / C] log p_ic, written as a loop in float64."""
+    torch.manual_seed(0)
+    logits, y = torch.randn(5, 7, dtype=torch.float64), torch.randint(0, 7, (5,))
+    got = FT.soft_target_ce(logits, FT.smooth(F.one_hot(y, 7).double(), eps))
+    ref = 0.0
+    for i in range(5):
+        logp = logits[i] - torch.logsumexp(logits[i], 0)
+        ref += -sum(((1 - eps) * (c == y[i]) + eps / 7) * logp[c] for c in range(7)) / 5
+    torch.testing.assert_close(got.double(), ref)
+    torch.testing.assert_close(got.double(), F.cross_entropy(logits, y, label_smoothing=eps))
+
+
+def _pretrained(tmp_path, steps=3):
+    can.train(can.Args(data="synthetic", output_dir=str(tmp_path / "pre"), model="nano", patch_size=4, img_size=16,
+                       epochs=1, steps_per_epoch=steps, batch_size=16, warmup_epochs=0, decoder_dim=16, decoder_depth=1,
+                       decoder_heads=2, proj_hidden=16, proj_dim=8, workers=0, knn=False, device="cpu"))
+    return str(tmp_path / "pre" / "checkpoint.pth")
+
+
+def test_resume_is_exact_and_the_run_reports_top1(tmp_path):
+    ckpt = _pretrained(tmp_path)
+
+    def make(out, **kw):
+        return FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(out), epochs=2, steps_per_epoch=2, batch_size=8,
+                       micro_batch=0, warmup_epochs=1, blr=1e-3, workers=0, log_every=1, eval_batch=500, device="cpu", **kw)
+    exact_resume(FT.finetune, make, tmp_path, "finetune", ("model", "encoder"))
+    for run in ("full", "part"):                                     # part: epoch 0, then resumed for epoch 1
+        recs = [json.loads(line) for line in open(tmp_path / run / "log.jsonl")]
+        vals = [r for r in recs if "val_top1" in r]
+        assert [r["epoch"] for r in vals] == [0, 1]
+        assert recs[-1]["best_top1"] == round(max(r["val_top1"] for r in vals), 2)   # across the resume
+        assert recs[-1]["last_top1"] == round(vals[-1]["val_top1"], 2)
+    assert E.load_encoder(str(tmp_path / "full" / "checkpoint.pth"))[1]["method"] == "finetune"   # evaluable
+
+
+def test_micro_batches_give_the_step_of_one_batch(tmp_path):
+    ckpt = _pretrained(tmp_path)
+    out = {}
+    for micro in (0, 2):
+        FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / f"m{micro}"), epochs=1,
+                            steps_per_epoch=1, batch_size=8, micro_batch=micro, warmup_epochs=0, blr=1e-3,
+                            drop_path=0.0, workers=0, eval_batch=500, device="cpu"))
+        out[micro] = C.load_checkpoint(str(tmp_path / f"m{micro}" / "checkpoint.pth"), "finetune")["model"]
+    for k, v in out[0].items():
+        torch.testing.assert_close(out[2][k], v, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_bad_input_is_one_line(tmp_path):
+    one_line_error(run_cli("eval_finetune.py", "--data", "synthetic", "--output-dir", str(tmp_path)), "--ckpt is required")
+    one_line_error(run_cli("eval_finetune.py", "--ckpt", str(tmp_path / "none.pth"), "--data", "synthetic",
+                           "--output-dir", str(tmp_path)), "does not exist")
+    ckpt = _pretrained(tmp_path, steps=1)
+    with pytest.raises(C.UserError, match="--recipe must be mae or beit"):
+        FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", recipe="deit", output_dir=str(tmp_path / "o")))
+    with pytest.raises(C.UserError, match="--layer-decay must be in"):
+        FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", layer_decay=1.5, output_dir=str(tmp_path / "o")))
