@@ -113,8 +113,10 @@ def clip_grads(params, max_norm, scaler, optimizer):
 
 
 def set_hparams(optimizer, lr, weight_decay=None):
+    """lr (times the group's lr_scale, e.g. layer-wise decay) and, where the group has apply_wd, the
+    weight decay, in every parameter group."""
     for g in optimizer.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_scale", 1.0)
         if weight_decay is not None and g["apply_wd"]:
             g["weight_decay"] = weight_decay
 
@@ -147,12 +149,17 @@ def allreduce_grads(params):
         g.copy_(r)
 
 
+def micro_slices(n, micro):
+    """slice(0, micro), slice(micro, 2 micro), ... over n samples."""
+    return [slice(i, min(i + micro, n)) for i in range(0, n, micro)]
+
+
 def micro_batches(n, micro, ddp=None):
     """The slices of this process's n samples, micro at a time, for a loss that is a sum over samples:
     the caller weights each slice's loss by its share of the batch and back-propagates it, which
     accumulates the exact batch gradient. With several slices under DDP, the reducer is paused
     (no_sync) until the last backward and gradients are averaged once, as one DDP backward would."""
-    slices = [slice(i, min(i + micro, n)) for i in range(0, n, micro)]
+    slices = micro_slices(n, micro)
     if ddp is None or len(slices) == 1:
         yield from slices
         return
@@ -182,7 +189,7 @@ def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
     Returns the loss and the parts, detached.
     """
     scale = scale or (lambda t: t)
-    slices = [slice(i, min(i + micro, n)) for i in range(0, n, micro)]
+    slices = micro_slices(n, micro)
     sync = ddp.no_sync if ddp is not None else contextlib.nullcontext
     states, embs = [], []
     with torch.no_grad():
@@ -1007,6 +1014,25 @@ def knn_predict(train_f, train_y, test_f, num_classes, k=20, T=0.07, chunk=1024)
     return torch.cat(out)
 
 
+@torch.no_grad()
+def extract_features(encoder, loader, device, features, autocast=contextlib.nullcontext()):
+    """(N, D) raw (un-normalised) features features(encoder, x) of a loader's normalised images, and
+    the (N,) labels; the encoder in eval mode."""
+    encoder.eval()
+    feats, labels = [], []
+    for x, y in loader:
+        with autocast:
+            feats.append(features(encoder, normalize(x.to(device, non_blocking=True))).float().cpu())
+        labels.append(y)
+    return torch.cat(feats), torch.cat(labels)
+
+
+def val_to_train(train, val):
+    """(len(val.classes),) the train index of each val class, matched BY NAME (-1: train lacks it)."""
+    index = {c: i for i, c in enumerate(train.classes)}
+    return torch.tensor([index.get(c, -1) for c in val.classes])
+
+
 def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, workers=0, k=20,
                  autocast=contextlib.nullcontext()):
     """Top-1 (%) of weighted k-NN: train split as memory bank, val split as queries (labels matched
@@ -1016,19 +1042,10 @@ def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, wor
         raise UserError(f"--data {data}: k-NN needs a val/ split next to train/")
     train = image_dataset(data, "train")
     tf = eval_transform(img_size, synthetic=data == "synthetic")
-    encoder.eval()
-    res = []
-    for ds in (train, val):
-        feats, labels = [], []
-        for x, y in torch.utils.data.DataLoader(Views(ds, tf), batch_size, num_workers=workers):
-            with torch.no_grad(), autocast:
-                t = encoder(normalize(x.to(device)))                                  # (B, 1+N, D)
-            feats.append((t[:, 1:].mean(1) if how == "mean" else t[:, 0]).float().cpu())
-            labels.append(y)
-        res.append((torch.cat(feats), torch.cat(labels)))
-    (ftr, ytr), (fva, yva) = res
-    index = {c: i for i, c in enumerate(train.classes)}              # val labels matched by class name
-    yva = torch.tensor([index.get(c, -1) for c in val.classes])[yva]
+    pool = (lambda e, x: e(x)[:, 1:].mean(1)) if how == "mean" else (lambda e, x: e(x)[:, 0])
+    (ftr, ytr), (fva, yva) = (extract_features(encoder, torch.utils.data.DataLoader(Views(ds, tf), batch_size,
+                              num_workers=workers), device, pool, autocast) for ds in (train, val))
+    yva = val_to_train(train, val)[yva]
     pred = knn_predict(F.normalize(ftr, dim=1), ytr, F.normalize(fva, dim=1), len(train.classes), k).argmax(1)
     return 100.0 * (pred == yva).float().mean().item()
 

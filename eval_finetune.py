@@ -135,7 +135,7 @@ def param_groups(model, weight_decay, layer_decay):
         lid = layer_id(n, depth)
         decay = not (p.ndim == 1 or n.endswith(".bias") or n.removeprefix("encoder.") in ("pos_embed", "cls_token"))
         g = groups.setdefault((lid, decay), {"params": [], "weight_decay": weight_decay if decay else 0.0,
-                                             "lr_scale": layer_decay ** (depth + 1 - lid), "apply_wd": False})
+                                             "lr_scale": layer_decay ** (depth + 1 - lid)})
         g["params"].append(p)
     return [groups[k] for k in sorted(groups)]
 
@@ -231,11 +231,10 @@ def finetune(args):
     run = C.setup(args, "finetune")
     per, micro = C.batch_plan(args, run, 1024, "the recipe's lr and its batch statistics (MixUp per process batch) "
                               "were tuned at 1024")
-    train, val, val_to_train = E.splits(args.data)
+    train, val, val_to_train = E.splits(args.data, skip_unreadable=True)
     if len(val.classes) != len(train.classes) or val_to_train.tolist() != list(range(len(train.classes))):
         raise C.UserError(f"--data {args.data}: val/ must have the same classes as train/ for top-1 (train "
                           f"{len(train.classes)}, val {len(val.classes)})")
-    train = C.image_dataset(args.data, "train", skip_unreadable=True)
     loader = C.make_loader(C.Views(train, train_transform(args, size), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
@@ -267,8 +266,7 @@ def finetune(args):
         for it, (x, y) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
             step = epoch * ipe + it
             lr_now = C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe, args.warmup_lr)
-            for g in opt.param_groups:
-                g["lr"] = lr_now * g["lr_scale"]
+            C.set_hparams(opt, lr_now)                                 # x each group's layer-decay lr_scale
             x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
             x, target = mix(x, y)                                     # MixUp / CutMix + smoothing
             opt.zero_grad(set_to_none=True)

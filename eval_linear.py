@@ -36,7 +36,6 @@ Protocol differences from the official evaluations, not fixed: MSN resizes bilin
 we resize bicubically to img*256/224 (= 256 at 224) for every method, as MAE's evaluation does.
 cyanure's solver (tol 1e-3, at most 300 epochs) is replaced by L-BFGS on the same objective.
 """
-import contextlib
 import hashlib
 import json
 import math
@@ -221,18 +220,6 @@ def features_of(encoder, x, how):
     return tokens[:, 1:].mean(1) if how == "mean" else tokens[:, 0]
 
 
-@torch.no_grad()
-def extract_features(encoder, loader, device, how="cls", autocast=contextlib.nullcontext()):
-    encoder.eval()
-    feats, labels = [], []
-    for x, y in loader:
-        with autocast:
-            f = features_of(encoder, C.normalize(x.to(device, non_blocking=True)), how)
-        feats.append(f.float().cpu())
-        labels.append(y)
-    return torch.cat(feats), torch.cat(labels)                       # raw (un-normalised) features
-
-
 # A ViT's own tensors in timm / DeiT / MAE / MSN naming (heads, decoders, prototypes are not).
 VIT_KEY = re.compile(r"cls_token|pos_embed|patch_embed\.proj\.(weight|bias)|norm\.(weight|bias)|"
                      r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)")
@@ -288,19 +275,20 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
     return enc.eval(), ckpt
 
 
-def splits(data):
+def splits(data, skip_unreadable=False):
     """The train and val datasets, checked before any feature is computed, and val's labels mapped
     to train's class indices BY NAME (a val/ that lacks a class, or orders them otherwise, keeps
-    every label right); a val class that train lacks is an error. Returns (train, val, val_to_train)."""
-    train, val = C.image_dataset(data, "train"), C.image_dataset(data, "val")
+    every label right); a val class that train lacks is an error. Returns (train, val, val_to_train).
+    skip_unreadable: for train (fine-tuning skips bad images as training does)."""
+    train, val = C.image_dataset(data, "train", skip_unreadable), C.image_dataset(data, "val")
     if val is None or not os.path.isdir(os.path.join(data, "train")) and data != "synthetic":
         raise C.UserError(f"--data {data}: expected train/ and val/ class folders (evaluation needs both)")
-    index = {c: i for i, c in enumerate(train.classes)}
-    missing = [c for c in val.classes if c not in index]
+    mapping = C.val_to_train(train, val)
+    missing = [c for c, i in zip(val.classes, mapping.tolist()) if i < 0]
     if missing:
         raise C.UserError(f"--data {data}: val/ has {len(missing)} class(es) that train/ lacks, e.g. {missing[0]!r} "
                           f"(train has {len(train.classes)}: {', '.join(train.classes[:5])}{', ...' if len(train.classes) > 5 else ''})")
-    return train, val, torch.tensor([index[c] for c in val.classes])
+    return train, val, mapping
 
 
 def features(a, enc, ckpt, split, ds, device):
@@ -316,7 +304,7 @@ def features(a, enc, ckpt, split, ds, device):
     tf = C.eval_transform(size, synthetic=a.data == "synthetic")
     dl = torch.utils.data.DataLoader(C.Views(ds, tf), a.batch_size, num_workers=a.workers)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    out = extract_features(enc, dl, device, pool, autocast)
+    out = C.extract_features(enc, dl, device, lambda e, x: features_of(e, x, pool), autocast)
     if a.cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         C.save_checkpoint(path, out)
