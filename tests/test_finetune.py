@@ -110,6 +110,14 @@ def test_resume_is_exact_and_the_run_reports_top1(tmp_path):
         assert recs[-1]["best_top1"] == round(max(r["val_top1"] for r in vals), 2)   # across the resume
         assert recs[-1]["last_top1"] == round(vals[-1]["val_top1"], 2)
     assert E.load_encoder(str(tmp_path / "full" / "checkpoint.pth"))[1]["method"] == "finetune"   # evaluable
+    log = tmp_path / "full" / "log.jsonl"                            # rerun after the end: nothing to train,
+    with open(log, "a") as f:                                        # best read back from the log (a planted
+        f.write(json.dumps({"epoch": 0, "val_top1": 99.0, "val_top5": 99.0}) + "\n")   # record proves it)
+    assert FT.finetune(make(tmp_path / "full"))["best_top1"] == 99.0
+    log.unlink()                                                     # no log: evaluated as it stands
+    res = FT.finetune(make(tmp_path / "full"))
+    last = [json.loads(line) for line in open(tmp_path / "part" / "log.jsonl")][-1]["last_top1"]   # = full's
+    assert res["last_top1"] == last and res["best_top1"] == last
 
 
 def test_micro_batches_give_the_step_of_one_batch(tmp_path):
@@ -133,3 +141,22 @@ def test_bad_input_is_one_line(tmp_path):
         FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", recipe="deit", output_dir=str(tmp_path / "o")))
     with pytest.raises(C.UserError, match="--layer-decay must be in"):
         FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", layer_decay=1.5, output_dir=str(tmp_path / "o")))
+
+
+def test_the_network_sees_the_mixed_images_and_the_loss_the_mixed_targets(tmp_path, monkeypatch):
+    """Wiring of the step: MixUp/CutMix output (images AND targets) is what the network and the loss get."""
+    ckpt = _pretrained(tmp_path, steps=1)
+    seen, targets = [], []
+    real_mix, real_ce = FT.Mix.__call__, FT.soft_target_ce
+
+    def marked_mix(self, x, y):
+        x, t = real_mix(self, x, y)
+        return torch.full_like(x, 7.0), t                             # a mixed batch we can recognise
+    monkeypatch.setattr(FT.Mix, "__call__", marked_mix)
+    monkeypatch.setattr(FT, "soft_target_ce", lambda logits, t: (targets.append(t), real_ce(logits, t))[1])
+    forward = FT.Classifier.forward
+    monkeypatch.setattr(FT.Classifier, "forward", lambda self, x: (seen.append(x), forward(self, x))[1])
+    FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=1, steps_per_epoch=1,
+                        batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, eval_batch=500, device="cpu"))
+    assert seen and (seen[0] == 7.0).all()                           # training forward: the mixed images
+    assert targets and torch.allclose(targets[0].sum(1), torch.ones(8)) and targets[0].max() < 1.0   # smoothed
