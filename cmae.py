@@ -41,8 +41,6 @@ Where this file follows the official code (ZhichengHuang/CMAE) rather than the p
   - Masks are per image in 2x2-patch units (`--mask-unit 1` for per-patch MAE masking).
   - The EMA target never applies drop path (official builds it with the backbone's settings;
     identical at the recipe's drop_path 0), so its embeddings are deterministic in train mode.
-  - BatchNorm in the heads is per process on CPU/gloo; on multi-GPU CUDA it is SyncBatchNorm
-    (official: SyncBN).
   - bf16 autocast on GPU (official fp16 AMP; `--precision fp16` is available).
   - On CUDA the target's colour augmentation (jitter, grey, PIL-equivalent blur) runs batched on the
     GPU (common.color_augment_batch, same distribution); `--no-gpu-aug` keeps it in the workers.
@@ -322,7 +320,7 @@ class CMAE(nn.Module):
 def no_decay_rule(model):
     """Official paramwise custom_keys: no decay on biases, LayerNorms ('ln'), pos_embed, mask and
     cls tokens. The heads' BatchNorm weights are decayed."""
-    ln = C.param_ids(model, nn.LayerNorm)
+    ln = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters(recurse=False)}
     return lambda name, p: (id(p) in ln or name.endswith(".bias")
                             or any(k in name for k in ("pos_embed", "mask_token", "cls_token")))
 
@@ -458,7 +456,6 @@ def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=N
 def train(args):
     run = C.setup(args, "cmae")
     dev = run.device
-    C.resolve_gpu_aug(args, run)
     per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {args.batch_size - 1} negatives per image instead "
                               "of 4095")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
@@ -474,14 +471,11 @@ def train(args):
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev, no_decay_rule(model))
-    scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
-    start = C.resume_run(run, "cmae", args, model, opt, scaler, target)       # global step
-    online, target_fwd = (torch.compile(model), torch.compile(target)) if args.compile else (model, target)
-    ddp = None
-    if run.world > 1:
-        online = ddp = nn.parallel.DistributedDataParallel(online, device_ids=[dev] if dev.type == "cuda" else None)
+    start = C.resume_run(run, "cmae", args, model, opt, target)       # global step
+    online, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
+    target_fwd = torch.compile(target) if args.compile else target
     log = C.Logger(run, total, args.batch_size, args.log_every, start)
-    save = lambda s: C.save_run(run, "cmae", args, s // ipe, s, model.encoder, model, opt, scaler, target)  # noqa: E731
+    save = lambda s: C.save_run(run, "cmae", args, s // ipe, s, model.encoder, model, opt, target)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
              + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"))
     p, grid = args.patch_size, model.encoder.grid
@@ -499,12 +493,10 @@ def train(args):
             ids_keep, ids_restore, mask = random_masking(x_s.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(online, target_fwd, x_s, x_t, ids_keep, ids_restore, mask, args, micro,
-                                     run.autocast, scaler.scale, ddp)
-            parts["grad_norm"] = C.clip_grads(model.parameters(), 0, scaler, opt)   # official: no clipping
-            scaler.step(opt)
-            scaler.update()
+                                     run.autocast, run.scaler.scale, ddp)
+            parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # official: no clipping
             ema_update(target, target.online_params(model), args.ema)
-            if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save, dataset, (it + 1) * per, bad0,
+            if C.end_step(run, log, args, step + 1, epoch, parts, save, dataset, (it + 1) * per, bad0,
                           lr=opt.param_groups[0]["lr"]):                 # log, NaN watch; preempted: stop
                 return
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)

@@ -4,8 +4,9 @@ Nothing in here makes a method that method: each method file defines its own ViT
 target, heads, loss and step. Here: activation checkpointing, schedules and the optimiser, exact
 micro-batch accumulation, data (ImageFolder-style directories, views, CPU and batched GPU
 augmentation; the `synthetic` data is in synthetic.py), distributed helpers whose collectives
-autograd sees, CLI parsing from a dataclass, setup, preemption, logging, checkpoints and a k-NN
-monitor. Read top to bottom; every method file imports it as `import common as C`.
+autograd sees, CLI parsing from a dataclass, setup, preemption, logging, checkpoints and the end-of-run
+k-NN report (its k-NN is eval_linear.py's). Read top to bottom; every method file imports it as
+`import common as C`.
 """
 import argparse
 import contextlib
@@ -65,7 +66,7 @@ def save_image_grid(path, rows):
 
 
 # ----------------------------------------------------------------------------------------------
-# EMA, schedules, optimiser
+# Schedules, optimiser, the optimiser step
 # ----------------------------------------------------------------------------------------------
 def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
     """Linear warm-up start -> base over `warmup` steps, then half-cosine base -> final at `total`."""
@@ -73,10 +74,6 @@ def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
         return start + (base - start) * step / warmup
     t = min(1.0, (step - warmup) / max(1, total - warmup))
     return final + 0.5 * (base - final) * (1 + math.cos(math.pi * t))
-
-
-def linear_schedule(step, total, start, end):
-    return start + (end - start) * min(1.0, step / max(1, total))
 
 
 def no_decay_1d(name, p):
@@ -97,19 +94,17 @@ def make_optimizer(model, lr, weight_decay, betas, device, no_decay=no_decay_1d,
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device.type == "cuda")
 
 
-def param_ids(model, types):
-    """ids of the parameters of every sub-module of one of `types` (e.g. nn.LayerNorm)."""
-    return {id(p) for m in model.modules() if isinstance(m, types) for p in m.parameters(recurse=False)}
-
-
-def clip_grads(params, max_norm, scaler, optimizer):
-    """Unscale (fp16) and clip the gradients to max_norm (0 = no clipping); returns the total norm
-    as a device tensor (the non-finite guard watches it; no host sync)."""
-    scaler.unscale_(optimizer)
+def optimizer_step(run, optimizer, params, max_norm=0.0):
+    """Unscale (fp16), clip the gradients to max_norm (0 = no clipping), step, update the scaler.
+    Returns the gradients' total norm as a device tensor (the non-finite guard watches it; no sync)."""
+    run.scaler.unscale_(optimizer)
     if max_norm:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grads = [p.grad for p in params if p.grad is not None]      # norm only: no pass rescaling by 1
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:                                                        # norm only: no pass rescaling by 1
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params if p.grad is not None])))
+    run.scaler.step(optimizer)
+    run.scaler.update()
+    return norm
 
 
 def set_hparams(optimizer, lr, weight_decay=None):
@@ -124,17 +119,17 @@ def set_hparams(optimizer, lr, weight_decay=None):
 # ----------------------------------------------------------------------------------------------
 # One optimiser step over a batch in micro-batches (exact gradient accumulation)
 # ----------------------------------------------------------------------------------------------
-class RNGState:
-    """Snapshot of the CPU and current CUDA generators, to replay a forward's random draws."""
+def rng_state():
+    """This process's [CPU, current CUDA] generator states (to replay a forward's random draws, or
+    for a checkpoint)."""
+    return [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
 
-    def __init__(self):
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
 
-    def restore(self):
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda)
+def set_rng_state(state):
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
 
 
 def allreduce_grads(params):
@@ -194,7 +189,7 @@ def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
     states, embs = [], []
     with torch.no_grad():
         for sl in slices:
-            states.append(RNGState())
+            states.append(rng_state())
             embs.append(forward(sl, False)[1])
     E = torch.cat(embs).float().requires_grad_()
     loss, cparts = coupled(E)
@@ -202,7 +197,7 @@ def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
         scale(loss).backward()
     G, total, parts = E.grad, loss.detach(), {}
     for state, sl in zip(states, slices):
-        state.restore()
+        set_rng_state(state)
         with sync():
             local, emb, p = forward(sl, True)
             t = (emb.float() * G[sl]).sum()
@@ -343,15 +338,6 @@ def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2
     return x
 
 
-def eval_transform(img_size, synthetic=False):
-    """Resize (img*256/224) + centre crop, as uint8; synthetic images are simply resized."""
-    from torchvision import transforms as T
-    if synthetic:
-        return T.Compose([T.Resize(img_size), to_uint8])
-    return T.Compose([T.Resize(int(img_size * 256 / 224), interpolation=T.InterpolationMode.BICUBIC),
-                      T.CenterCrop(img_size), to_uint8])
-
-
 class ImageFiles(torch.utils.data.Dataset):
     """Images under a directory: class = first-level sub-folder (ImageFolder), or one class if flat.
 
@@ -455,6 +441,11 @@ class EpochSampler(torch.utils.data.DistributedSampler):
             if self.ipe is None:
                 return
             epoch, skip = epoch + 1, 0
+
+
+def seed_epoch(seed, epoch, rank):
+    """Reseed at every epoch start: masking/drop-path draws depend only on (seed, epoch, rank)."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, epoch, rank, 7]).generate_state(1)[0]))
 
 
 def epoch_batches(loader, epoch, ipe, start_step, seed, rank):
@@ -582,7 +573,7 @@ def print0(*a, **kw):
 
 
 # ----------------------------------------------------------------------------------------------
-# Run plumbing: CLI, setup, logging, checkpoints
+# Command line, setup, validation, the batch plan
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class RunArgs:
@@ -674,10 +665,24 @@ def setup(args, method):
         check_writable(out, "--output-dir")
         print(f"{method}: {world} process(es) on {device}, precision {precision}, output {out}")
         print(json.dumps(dataclasses.asdict(args)))
+    if getattr(args, "gpu_aug", False) is None:         # --gpu-aug: default on with CUDA (workers only decode,
+        args.gpu_aug = device.type == "cuda"            # crop and flip; colour ops batched on the device)
+    if hasattr(args, "gpu_aug"):
+        print0(f"photometric augmentation: {'batched on ' + device.type if args.gpu_aug else 'CPU workers'}")
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     ckpt = os.path.join(out, "checkpoint.pth")
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
-                              out=out, ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device))
+                              scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
+                              ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device))
+
+
+def distribute(net, run):
+    """(net, ddp): net in DistributedDataParallel when several processes run (ddp: that wrapper, whose
+    no_sync the micro-batch helpers use), else (net, None)."""
+    if run.world == 1:
+        return net, None
+    ddp = torch.nn.parallel.DistributedDataParallel(net, device_ids=[run.device] if run.device.type == "cuda" else None)
+    return ddp, ddp
 
 
 def check_writable(out, what):
@@ -731,6 +736,28 @@ def validate(args):
         raise bad(f"master-size {d['master_size']} is smaller than --img-size {d['img_size']}")
 
 
+def batch_plan(args, run, recipe, weakens, unit="images"):
+    """Per-process batch and micro-batch from the GLOBAL --batch-size: (per_process, micro). Prints
+    the plan; warns (no error) when the global batch is below the recipe's, saying what it weakens."""
+    B, W = args.batch_size, run.world
+    if B <= 0 or args.micro_batch < 0:
+        raise UserError(f"--batch-size must be positive and --micro-batch >= 0, got {B} and {args.micro_batch}")
+    if B % W:
+        raise UserError(f"--batch-size {B} is the GLOBAL batch: it must be divisible by the {W} processes")
+    per = B // W
+    micro = min(args.micro_batch or per, per)
+    if per % micro:
+        raise UserError(f"--micro-batch {micro} must divide the per-process batch {per} (= {B} / {W} processes)")
+    print0(f"global batch {B} {unit} = {W} process(es) x {per} per process = {per // micro} micro-batch(es) of "
+           f"{micro}{' with activation checkpointing' if args.grad_ckpt else ''}")
+    if B < recipe:
+        print0(f"warning: global batch {B} < the recipe's {recipe}: {weakens}")
+    return per, micro
+
+
+# ----------------------------------------------------------------------------------------------
+# During the run: non-finite guard, preemption, checkpoint timing, unreadable images
+# ----------------------------------------------------------------------------------------------
 class Guard:
     """Device-side watch for a non-finite loss or gradient norm (bf16 / fp32), or, with fp16, a run
     of `max_skipped` GradScaler-skipped steps in a row (a few are normal). It adds no host sync to
@@ -833,11 +860,11 @@ def ignore_stop_signals(_worker_id=None):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
-def end_step(run, log, args, step, epoch, parts, scaler, save, dataset=None, reads=0, bad0=0, **scalars):
+def end_step(run, log, args, step, epoch, parts, save, dataset=None, reads=0, bad0=0, **scalars):
     """The bookkeeping after each optimiser step, the same in every method: the non-finite watch
     (device-side), the unreadable-image count, the log line (every --log-every steps), and a
     mid-epoch checkpoint when due. Returns True when the run must stop now (checkpoint written)."""
-    run.guard.update(step, parts, scaler)
+    run.guard.update(step, parts, run.scaler)
     bad = check_unreadable(dataset, reads, bad0, args.max_unreadable) if dataset is not None else None
     log.step(step, epoch, parts, bad_images=bad, **scalars)
     due, stop = run.control.poll(step)
@@ -866,38 +893,9 @@ def check_unreadable(dataset, reads, bad0, max_frac, final=False):
     return bad or None
 
 
-def resolve_gpu_aug(args, run):
-    """--gpu-aug defaults to on with CUDA (photometric augmentation batched on the GPU, workers only
-    decode, crop and flip) and off on CPU; --no-gpu-aug forces the CPU workers. Sets args.gpu_aug."""
-    if args.gpu_aug is None:
-        args.gpu_aug = run.device.type == "cuda"
-    print0(f"photometric augmentation: {'batched on ' + run.device.type if args.gpu_aug else 'CPU workers'}")
-
-
-def batch_plan(args, run, recipe, weakens, unit="images"):
-    """Per-process batch and micro-batch from the GLOBAL --batch-size: (per_process, micro). Prints
-    the plan; warns (no error) when the global batch is below the recipe's, saying what it weakens."""
-    B, W = args.batch_size, run.world
-    if B <= 0 or args.micro_batch < 0:
-        raise UserError(f"--batch-size must be positive and --micro-batch >= 0, got {B} and {args.micro_batch}")
-    if B % W:
-        raise UserError(f"--batch-size {B} is the GLOBAL batch: it must be divisible by the {W} processes")
-    per = B // W
-    micro = min(args.micro_batch or per, per)
-    if per % micro:
-        raise UserError(f"--micro-batch {micro} must divide the per-process batch {per} (= {B} / {W} processes)")
-    print0(f"global batch {B} {unit} = {W} process(es) x {per} per process = {per // micro} micro-batch(es) of "
-           f"{micro}{' with activation checkpointing' if args.grad_ckpt else ''}")
-    if B < recipe:
-        print0(f"warning: global batch {B} < the recipe's {recipe}: {weakens}")
-    return per, micro
-
-
-def seed_epoch(seed, epoch, rank):
-    """Reseed at every epoch start: masking/drop-path draws depend only on (seed, epoch, rank)."""
-    torch.manual_seed(int(np.random.SeedSequence([seed, epoch, rank, 7]).generate_state(1)[0]))
-
-
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------
 def unwrap(model):
     """Strip DistributedDataParallel and torch.compile wrappers (for saving / EMA)."""
     model = getattr(model, "_orig_mod", model)
@@ -957,6 +955,75 @@ def load_checkpoint(path, method=None):
     return ckpt
 
 
+def rng_states():
+    """Every process's (CPU, CUDA) generator states, gathered on all ranks (collective)."""
+    mine = rng_state()
+    if world_size() == 1:
+        return [mine]
+    out = [None] * world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=None):
+    """Write the common checkpoint format; called by every rank (the RNG states are gathered), rank 0
+    writes. `encoder` is the ViT the paper evaluates; `rng` holds each rank's generator states, so
+    a checkpoint written mid-epoch resumes exactly. Never writes non-finite weights."""
+    run.guard.check()
+    rng = rng_states()
+    if not is_main():
+        return
+    sd = unwrap(model).state_dict()
+    if not all(torch.isfinite(v).all() for v in sd.values() if v.is_floating_point()):
+        raise UserError(f"non-finite weights at step {step}: not written; {run.ckpt} keeps the last finite checkpoint")
+    save_checkpoint(run.ckpt, {
+        "method": method, "args": dataclasses.asdict(args), "epoch": epoch, "step": step,
+        "vit": unwrap(encoder).config, "encoder": unwrap(encoder).state_dict(), "model": sd,
+        "target": target.state_dict() if target else None, "optimizer": optimizer.state_dict(),
+        "scaler": run.scaler.state_dict(), "rng": rng})
+    run.guard.saved = step
+
+
+def resume_run(run, method, args, model, optimizer, target=None):
+    """Continue from <output-dir>/checkpoint.pth when it exists and --resume; returns the global step
+    to start from (0 for a new run). The RNG state is this rank's at the checkpoint."""
+    if not (args.resume and os.path.isfile(run.ckpt)):
+        return 0
+    ckpt = load_checkpoint(run.ckpt, method)
+    old_batch = ckpt["args"].get("batch_size", args.batch_size)
+    if old_batch != args.batch_size:
+        changes = (f"{run.ckpt} was trained with --batch-size {old_batch}, this run asks for {args.batch_size}: "
+                   f"steps per epoch, the lr (if scaled with the batch) and every per-step schedule change")
+        if not args.allow_batch_change:
+            raise UserError(f"{changes}; rerun with --batch-size {old_batch}, or add --allow-batch-change to "
+                            "continue from the same number of images seen, or use another --output-dir")
+        print0(f"warning: {changes}; continuing from the same number of images seen (--allow-batch-change)")
+    try:
+        unwrap(model).load_state_dict(ckpt["model"])
+        if target is not None:
+            target.load_state_dict(ckpt["target"])
+    except RuntimeError as e:
+        raise UserError(f"{run.ckpt} does not fit this model ({str(e).splitlines()[0]}); use the "
+                        "flags it was trained with or another --output-dir") from None
+    optimizer.load_state_dict(ckpt["optimizer"])
+    run.scaler.load_state_dict(ckpt["scaler"])
+    rng = ckpt["rng"]
+    if torch.is_tensor(rng):                                             # checkpoints before per-rank states
+        torch.set_rng_state(rng)
+    else:
+        set_rng_state(rng[rank() % len(rng)])
+    run.guard.saved = step = ckpt["step"]
+    if old_batch != args.batch_size:                          # same images seen, at the new batch size
+        step = round(step * old_batch / args.batch_size)
+        print0(f"step {ckpt['step']} at batch {old_batch} = step {step} at batch {args.batch_size}; the data order and "
+               "random draws of the old run are not continued exactly")
+    print0(f"resumed from {run.ckpt}: epoch {ckpt['epoch']}, step {ckpt['step']}")
+    return step
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging and the end-of-run k-NN report
+# ----------------------------------------------------------------------------------------------
 class Logger:
     """Every `every` steps: one host sync, a console line and a JSONL record (rank 0 only)."""
 
@@ -999,132 +1066,16 @@ class Logger:
                             f"the last checkpoint is {self.guard.ckpt if self.guard.saved is not None else 'not written yet'}") from None
 
 
-# ----------------------------------------------------------------------------------------------
-# k-NN monitor (weighted k-NN on L2-normalised features, InstDisc / DINO protocol)
-# ----------------------------------------------------------------------------------------------
-@torch.no_grad()
-def knn_predict(train_f, train_y, test_f, num_classes, k=20, T=0.07, chunk=1024):
-    """Cosine similarity top-k, votes weighted by exp(sim / T); returns (n_test, C) class scores."""
-    out = []
-    for i in range(0, len(test_f), chunk):
-        sim = test_f[i:i + chunk] @ train_f.T                        # (b, n_train)
-        s, idx = sim.topk(min(k, train_f.shape[0]), dim=1)
-        votes = F.one_hot(train_y[idx], num_classes).float() * (s / T).exp().unsqueeze(-1)
-        out.append(votes.sum(1))
-    return torch.cat(out)
-
-
-@torch.no_grad()
-def extract_features(encoder, loader, device, features, autocast=contextlib.nullcontext()):
-    """(N, D) raw (un-normalised) features features(encoder, x) of a loader's normalised images, and
-    the (N,) labels; the encoder in eval mode."""
-    encoder.eval()
-    feats, labels = [], []
-    for x, y in loader:
-        with autocast:
-            feats.append(features(encoder, normalize(x.to(device, non_blocking=True))).float().cpu())
-        labels.append(y)
-    return torch.cat(feats), torch.cat(labels)
-
-
-def val_to_train(train, val):
-    """(len(val.classes),) the train index of each val class, matched BY NAME (-1: train lacks it)."""
-    index = {c: i for i, c in enumerate(train.classes)}
-    return torch.tensor([index.get(c, -1) for c in val.classes])
-
-
-def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, workers=0, k=20,
-                 autocast=contextlib.nullcontext()):
-    """Top-1 (%) of weighted k-NN: train split as memory bank, val split as queries (labels matched
-    by class name); features: the [CLS] token ("cls") or the mean patch token ("mean"), normed."""
-    val = image_dataset(data, "val")
-    if val is None:
-        raise UserError(f"--data {data}: k-NN needs a val/ split next to train/")
-    train = image_dataset(data, "train")
-    tf = eval_transform(img_size, synthetic=data == "synthetic")
-    pool = (lambda e, x: e(x)[:, 1:].mean(1)) if how == "mean" else (lambda e, x: e(x)[:, 0])
-    (ftr, ytr), (fva, yva) = (extract_features(encoder, torch.utils.data.DataLoader(Views(ds, tf), batch_size,
-                              num_workers=workers), device, pool, autocast) for ds in (train, val))
-    yva = val_to_train(train, val)[yva]
-    pred = knn_predict(F.normalize(ftr, dim=1), ytr, F.normalize(fva, dim=1), len(train.classes), k).argmax(1)
-    return 100.0 * (pred == yva).float().mean().item()
-
-
-def rng_states():
-    """Every process's (CPU, CUDA) generator states, gathered on all ranks (collective)."""
-    mine = [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
-    if world_size() == 1:
-        return [mine]
-    out = [None] * world_size()
-    dist.all_gather_object(out, mine)
-    return out
-
-
-def save_run(run, method, args, epoch, step, encoder, model, optimizer, scaler, target=None):
-    """Write the common checkpoint format; called by every rank (the RNG states are gathered), rank 0
-    writes. `encoder` is the ViT the paper evaluates; `rng` holds each rank's generator states, so
-    a checkpoint written mid-epoch resumes exactly. Never writes non-finite weights."""
-    run.guard.check()
-    rng = rng_states()
-    if not is_main():
-        return
-    sd = unwrap(model).state_dict()
-    if not all(torch.isfinite(v).all() for v in sd.values() if v.is_floating_point()):
-        raise UserError(f"non-finite weights at step {step}: not written; {run.ckpt} keeps the last finite checkpoint")
-    save_checkpoint(run.ckpt, {
-        "method": method, "args": dataclasses.asdict(args), "epoch": epoch, "step": step,
-        "vit": unwrap(encoder).config, "encoder": unwrap(encoder).state_dict(), "model": sd,
-        "target": target.state_dict() if target else None, "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(), "rng": rng})
-    run.guard.saved = step
-
-
-def resume_run(run, method, args, model, optimizer, scaler, target=None):
-    """Continue from <output-dir>/checkpoint.pth when it exists and --resume; returns the global step
-    to start from (0 for a new run). The RNG state is this rank's at the checkpoint."""
-    if not (args.resume and os.path.isfile(run.ckpt)):
-        return 0
-    ckpt = load_checkpoint(run.ckpt, method)
-    old_batch = ckpt["args"].get("batch_size", args.batch_size)
-    if old_batch != args.batch_size:
-        changes = (f"{run.ckpt} was trained with --batch-size {old_batch}, this run asks for {args.batch_size}: "
-                   f"steps per epoch, the lr (if scaled with the batch) and every per-step schedule change")
-        if not args.allow_batch_change:
-            raise UserError(f"{changes}; rerun with --batch-size {old_batch}, or add --allow-batch-change to "
-                            "continue from the same number of images seen, or use another --output-dir")
-        print0(f"warning: {changes}; continuing from the same number of images seen (--allow-batch-change)")
-    try:
-        unwrap(model).load_state_dict(ckpt["model"])
-        if target is not None:
-            target.load_state_dict(ckpt["target"])
-    except RuntimeError as e:
-        raise UserError(f"{run.ckpt} does not fit this model ({str(e).splitlines()[0]}); use the "
-                        "flags it was trained with or another --output-dir") from None
-    optimizer.load_state_dict(ckpt["optimizer"])
-    scaler.load_state_dict(ckpt["scaler"])
-    rng = ckpt["rng"]
-    if torch.is_tensor(rng):                                             # checkpoints before per-rank states
-        torch.set_rng_state(rng)
-    else:
-        cpu, cuda = rng[rank() % len(rng)]
-        torch.set_rng_state(cpu)
-        if cuda is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(cuda)
-    run.guard.saved = step = ckpt["step"]
-    if old_batch != args.batch_size:                          # same images seen, at the new batch size
-        step = round(step * old_batch / args.batch_size)
-        print0(f"step {ckpt['step']} at batch {old_batch} = step {step} at batch {args.batch_size}; the data order and "
-               "random draws of the old run are not continued exactly")
-    print0(f"resumed from {run.ckpt}: epoch {ckpt['epoch']}, step {ckpt['step']}")
-    return step
-
-
 def knn_report(args, run, log, encoder, build_init, how, what):
     """End of training (rank 0): k-NN of the learned encoder vs the same architecture at init.
     On with --knn, or by default for --data synthetic. build_init() must make the encoder with
     the same RNG draw as at the start of training (seeded in setup)."""
     if not (args.knn if args.knn is not None else args.data == "synthetic") or not is_main():
         return
+    try:
+        from eval_linear import knn_accuracy                     # the evaluation's k-NN
+    except ImportError:
+        return print0("k-NN monitor skipped: it is eval_linear.py's, which is not next to this file")
     torch.manual_seed(args.seed)
     init = build_init().to(run.device)
     accs = [knn_accuracy(e, args.data, args.img_size, run.device, how, autocast=run.autocast) for e in (encoder, init)]

@@ -353,7 +353,6 @@ def train_step(student, teacher, x_weak, x_strong, mask, a, micro=None, autocast
 def train(args):
     run = C.setup(args, "conmim")
     dev = run.device
-    C.resolve_gpu_aug(args, run)
     per, micro = C.batch_plan(args, run, 2048, "the loss is per image, so only the gradient noise and the "
                               "lr / batch pairing of the recipe change")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
@@ -365,14 +364,11 @@ def train(args):
     teacher = make_teacher(model)
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
-    scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
-    start = C.resume_run(run, "conmim", args, model, opt, scaler, teacher)    # global step
-    student, teacher_fwd = (torch.compile(model), torch.compile(teacher)) if args.compile else (model, teacher)
-    ddp = None
-    if run.world > 1:
-        student = ddp = nn.parallel.DistributedDataParallel(student, device_ids=[dev] if dev.type == "cuda" else None)
+    start = C.resume_run(run, "conmim", args, model, opt, teacher)    # global step
+    student, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
+    teacher_fwd = torch.compile(teacher) if args.compile else teacher
     log = C.Logger(run, total, args.batch_size, args.log_every, start)
-    save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, scaler, teacher)  # noqa: E731
+    save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, teacher)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute, for the "
              "official global batch 2048; not rescaled)")
     grid = model.encoder.grid
@@ -392,12 +388,10 @@ def train(args):
             mask = random_masking(x_weak.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(student, teacher_fwd, x_weak, x_strong, mask, args, micro, run.autocast,
-                                     scaler.scale, ddp)
-            parts["grad_norm"] = C.clip_grads(model.parameters(), args.clip_grad, scaler, opt)
-            scaler.step(opt)
-            scaler.update()
+                                     run.scaler.scale, ddp)
+            parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters(), args.clip_grad)
             ema_update(teacher, model, m)
-            if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save, dataset, (it + 1) * per, bad0,
+            if C.end_step(run, log, args, step + 1, epoch, parts, save, dataset, (it + 1) * per, bad0,
                           lr=lr, mom=m):                                 # log, NaN watch; preempted: stop
                 return
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)

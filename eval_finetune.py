@@ -191,7 +191,7 @@ def train_transform(a, size):
 def evaluate(model, val, size, a, run):
     """Top-1 / top-5 (%) on val/, each process a strided share, counts summed over processes."""
     model.eval()
-    share = torch.utils.data.Subset(C.Views(val, C.eval_transform(size, a.data == "synthetic")),
+    share = torch.utils.data.Subset(C.Views(val, E.eval_transform(size, a.data == "synthetic")),
                                     range(run.rank, len(val), run.world))
     hits = torch.zeros(3, device=run.device)                       # top-1, top-5, count
     for x, y in torch.utils.data.DataLoader(share, a.eval_batch, num_workers=a.workers):
@@ -244,15 +244,11 @@ def finetune(args):
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = torch.optim.AdamW(param_groups(model, args.weight_decay, args.layer_decay), lr=lr, betas=args.betas,
                             fused=run.device.type == "cuda")
-    scaler = torch.amp.GradScaler(run.device.type, enabled=run.precision == "fp16")
-    start = C.resume_run(run, "finetune", args, model, opt, scaler)
-    net = torch.compile(model) if args.compile else model
-    ddp = None
-    if run.world > 1:
-        net = ddp = nn.parallel.DistributedDataParallel(net, device_ids=[run.device] if run.device.type == "cuda" else None)
+    start = C.resume_run(run, "finetune", args, model, opt)
+    net, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
     mix = Mix(args, len(train.classes))
     log = C.Logger(run, total, args.batch_size, args.log_every, start)
-    save = lambda s: C.save_run(run, "finetune", args, s // ipe, s, model.encoder, model, opt, scaler)  # noqa: E731
+    save = lambda s: C.save_run(run, "finetune", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
     C.print0(f"fine-tuning {ckpt['method']} ({'random init' if args.random_init else args.ckpt}), recipe {recipe}: "
              f"{len(train)} images, {len(train.classes)} classes, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
              + ("" if args.lr else f" (= blr {args.blr:g} x {args.batch_size} / 256)") + f", layer decay {args.layer_decay}")
@@ -275,12 +271,10 @@ def finetune(args):
                 with run.autocast:
                     logits = net(x[sl])
                 part = soft_target_ce(logits, target[sl]) * (len(logits) / len(x))   # share of the mean
-                scaler.scale(part).backward()
+                run.scaler.scale(part).backward()
                 loss = loss + part.detach()
-            parts = {"loss": loss, "grad_norm": C.clip_grads(list(model.parameters()), args.clip_grad, scaler, opt)}
-            scaler.step(opt)
-            scaler.update()
-            if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save, train, (it + 1) * per, bad0, lr=lr_now):
+            parts = {"loss": loss, "grad_norm": C.optimizer_step(run, opt, list(model.parameters()), args.clip_grad)}
+            if C.end_step(run, log, args, step + 1, epoch, parts, save, train, (it + 1) * per, bad0, lr=lr_now):
                 return None
         C.check_unreadable(train, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)

@@ -36,6 +36,7 @@ Protocol differences from the official evaluations, not fixed: MSN resizes bilin
 we resize bicubically to img*256/224 (= 256 at 224) for every method, as MAE's evaluation does.
 cyanure's solver (tol 1e-3, at most 300 epochs) is replaced by L-BFGS on the same objective.
 """
+import contextlib
 import hashlib
 import json
 import math
@@ -275,6 +276,66 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
     return enc.eval(), ckpt
 
 
+# ----------------------------------------------------------------------------------------------
+# Features and weighted k-NN (InstDisc / DINO protocol; also the training scripts' k-NN monitor)
+# ----------------------------------------------------------------------------------------------
+def eval_transform(img_size, synthetic=False):
+    """Resize (img*256/224) + centre crop, as uint8; synthetic images are simply resized."""
+    from torchvision import transforms as T
+    if synthetic:
+        return T.Compose([T.Resize(img_size), C.to_uint8])
+    return T.Compose([T.Resize(int(img_size * 256 / 224), interpolation=T.InterpolationMode.BICUBIC),
+                      T.CenterCrop(img_size), C.to_uint8])
+
+
+@torch.no_grad()
+def knn_predict(train_f, train_y, test_f, num_classes, k=20, T=0.07, chunk=1024):
+    """Cosine similarity top-k, votes weighted by exp(sim / T); returns (n_test, C) class scores."""
+    out = []
+    for i in range(0, len(test_f), chunk):
+        sim = test_f[i:i + chunk] @ train_f.T                        # (b, n_train)
+        s, idx = sim.topk(min(k, train_f.shape[0]), dim=1)
+        votes = F.one_hot(train_y[idx], num_classes).float() * (s / T).exp().unsqueeze(-1)
+        out.append(votes.sum(1))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def extract_features(encoder, loader, device, features, autocast=contextlib.nullcontext()):
+    """(N, D) raw (un-normalised) features features(encoder, x) of a loader's normalised images, and
+    the (N,) labels; the encoder in eval mode."""
+    encoder.eval()
+    feats, labels = [], []
+    for x, y in loader:
+        with autocast:
+            feats.append(features(encoder, C.normalize(x.to(device, non_blocking=True))).float().cpu())
+        labels.append(y)
+    return torch.cat(feats), torch.cat(labels)
+
+
+def val_to_train(train, val):
+    """(len(val.classes),) the train index of each val class, matched BY NAME (-1: train lacks it)."""
+    index = {c: i for i, c in enumerate(train.classes)}
+    return torch.tensor([index.get(c, -1) for c in val.classes])
+
+
+def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, workers=0, k=20,
+                 autocast=contextlib.nullcontext()):
+    """Top-1 (%) of weighted k-NN: train split as memory bank, val split as queries (labels matched
+    by class name); features: the [CLS] token ("cls") or the mean patch token ("mean"), normed."""
+    val = C.image_dataset(data, "val")
+    if val is None:
+        raise C.UserError(f"--data {data}: k-NN needs a val/ split next to train/")
+    train = C.image_dataset(data, "train")
+    tf = eval_transform(img_size, synthetic=data == "synthetic")
+    pool = (lambda e, x: e(x)[:, 1:].mean(1)) if how == "mean" else (lambda e, x: e(x)[:, 0])
+    (ftr, ytr), (fva, yva) = (extract_features(encoder, torch.utils.data.DataLoader(C.Views(ds, tf), batch_size,
+                              num_workers=workers), device, pool, autocast) for ds in (train, val))
+    yva = val_to_train(train, val)[yva]
+    pred = knn_predict(F.normalize(ftr, dim=1), ytr, F.normalize(fva, dim=1), len(train.classes), k).argmax(1)
+    return 100.0 * (pred == yva).float().mean().item()
+
+
 def splits(data, skip_unreadable=False):
     """The train and val datasets, checked before any feature is computed, and val's labels mapped
     to train's class indices BY NAME (a val/ that lacks a class, or orders them otherwise, keeps
@@ -283,7 +344,7 @@ def splits(data, skip_unreadable=False):
     train, val = C.image_dataset(data, "train", skip_unreadable), C.image_dataset(data, "val")
     if val is None or not os.path.isdir(os.path.join(data, "train")) and data != "synthetic":
         raise C.UserError(f"--data {data}: expected train/ and val/ class folders (evaluation needs both)")
-    mapping = C.val_to_train(train, val)
+    mapping = val_to_train(train, val)
     missing = [c for c, i in zip(val.classes, mapping.tolist()) if i < 0]
     if missing:
         raise C.UserError(f"--data {data}: val/ has {len(missing)} class(es) that train/ lacks, e.g. {missing[0]!r} "
@@ -301,10 +362,10 @@ def features(a, enc, ckpt, split, ds, device):
     path = os.path.join(os.path.dirname(os.path.abspath(a.ckpt)), "features", f"{key}_{split}.pt")
     if a.cache and os.path.isfile(path):
         return torch.load(path, weights_only=True)
-    tf = C.eval_transform(size, synthetic=a.data == "synthetic")
+    tf = eval_transform(size, synthetic=a.data == "synthetic")
     dl = torch.utils.data.DataLoader(C.Views(ds, tf), a.batch_size, num_workers=a.workers)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    out = C.extract_features(enc, dl, device, lambda e, x: features_of(e, x, pool), autocast)
+    out = extract_features(enc, dl, device, lambda e, x: features_of(e, x, pool), autocast)
     if a.cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         C.save_checkpoint(path, out)
@@ -318,7 +379,7 @@ def topk(scores, y, k):
 
 
 def knn(train_f, train_y, val_f, val_y, num_classes, k=20, T=0.07):
-    s = C.knn_predict(F.normalize(train_f, dim=1), train_y, F.normalize(val_f, dim=1), num_classes, k, T)
+    s = knn_predict(F.normalize(train_f, dim=1), train_y, F.normalize(val_f, dim=1), num_classes, k, T)
     s = s.masked_fill(s <= 0, float("-inf"))                       # classes without a vote
     return {"knn_top1": topk(s, val_y, 1), "knn_top5": topk(s, val_y, 5)}
 

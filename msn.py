@@ -255,6 +255,11 @@ def ema_update(target, online, m):
     torch._foreach_lerp_(list(target.parameters()), [p.detach() for p in online.parameters()], 1.0 - m)
 
 
+def linear_schedule(step, total, start, end):
+    """The EMA momentum m: start -> end linearly over `total` steps (official momentum_scheduler)."""
+    return start + (end - start) * min(1.0, step / max(1, total))
+
+
 class Net(nn.Module):
     """f_theta: ViT [CLS] (after the final norm) -> Linear-BN-GELU-Linear-BN-GELU-Linear head."""
 
@@ -410,7 +415,6 @@ def train_step(online, target, x_target, x_rand, x_focal, ids_keep, a, micro=Non
 def train(args):
     run = C.setup(args, "msn")
     dev, R = run.device, args.rand_views
-    C.resolve_gpu_aug(args, run)
     per, micro = C.batch_plan(args, run, 1024, f"Sinkhorn targets and the ME-MAX mean are statistics of the "
                               f"global batch; with {args.batch_size} images against {args.num_prototypes} "
                               "prototypes the targets flatten and the prototype marginal is noisier")
@@ -426,16 +430,11 @@ def train(args):
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
-    scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
-    start = C.resume_run(run, "msn", args, model, opt, scaler, target)        # global step
-    online, target_fwd = model, target
-    if args.compile:
-        online, target_fwd = torch.compile(model), torch.compile(target)
-    ddp = None
-    if run.world > 1:
-        online = ddp = nn.parallel.DistributedDataParallel(online, device_ids=[dev] if dev.type == "cuda" else None)
+    start = C.resume_run(run, "msn", args, model, opt, target)        # global step
+    online, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
+    target_fwd = torch.compile(target) if args.compile else target
     log = C.Logger(run, total, args.batch_size, args.log_every, start)
-    save = lambda s: C.save_run(run, "msn", args, s // ipe, s, target.encoder, model, opt, scaler, target)  # noqa: E731
+    save = lambda s: C.save_run(run, "msn", args, s // ipe, s, target.encoder, model, opt, target)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps ({args.epochs} epochs; schedules span "
              f"{sched}), {1 + R + args.focal_views} views/image; lr {args.start_lr:g} -> {args.lr:g} -> "
              f"{args.min_lr:g} (absolute, not scaled with the batch, as official)")
@@ -447,7 +446,7 @@ def train(args):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, sched, args.lr, args.min_lr, args.warmup_epochs * ipe, args.start_lr)
             wd = C.cosine_schedule(step, sched, args.weight_decay, args.final_weight_decay)
-            m = C.linear_schedule(step, sched, *args.ema)
+            m = linear_schedule(step, sched, *args.ema)
             C.set_hparams(opt, lr, wd)
 
             views = [v.to(dev, non_blocking=True) for v in views]
@@ -460,12 +459,10 @@ def train(args):
             ids_keep = random_masking(R * B, model.net.encoder.grid, args.mask_ratio, device=dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(online, target_fwd, x_target, x_rand, x_focal, ids_keep.view(R, B, -1), args,
-                                     micro, run.autocast, scaler.scale, ddp)
-            parts["grad_norm"] = C.clip_grads(model.net.parameters(), args.clip_grad, scaler, opt)
-            scaler.step(opt)
-            scaler.update()
+                                     micro, run.autocast, run.scaler.scale, ddp)
+            parts["grad_norm"] = C.optimizer_step(run, opt, model.net.parameters(), args.clip_grad)
             ema_update(target, model.net, m)
-            if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save, dataset, (it + 1) * per, bad0,
+            if C.end_step(run, log, args, step + 1, epoch, parts, save, dataset, (it + 1) * per, bad0,
                           lr=lr, wd=wd, mom=m):                          # log, NaN watch; preempted: stop
                 return
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)

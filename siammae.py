@@ -306,18 +306,14 @@ def make_vit(a):
 # ----------------------------------------------------------------------------------------------
 # Masking and patches (MAE)
 # ----------------------------------------------------------------------------------------------
-def random_masking(batch, grid, ratio, unit=1, device=None):
-    """MAE-style random masking of a grid x grid patch map in unit x unit blocks, per image: exactly
-    int(n_blocks (1 - ratio)) blocks kept. Returns ids_keep (B, n_keep) kept patch indices
-    (ascending), ids_restore (B, N) (gathering cat([kept, masked]) with it restores raster order),
-    mask (B, N) float, 1 = masked."""
-    if grid % unit:
-        raise C.UserError(f"patch grid {grid} is not divisible by the mask unit {unit}")
-    g = grid // unit
-    n_keep = int(g * g * (1 - ratio)) * unit * unit
-    noise = torch.rand(batch, g * g, device=device)                 # argsort of noise (MAE)
-    block_masked = noise.argsort(1).argsort(1) >= int(g * g * (1 - ratio))
-    mask = block_masked.view(batch, g, 1, g, 1).expand(-1, -1, unit, -1, unit).reshape(batch, -1)
+def random_masking(batch, grid, ratio, device=None):
+    """MAE's per-image random masking of the grid x grid patches: exactly int(N (1 - ratio)) kept, chosen
+    by the ranks of uniform noise. Returns ids_keep (B, n_keep) kept patch indices (ascending),
+    ids_restore (B, N) (gathering cat([kept, masked]) with it restores raster order), mask (B, N)
+    float, 1 = masked."""
+    n_keep = int(grid * grid * (1 - ratio))
+    noise = torch.rand(batch, grid * grid, device=device)           # argsort of noise (MAE)
+    mask = noise.argsort(1).argsort(1) >= n_keep
     ids_shuffle = mask.to(torch.uint8).argsort(dim=1, stable=True)  # kept first, then masked
     return ids_shuffle[:, :n_keep], ids_shuffle.argsort(1), mask.float()
 
@@ -486,14 +482,10 @@ def train(args):
     model = SiamMAE(args).to(dev)
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
-    scaler = torch.amp.GradScaler(dev.type, enabled=run.precision == "fp16")
-    start = C.resume_run(run, "siammae", args, model, opt, scaler)            # global step
-    net = torch.compile(model) if args.compile else model
-    ddp = None
-    if run.world > 1:
-        net = ddp = nn.parallel.DistributedDataParallel(net, device_ids=[dev] if dev.type == "cuda" else None)
+    start = C.resume_run(run, "siammae", args, model, opt)            # global step
+    net, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
     log = C.Logger(run, total, pairs, args.log_every, start)
-    save = lambda s: C.save_run(run, "siammae", args, s // ipe, s, model.encoder, model, opt, scaler)  # noqa: E731
+    save = lambda s: C.save_run(run, "siammae", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
     C.print0(f"{len(dataset)} videos, {args.epochs} effective epochs = {passes} passes of {ipe} steps, {total} steps, "
              f"{videos} videos = {pairs} pairs/step, lr {lr:.3g} (blr x {videos} videos / 256)")
     p, grid = args.patch_size, model.encoder.grid
@@ -508,11 +500,9 @@ def train(args):
             ids_keep, ids_restore, mask = random_masking(f2.shape[0], grid, args.mask_ratio, device=dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(net, f1, f2, ids_keep, ids_restore, mask, args, micro * R, run.autocast,
-                                     scaler.scale, ddp)
-            parts["grad_norm"] = C.clip_grads(model.parameters(), 0, scaler, opt)   # MAE recipe: no clipping
-            scaler.step(opt)
-            scaler.update()
-            if C.end_step(run, log, args, step + 1, epoch, parts, scaler, save,
+                                     run.scaler.scale, ddp)
+            parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # MAE recipe: no clipping
+            if C.end_step(run, log, args, step + 1, epoch, parts, save,
                           lr=opt.param_groups[0]["lr"]):                 # log, NaN watch; preempted: stop
                 return
         save((epoch + 1) * ipe)

@@ -157,3 +157,16 @@ def test_bad_checkpoints(tmp_path):
     one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "junk.pth"), "--data", "synthetic"), "not a readable checkpoint")
     torch.save({"state_dict": {}}, tmp_path / "foreign.pth")
     one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "foreign.pth"), "--data", "synthetic"), "unknown checkpoint layout")
+
+
+def test_knn_predict_matches_naive():
+    g = torch.Generator().manual_seed(0)
+    tr = torch.nn.functional.normalize(torch.randn(30, 5, generator=g), dim=1)
+    ytr = torch.randint(0, 3, (30,), generator=g)
+    te = torch.nn.functional.normalize(torch.randn(7, 5, generator=g), dim=1)
+    scores = E.knn_predict(tr, ytr, te, 3, k=4, T=0.5)
+    for i in range(7):
+        sims = [(float(te[i] @ tr[j]), j) for j in range(30)]
+        top = sorted(sims, reverse=True)[:4]
+        naive = [sum(math.exp(s / 0.5) for s, j in top if ytr[j] == c) for c in range(3)]
+        assert torch.allclose(scores[i], torch.tensor(naive), rtol=1e-4)

@@ -161,7 +161,7 @@ def test_eval_linear_and_eval_video_read_foreign_checkpoints(tmp_path):
     res = E.evaluate(E.Args(ckpt=str(tmp_path / "msn.pth"), data=data, mode="knn", workers=0, k=3, device="cpu"))
     assert res["method"] == "msn" and res["pool"] == "cls-prenorm"  # MSN's own evaluation features
     train = C.image_dataset(data, "train")
-    tf = C.eval_transform(16)
+    tf = E.eval_transform(16)
     x = torch.stack([C.normalize(tf(train.load(i)[0])) for i in range(2)])
     feats = torch.load(next((tmp_path / "features").glob("*_train.pt")), weights_only=True)[0]
     torch.testing.assert_close(feats[:2], enc(x, norm=False)[:, 0], atol=1e-5, rtol=1e-5)
@@ -178,7 +178,8 @@ def test_unknown_layout_is_a_one_line_error_listing_keys(tmp_path):
 
 def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_path):
     """Copy-paste use: can.py + common.py alone in a new project (no synthetic.py, no other file)
-    train on an image folder and write a checkpoint."""
+    train on an image folder and write a checkpoint; the end-of-run k-NN report, which is
+    eval_linear.py's, is skipped with a line saying so."""
     import shutil
     proj = tmp_path / "proj"
     proj.mkdir()
@@ -189,8 +190,9 @@ def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_
         S.synthetic_image(i)[0].save(tmp_path / "imgs" / f"c{i % 2}" / f"{i}.png")
     r = run_cli("can.py", "--data", str(tmp_path / "imgs"), "--model", "nano", "--patch-size", "4", "--img-size", "16",
                 "--batch-size", "4", "--epochs", "1", "--warmup-epochs", "0", "--decoder-dim", "16", "--decoder-depth", "1",
-                "--decoder-heads", "2", "--proj-hidden", "16", "--proj-dim", "8", "--workers", "0", "--output-dir",
+                "--decoder-heads", "2", "--proj-hidden", "16", "--proj-dim", "8", "--workers", "0", "--knn", "--output-dir",
                 str(tmp_path / "out"), cwd=str(proj))
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "k-NN monitor skipped: it is eval_linear.py's" in r.stdout
     assert sorted(os.listdir(proj)) == ["can.py", "common.py"] or "__pycache__" in os.listdir(proj)
     assert C.load_checkpoint(str(tmp_path / "out" / "checkpoint.pth"), "can")["step"] == 2

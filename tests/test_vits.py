@@ -16,12 +16,12 @@ import siammae
 MAE = ["cmae", "can", "siammae"]                   # MAE-style masking with ids_restore and token dropping
 
 
-@pytest.mark.parametrize("method", MAE)
-@pytest.mark.parametrize("grid,ratio,unit", [(8, 0.15, 1), (8, 0.75, 1), (8, 0.65, 2), (14, 0.95, 1), (4, 0.5, 2)])
+@pytest.mark.parametrize("method,grid,ratio,unit", [(m, *c) for m in MAE for c in [(8, 0.15, 1), (8, 0.75, 1), (14, 0.95, 1)]]
+                         + [("cmae", 8, 0.65, 2), ("cmae", 4, 0.5, 2)])     # block masking (--mask-unit): CMAE's only
 def test_mae_random_masking_invariants(method, grid, ratio, unit):
     mod = importlib.import_module(method)
     B, N = 5, grid * grid
-    ids_keep, ids_restore, mask = mod.random_masking(B, grid, ratio, unit)
+    ids_keep, ids_restore, mask = mod.random_masking(B, grid, ratio, *(unit,) * (method == "cmae"))
     n_keep = int((grid // unit) ** 2 * (1 - ratio)) * unit * unit
     assert ids_keep.shape == (B, n_keep) and mask.shape == (B, N)
     assert (mask.sum(1) == N - n_keep).all()                                    # exact counts
