@@ -453,7 +453,8 @@ def epoch_batches(loader, epoch, ipe, start_step, seed, rank):
     start_step already covered. A fresh epoch reseeds the RNG (seed_epoch); a resumed one keeps the
     RNG state restored from the checkpoint, so masks and noise continue exactly. The loader's
     iterator is kept from one epoch to the next (EpochSampler runs on), a new one only at the start
-    of a run or of a resumed one."""
+    of a run or of a resumed one. The time spent waiting for each batch is counted for the log
+    (data_wait)."""
     first = min(ipe, max(0, start_step - epoch * ipe))
     if first == 0:
         seed_epoch(seed, epoch, rank)
@@ -462,7 +463,24 @@ def epoch_batches(loader, epoch, ipe, start_step, seed, rank):
         loader.sampler.skip, loader.sampler.ipe = first * loader.batch_size, ipe
         loader.run_iter = iter(loader)
     loader.run_next = (epoch + 1, 0)
-    return enumerate(itertools.islice(loader.run_iter, ipe - first), start=first)
+    return enumerate(waited(itertools.islice(loader.run_iter, ipe - first)), start=first)
+
+
+DATA_WAIT = [0.0]              # seconds the training loop waited for batches since the last log line
+
+
+def waited(batches):
+    """Yield from `batches`, adding the time each next() blocks to DATA_WAIT (MAE's "data" time: where
+    the loader keeps up, close to 0; where it does not, the step waits and the GPU idles)."""
+    it = iter(batches)
+    while True:
+        t = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        DATA_WAIT[0] += time.perf_counter() - t
+        yield batch
 
 
 def make_loader(dataset, batch_size, workers, seed, train=True, drop_last=True):
@@ -1031,6 +1049,7 @@ class Logger:
         self.total, self.batch, self.every, self.guard = total_steps, batch_size, every, run.guard
         self.path = os.path.join(run.out, "log.jsonl")
         self.t, self.last = time.time(), start_step
+        DATA_WAIT[0] = 0.0
 
     def step(self, step, epoch, parts, **scalars):
         """parts: dict of 0-d tensors (loss terms), kept on device until logged."""
@@ -1042,8 +1061,9 @@ class Logger:
         ips = (step - self.last) * self.batch / max(dt, 1e-9)
         eta = (self.total - step) * dt / max(1, step - self.last)
         self.t, self.last = time.time(), step
+        wait, DATA_WAIT[0] = DATA_WAIT[0], 0.0
         rec = {"epoch": epoch, "step": step, **rec, **{k: float(v) for k, v in scalars.items() if v is not None},
-               "img_s": round(ips, 1)}
+               "img_s": round(ips, 1), "data_wait": round(min(1.0, wait / max(dt, 1e-9)), 3)}
         if torch.cuda.is_available():
             rec["mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if is_main():

@@ -169,7 +169,7 @@ def test_all_gather_autograd_two_processes():
 
 
 @pytest.mark.parametrize("script", ["msn.py", "cmae.py", "conmim.py", "can.py", "siammae.py", "eval_linear.py",
-                                    "eval_video.py", "eval_finetune.py", "benchmarks/data.py"])
+                                    "eval_video.py", "eval_finetune.py", "benchmarks/data.py", "benchmarks/e2e.py"])
 def test_help_of_every_script(script):
     from helpers import run_cli
     r = run_cli(script, "--help")

@@ -194,3 +194,19 @@ def test_one_loader_iterator_serves_every_epoch(tmp_path, monkeypatch):
     can.train(can_args(tmp_path, epochs=3, steps_per_epoch=2, workers=2))           # resumes at epoch 2
     assert len(calls) == 2
     assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 6
+
+
+def test_the_log_reports_the_share_of_time_spent_waiting_for_data(tmp_path, monkeypatch):
+    """data_wait: the share of each log interval the loop spent blocked on the next batch. A loader
+    made slow on purpose (0.1 s per image, read in the main process) shows it above one half; the
+    same run with a slow step instead (0.4 s) below one half."""
+    real_load, real_step = S.SyntheticImages.load, can.train_step
+    monkeypatch.setattr(S.SyntheticImages, "load", lambda self, i: (time.sleep(0.1), real_load(self, i))[1])
+    can.train(can_args(tmp_path / "slow_data", epochs=1, steps_per_epoch=2, warmup_epochs=0))
+    monkeypatch.setattr(S.SyntheticImages, "load", real_load)
+    monkeypatch.setattr(can, "train_step", lambda *a, **kw: (time.sleep(0.4), real_step(*a, **kw))[1])
+    can.train(can_args(tmp_path / "slow_step", epochs=1, steps_per_epoch=2, warmup_epochs=0))
+    wait = {d: [json.loads(line)["data_wait"] for line in open(tmp_path / d / "log.jsonl") if '"step"' in line]
+            for d in ("slow_data", "slow_step")}
+    assert len(wait["slow_data"]) == len(wait["slow_step"]) == 2
+    assert all(w > 0.5 for w in wait["slow_data"]) and all(w < 0.5 for w in wait["slow_step"]), wait
