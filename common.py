@@ -291,16 +291,24 @@ def _hue(x, f):
 
 def color_jitter_batch(x, fb, fc, fs, fh, order):
     """torchvision ColorJitter applied per image: factors (B, 1, 1, 1) for brightness, contrast,
-    saturation, hue; order (B, 4) the per-image order of ops 0..3 (-1 = skip). x float in [0, 1].
-    Brightness / contrast / saturation are the blends f*x + (1-f)*ref, clamped, with ref = 0, the
-    image's mean grey, the grey image."""
-    for k in range(order.shape[1]):
+    saturation, hue; order (B, 4) per image a permutation of the ops 0..3, or all -1 (not applied).
+    x float in [0, 1]. Brightness / contrast / saturation are the blends f*x + (1-f)*ref, clamped,
+    with ref = 0, the image's mean grey, the grey image. The hue shift (an HSV round trip, the
+    costly op) runs once on the batch: each image's blends placed before its hue, then the hue, then
+    its blends placed after it (the same ops in the same order, image by image; no host sync)."""
+    hue_at = (order == 3).float().argmax(1).masked_fill(order[:, 0] < 0, 4).view(-1, 1, 1, 1)   # 4: no jitter
+
+    def blend(x, k, apply):                                          # the k-th op where it is a blend
         op = order[:, k].view(-1, 1, 1, 1)
         g = _gray(x)
         ref = torch.where(op == 0, torch.zeros_like(g), torch.where(op == 1, g.mean((2, 3), keepdim=True), g))
         f = torch.where(op == 0, fb, torch.where(op == 1, fc, fs))
-        x = torch.where((op >= 0) & (op <= 2), (f * x + (1 - f) * ref).clamp(0, 1), x)
-        x = torch.where(op == 3, _hue(x, fh), x)
+        return torch.where(apply & (op >= 0) & (op <= 2), (f * x + (1 - f) * ref).clamp(0, 1), x)
+    for k in range(3):                                               # a permutation's last op never precedes its hue
+        x = blend(x, k, k < hue_at)
+    x = torch.where(hue_at < 4, _hue(x, fh), x)
+    for k in range(1, 4):
+        x = blend(x, k, k > hue_at)
     return x
 
 
