@@ -1,4 +1,5 @@
 """common.py: schedules, optimiser groups, data, augmentation, CLI (each method's ViT, masking and EMA: test_vits.py)."""
+import argparse
 import math
 import os
 
@@ -174,3 +175,24 @@ def test_help_of_every_script(script):
     from helpers import run_cli
     r = run_cli(script, "--help")
     assert r.returncode == 0 and "--data" in r.stdout, r.stderr[-500:]
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.5])
+def test_optimizer_step_unscales_then_clips_and_returns_the_norm_before_clipping(max_norm):
+    """fp16 path on CPU: gradients of a loss scaled by 1024 are unscaled before the norm and the
+    clipping; the returned norm is the true one, before clipping; the step uses the clipped gradient."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()
+    x = torch.randn(5, 4)
+    loss = (lin(x) ** 2).sum()
+    gw, gb = torch.autograd.grad(loss, (lin.weight, lin.bias))
+    true = torch.cat([gw.flatten(), gb]).norm()
+    run = argparse.Namespace(scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    opt = torch.optim.SGD(lin.parameters(), lr=1.0)
+    run.scaler.scale((lin(x) ** 2).sum()).backward()
+    norm = C.optimizer_step(run, opt, lin.parameters(), max_norm)
+    torch.testing.assert_close(norm, true)
+    k = min(1.0, max_norm / (float(true) + 1e-6)) if max_norm else 1.0                 # torch's clip coefficient
+    torch.testing.assert_close(lin.weight.detach(), w0 - k * gw)
+    torch.testing.assert_close(lin.bias.detach(), b0 - k * gb)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import can
 import cmae
+import common as C
 import conmim
 import eval_video as V
 import msn
@@ -323,3 +324,24 @@ def test_eval_video_scores_frame_t_against_mask_t():
     _, per_obj = V.evaluate_video(ColourEncoder(), frames, masks, V.Args(topk=1, radius=20), 0, torch.device("cpu"))
     j, f = per_obj[1]
     assert j > 0.95 and f > 0.95, (j, f)
+
+
+@pytest.mark.parametrize("method,clip", [("msn", 3.0), ("conmim", 1.0), ("cmae", 0.0), ("can", 0.0), ("siammae", 0.0)])
+def test_each_loop_clips_at_its_recipe_max_norm(tmp_path, monkeypatch, method, clip):
+    """The loop's optimiser step clips at the official max norm (MSN 3 over encoder + head, not the
+    prototypes; ConMIM 1 over the student; the MAE-style recipes do not clip) and steps every
+    parameter of the optimiser."""
+    calls, real = [], C.optimizer_step
+
+    def spy(run, opt, params, max_norm=0.0):
+        params = list(params)
+        calls.append((max_norm, {id(p) for p in params}, {id(p) for g in opt.param_groups for p in g["params"]}))
+        return real(run, opt, params, max_norm)
+    monkeypatch.setattr(C, "optimizer_step", spy)
+    mod, make = {"msn": (msn, msn_args), "conmim": (conmim, conmim_args), "cmae": (cmae, cmae_args),
+                 "can": (can, can_args), "siammae": (siammae, siammae_args)}[method]
+    mod.train(make(tmp_path, stop_step=1))
+    assert len(calls) == 1
+    max_norm, clipped, stepped = calls[0]
+    assert max_norm == clip
+    assert clipped <= stepped and len(stepped - clipped) == (1 if method == "msn" else 0)   # MSN: the prototypes
