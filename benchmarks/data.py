@@ -44,18 +44,18 @@ METHODS = ("msn", "cmae", "conmim", "can", "siammae")
 VIEWS = dict(msn="MultiView", cmae="PixelShiftViews", conmim="WeakStrongViews", can="TwoViews", siammae="FramePair")
 
 
-def write_folder(root, n):
+def write_folder(root, n, images=True, clips=True):
     """n photo-sized JPEGs in root/images/train/<class>/ and n // 8 clips in root/videos/<clip>/."""
     rng = np.random.default_rng(0)
 
     def photo(i, w, h):
         img = np.asarray(S.synthetic_image(i, size=64)[0].resize((w, h), Image.BICUBIC), np.float32)
         return Image.fromarray(np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8))
-    for i in range(n):
+    for i in range(n if images else 0):
         d = os.path.join(root, "images", "train", f"c{i % 10}")
         os.makedirs(d, exist_ok=True)
         photo(i, 500, 375).save(os.path.join(d, f"{i:05d}.jpg"), quality=90)
-    for v in range(max(2, n // 8)):
+    for v in range(max(2, n // 8) if clips else 0):
         d = os.path.join(root, "videos", f"clip{v:03d}")
         os.makedirs(d, exist_ok=True)
         for t in range(8):

@@ -90,13 +90,14 @@ def main():
     if a.steps <= a.log_every:
         p.error("--steps must exceed --log-every (the first --log-every steps are warm-up)")
     tmp = tempfile.mkdtemp(prefix="e2e_")
-    if a.data is None or a.video_data is None:
-        write_folder(tmp, a.n_images)
+    methods = METHODS if a.method == "all" else (a.method,)
+    write_folder(tmp, a.n_images, images=a.data is None and methods != ("siammae",),
+                 clips=a.video_data is None and "siammae" in methods)
     images, videos = a.data or os.path.join(tmp, "images"), a.video_data or os.path.join(tmp, "videos")
     dev = C.resolve_device(a.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {os.cpu_count()} cores"
     rows = []
-    for m in METHODS if a.method == "all" else (a.method,):
+    for m in methods:
         batch, ips, ms, wait = run(m, videos if m == "siammae" else images, a, extra, os.path.join(tmp, m))
         rows.append(f"| {m} | {batch} | {ips:.1f} | {ms:.1f} | {wait:.2f} |")
     print(f"\nend to end on {name}, torch {torch.__version__}, {a.workers} workers, {a.steps} steps "

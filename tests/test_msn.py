@@ -179,7 +179,10 @@ def test_end_to_end_checkpoint_and_resume(tmp_path, gpu_aug):
     assert len(log) == 4 and '"ce"' in log[0] and '"lr"' in log[0]
 
 
-def test_knn_report_learned_vs_init(tmp_path, capsys):
+def test_knn_report_learned_vs_init(tmp_path, capsys, monkeypatch):
+    """The end-of-run report's wiring (on 400 / 200 synthetic images, to keep it fast)."""
+    real = S.SyntheticImages
+    monkeypatch.setattr(S, "SyntheticImages", lambda split="train": real(split, n=400 if split == "train" else 200))
     msn.train(tiny_args(tmp_path, epochs=1, steps_per_epoch=1, knn=True))
     out = capsys.readouterr().out
     assert "k-NN top-1" in out and "learned" in out and "initialisation" in out
