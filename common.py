@@ -691,9 +691,9 @@ def setup(args, method):
         check_writable(out, "--output-dir")
         print(f"{method}: {world} process(es) on {device}, precision {precision}, output {out}")
         print(json.dumps(dataclasses.asdict(args)))
-    if getattr(args, "gpu_aug", False) is None:         # --gpu-aug: default on with CUDA (workers only decode,
-        args.gpu_aug = device.type == "cuda"            # crop and flip; colour ops batched on the device)
-    if hasattr(args, "gpu_aug"):
+    if hasattr(args, "gpu_aug"):                         # --gpu-aug: default on with CUDA (workers only decode,
+        if args.gpu_aug is None:                          # crop and flip; colour ops batched on the device)
+            args.gpu_aug = device.type == "cuda"
         print0(f"photometric augmentation: {'batched on ' + device.type if args.gpu_aug else 'CPU workers'}")
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     ckpt = os.path.join(out, "checkpoint.pth")

@@ -328,9 +328,9 @@ def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, wor
         raise C.UserError(f"--data {data}: k-NN needs a val/ split next to train/")
     train = C.image_dataset(data, "train")
     tf = eval_transform(img_size, synthetic=data == "synthetic")
-    pool = (lambda e, x: e(x)[:, 1:].mean(1)) if how == "mean" else (lambda e, x: e(x)[:, 0])
     (ftr, ytr), (fva, yva) = (extract_features(encoder, torch.utils.data.DataLoader(C.Views(ds, tf), batch_size,
-                              num_workers=workers), device, pool, autocast) for ds in (train, val))
+                              num_workers=workers), device, lambda e, x: features_of(e, x, how), autocast)
+                              for ds in (train, val))
     yva = val_to_train(train, val)[yva]
     pred = knn_predict(F.normalize(ftr, dim=1), ytr, F.normalize(fva, dim=1), len(train.classes), k).argmax(1)
     return 100.0 * (pred == yva).float().mean().item()

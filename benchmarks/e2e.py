@@ -33,20 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import common as C  # noqa: E402
-from data import METHODS, write_folder  # noqa: E402
-
-
-class Repeat(torch.utils.data.Dataset):
-    """A dataset seen k times over, so that no epoch end (checkpoint, picture) falls in the timed steps."""
-
-    def __init__(self, ds, k):
-        self.ds, self.k, self.classes = ds, k, getattr(ds, "classes", ["all"])
-
-    def __len__(self):
-        return len(self.ds) * self.k
-
-    def load(self, i):
-        return self.ds.load(i % len(self.ds))
+from data import METHODS, Repeat, write_folder  # noqa: E402
 
 
 def run(method, data, a, extra, out):
@@ -61,8 +48,11 @@ def run(method, data, a, extra, out):
     args.batch_size = a.batch_size or args.micro_batch or args.batch_size   # default: one forward/backward a step
     owner, name = (mod, "video_dataset") if method == "siammae" else (C, "image_dataset")
     load = getattr(owner, name)
-    setattr(owner, name, lambda *x, **kw: (lambda ds: Repeat(ds, -(-(a.steps + 1) * args.batch_size // len(ds))))(
-        load(*x, **kw)))
+
+    def repeated(*x, **kw):                    # the folder, read as often as the steps need (no epoch end)
+        ds = load(*x, **kw)
+        return Repeat(ds, -(-(a.steps + 1) * args.batch_size // len(ds)))
+    setattr(owner, name, repeated)
     try:
         mod.train(args)
     finally:
@@ -89,7 +79,12 @@ def main():
     a, extra = p.parse_known_args()
     if a.steps <= a.log_every:
         p.error("--steps must exceed --log-every (the first --log-every steps are warm-up)")
-    tmp = tempfile.mkdtemp(prefix="e2e_")
+    with tempfile.TemporaryDirectory(prefix="e2e_") as tmp:               # generated data, checkpoints, logs
+        table(a, extra, tmp)
+
+
+def table(a, extra, tmp):
+    """Generate the data if needed, train each method, print the table (all files under tmp)."""
     methods = METHODS if a.method == "all" else (a.method,)
     write_folder(tmp, a.n_images, images=a.data is None and methods != ("siammae",),
                  clips=a.video_data is None and "siammae" in methods)
