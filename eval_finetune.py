@@ -38,7 +38,8 @@ Where torchvision's operations differ from the official timm ones (listed, not f
   - Evaluation each epoch on val/ (Resize img*256/224 bicubic + CenterCrop), top-1 / top-5.
 
 Output: <output-dir>/checkpoint.pth (resumable, method "finetune", the fine-tuned encoder under
-`encoder`), log.jsonl, and a final JSON line with best_top1, last_top1 and last_top5.
+`encoder`), log.jsonl (val_top1, val_top5 and val_loss, the cross-entropy without smoothing, after each
+epoch), and a final JSON line with best_top1, last_top1, last_top5 and last_val_loss.
 """
 import json
 import os
@@ -189,19 +190,22 @@ def train_transform(a, size):
 
 @torch.no_grad()
 def evaluate(model, val, size, a, run):
-    """Top-1 / top-5 (%) on val/, each process a strided share, counts summed over processes."""
+    """Top-1 / top-5 (%) and the mean cross-entropy (no smoothing, as MAE's evaluate) on val/, each process
+    a strided share, sums over processes."""
     model.eval()
     share = torch.utils.data.Subset(C.Views(val, E.eval_transform(size, a.data == "synthetic")),
                                     range(run.rank, len(val), run.world))
-    hits = torch.zeros(3, device=run.device)                       # top-1, top-5, count
+    hits = torch.zeros(4, device=run.device)                       # top-1, top-5, count, summed loss
     for x, y in torch.utils.data.DataLoader(share, a.eval_batch, num_workers=a.workers):
         x, y = C.normalize(x.to(run.device)), y.to(run.device)
         with run.autocast:
-            top = model(x).topk(min(5, len(val.classes)), dim=1).indices
-        hits += torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(), torch.tensor(len(y), device=run.device)])
+            logits = model(x).float()
+        top = logits.topk(min(5, len(val.classes)), dim=1).indices
+        hits += torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(),
+                             torch.tensor(len(y), device=run.device), F.cross_entropy(logits, y, reduction="sum")])
     hits = C.all_reduce_sum_(hits)
     model.train()
-    return (100 * hits[0] / hits[2]).item(), (100 * hits[1] / hits[2]).item()
+    return (100 * hits[0] / hits[2]).item(), (100 * hits[1] / hits[2]).item(), (hits[3] / hits[2]).item()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,11 +256,11 @@ def finetune(args):
     C.print0(f"fine-tuning {ckpt['method']} ({'random init' if args.random_init else args.ckpt}), recipe {recipe}: "
              f"{len(train)} images, {len(train.classes)} classes, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
              + ("" if args.lr else f" (= blr {args.blr:g} x {args.batch_size} / 256)") + f", layer decay {args.layer_decay}")
-    best, top1, top5 = 0.0, None, None
+    best, top1, top5, vloss = 0.0, None, None, None
     if start and os.path.isfile(os.path.join(run.out, "log.jsonl")):     # resumed: the epochs already evaluated
         for rec in map(json.loads, open(os.path.join(run.out, "log.jsonl"))):
             if "val_top1" in rec and rec["epoch"] < start // ipe:
-                best, top1, top5 = max(best, rec["val_top1"]), rec["val_top1"], rec["val_top5"]
+                best, top1, top5, vloss = max(best, rec["val_top1"]), rec["val_top1"], rec["val_top5"], rec.get("val_loss")
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         bad0 = C.bad_reads(train)
         for it, (x, y) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
@@ -278,14 +282,15 @@ def finetune(args):
                 return None
         C.check_unreadable(train, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
-        top1, top5 = evaluate(model, val, size, args, run)
+        top1, top5, vloss = evaluate(model, val, size, args, run)
         best = max(best, top1)
-        log.write({"epoch": epoch, "val_top1": round(top1, 3), "val_top5": round(top5, 3)})
+        log.write({"epoch": epoch, "val_top1": round(top1, 3), "val_top5": round(top5, 3), "val_loss": round(vloss, 4)})
     if top1 is None:                                                 # nothing left to train: evaluate as is
-        top1, top5 = evaluate(model, val, size, args, run)
+        top1, top5, vloss = evaluate(model, val, size, args, run)
         best = top1
     res = {"method": ckpt["method"], "random_init": args.random_init, "recipe": recipe,
-           "best_top1": round(best, 2), "last_top1": round(top1, 2), "last_top5": round(top5, 2)}
+           "best_top1": round(best, 2), "last_top1": round(top1, 2), "last_top5": round(top5, 2),
+           "last_val_loss": None if vloss is None else round(vloss, 4)}
     log.write(res)
     return res
 
