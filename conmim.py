@@ -43,7 +43,9 @@ Where this file follows the official code (TencentARC/ConMIM) rather than the pa
   - DEVIATION: a plain ViT with learned absolute position embeddings and no layer scale; official
     uses BEiT's relative position bias and layer scale 0.1.
   - Default lr 7.5e-4 (absolute, for a 2048 global batch) and clip 1.0 are the official ViT-L
-    recipe; we use them for the default ViT-B as well.
+    recipe; we use them for the default ViT-B as well. Warm-up 0 -> lr as lr k / W at step k
+    (official np.linspace: k / (W - 1), the peak one step earlier); cosine after it and the teacher's
+    cosine momentum as official (tests/test_loops.py).
   - bf16 autocast on GPU (official: fp16 AMP, `--precision fp16` is available); the loss runs in fp32.
   - On CUDA the strong view's photometric ops (STRONG) run batched on the GPU (same distribution);
     `--no-gpu-aug` keeps them in the workers.

@@ -33,6 +33,8 @@ differs from both, and why:
   - Sharpening softmax(cos/0.1)^(1/0.25), normalised, is computed as the identical softmax(cos/0.025).
   - Schedules (lr warm-up 2e-4 -> 1e-3 then cosine to 1e-6, weight decay cosine 0.04 -> 0.4,
     EMA momentum linear 0.996 -> 1) span 1.25 x the training steps; training stops at 80% of them.
+    Step k uses the lr and weight decay at k; official schedulers step before use (k + 1), one
+    step ahead of ours; the momentum is official's at k (tests/test_loops.py).
   - The projection head is applied per resolution group (224 px views, then focal views), so its
     BatchNorm statistics are per group, as the official forward does. SyncBN under multi-GPU CUDA;
     with gloo on CPU BN statistics stay per process (SyncBN has no CPU kernel).

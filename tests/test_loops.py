@@ -1,0 +1,193 @@
+"""The training loops around each train_step (tests/test_step.py and test_wiring.py check the steps):
+per step, the lr and weight decay the optimiser actually applies follow the official schedule, the
+EMA target is updated once per step, after the optimiser, with the official momentum schedule, the
+target/teacher BatchNorm runs in train mode (batch statistics, as the official code), the masks and
+noise the loop draws reach the step with the configured ratio and scale, and the fine-tuning loop
+applies its warm-up + cosine lr times each layer's scale. Every reference below is written from the
+official code (cited), not from this project's helpers. Each run: 2 epochs x 2 steps, 1 warm-up epoch."""
+import math
+
+import pytest
+import torch
+
+import can
+import cmae
+import common as C
+import conmim
+import eval_finetune as FT
+import msn
+import siammae
+from test_can import tiny_args as can_args
+from test_cmae import tiny_args as cmae_args
+from test_conmim import tiny_args as conmim_args
+from test_msn import tiny_args as msn_args
+from test_siammae import tiny_args as siammae_args
+
+
+def mae_lr(k, total, warmup, peak, min_lr):
+    """MAE util/lr_sched.adjust_learning_rate at epoch = k / ipe (per iteration)."""
+    if k < warmup:
+        return peak * k / warmup
+    return min_lr + (peak - min_lr) * 0.5 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup)))
+
+
+def msn_reference(k, a, total, ipe):
+    """facebookresearch/msn: WarmupCosineSchedule / CosineWDSchedule over T_max = int(1.25 x steps),
+    momentum_scheduler 0.996 + i (1 - 0.996) / (ipe x epochs x 1.25). Evaluated at iteration k (the
+    official schedulers step before use, so its iteration k uses k + 1: msn.py lists it)."""
+    T, W = int(a.ipe_scale * total), a.warmup_epochs * ipe
+    if k < W:
+        lr = a.start_lr + k / W * (a.lr - a.start_lr)
+    else:
+        lr = max(a.min_lr, a.min_lr + (a.lr - a.min_lr) * 0.5 * (1 + math.cos(math.pi * (k - W) / (T - W))))
+    wd = a.final_weight_decay + (a.weight_decay - a.final_weight_decay) * 0.5 * (1 + math.cos(math.pi * k / T))
+    m = a.ema[0] + k * (a.ema[1] - a.ema[0]) / (ipe * a.epochs * a.ipe_scale)
+    return lr, wd, m
+
+
+def conmim_reference(k, a, total, ipe):
+    """TencentARC/ConMIM (BEiT utils.cosine_scheduler, indexed by iteration): lr warm-up then cosine to
+    min_lr, weight decay constant (weight_decay_end = weight_decay), teacher momentum cosine 0.996 -> 1
+    over all iterations. Warm-up as k / W (official np.linspace: k / (W - 1); conmim.py lists it)."""
+    W = a.warmup_epochs * ipe
+    lr = a.lr * k / W if k < W else \
+        a.min_lr + 0.5 * (a.lr - a.min_lr) * (1 + math.cos(math.pi * (k - W) / (total - W)))
+    m = a.ema[1] + 0.5 * (a.ema[0] - a.ema[1]) * (1 + math.cos(math.pi * k / total))
+    return lr, a.weight_decay, m
+
+
+def mae_reference(lr_of):
+    def ref(k, a, total, ipe):
+        return mae_lr(k, total, a.warmup_epochs * ipe, lr_of(a), a.min_lr), a.weight_decay, None
+    return ref
+
+
+# module, tiny args, reference(k, args, total steps, ipe) -> (lr, wd, EMA momentum or None)
+CASES = {
+    "msn": (msn, msn_args, msn_reference),
+    "cmae": (cmae, cmae_args, lambda k, a, t, i: (*mae_reference(lambda a: a.blr * a.batch_size / 256)(k, a, t, i)[:2], a.ema)),
+    "conmim": (conmim, conmim_args, conmim_reference),
+    "can": (can, can_args, mae_reference(lambda a: a.blr * a.batch_size / 256)),
+    # SiamMAE: --epochs are effective epochs (passes x repeated sampling R); lr = blr x videos / 256
+    "siammae": (siammae, siammae_args, lambda k, a, t, i: (
+        mae_lr(k, t, round(a.warmup_epochs / a.repeated_sampling * i), a.blr * a.batch_size / 256, a.min_lr),
+        a.weight_decay, None)),
+}
+
+
+def _record(monkeypatch, mod):
+    """Spies on the optimiser step, the EMA update, the step's inputs and every BatchNorm call."""
+    events, steps, bn_modes = [], [], []
+    real_opt = C.optimizer_step
+
+    def opt_spy(run, opt, params, max_norm=0.0):
+        events.append(("opt", [(g["lr"], g["weight_decay"], g.get("apply_wd", True)) for g in opt.param_groups]))
+        return real_opt(run, opt, params, max_norm)
+    monkeypatch.setattr(C, "optimizer_step", opt_spy)
+    if hasattr(mod, "ema_update"):
+        real_ema = mod.ema_update
+        monkeypatch.setattr(mod, "ema_update", lambda t, o, m: (events.append(("ema", m)), real_ema(t, o, m))[1])
+    real_step, inside = mod.train_step, []
+
+    def step_spy(*a, **kw):
+        steps.append(a)
+        inside.append(1)
+        try:
+            return real_step(*a, **kw)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(mod, "train_step", step_spy)
+    real_bn = torch.nn.modules.batchnorm._BatchNorm.forward            # BatchNorm mode inside the steps
+    monkeypatch.setattr(torch.nn.modules.batchnorm._BatchNorm, "forward",
+                        lambda self, x: (inside and bn_modes.append(self.training), real_bn(self, x))[1])
+    return events, steps, bn_modes
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_loop_applies_the_official_schedules_and_updates_the_target_after_each_step(method, tmp_path, monkeypatch):
+    mod, make, reference = CASES[method]
+    a = make(tmp_path)
+    events, steps, bn_modes = _record(monkeypatch, mod)
+    mod.train(a)
+    ipe = a.steps_per_epoch
+    total = ipe * (a.epochs // a.repeated_sampling if method == "siammae" else a.epochs)
+    has_ema = hasattr(mod, "ema_update")
+    assert [e[0] for e in events] == (["opt", "ema"] if has_ema else ["opt"]) * total   # EMA after each step
+    opts, emas = [e[1] for e in events if e[0] == "opt"], [e[1] for e in events if e[0] == "ema"]
+    for k in range(total):
+        lr, wd, m = reference(k, a, total, ipe)
+        for g_lr, g_wd, decayed in opts[k]:
+            assert g_lr == pytest.approx(lr, rel=1e-9), (k, g_lr, lr)
+            assert g_wd == (pytest.approx(wd, rel=1e-9) if decayed else 0.0), (k, g_wd, wd)
+        if has_ema:
+            assert emas[k] == pytest.approx(m, rel=1e-12), (k, emas[k], m)
+    assert len(steps) == total
+    if method in ("msn", "cmae", "conmim"):                          # online and target heads: batch statistics
+        assert bn_modes and all(bn_modes)
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, monkeypatch):
+    """The mask the loop draws reaches the step with --mask-ratio (and --mask-unit), a new draw each
+    step and each image; SiamMAE masks f2 only (f1 is passed whole); CAN draws one mask, one noise
+    level sigma ~ U[0, sigma_max] and one noise e ~ N(0, 1) per view and image."""
+    mod, make, _ = CASES[method]
+    kw = dict(epochs=2, img_size=32) if method == "siammae" else dict(epochs=1)   # SiamMAE: 3 of 64 patches kept
+    a = make(tmp_path, steps_per_epoch=2, warmup_epochs=0, **kw)     # 2 steps
+    _, steps, _ = _record(monkeypatch, mod)
+    mod.train(a)
+    grid = a.img_size // a.patch_size
+    N = grid * grid
+    masks = []
+    for s in steps:
+        if method == "msn":                                            # ids_keep (R, B, n_keep) of kept patches
+            ids_keep = s[5]
+            assert ids_keep.shape[-1] == int(N * (1 - a.mask_ratio))
+            mask = torch.ones(ids_keep.shape[:-1] + (N,)).scatter_(-1, ids_keep, 0.0).flatten(0, 1)
+        elif method in ("cmae", "conmim"):                            # masked in unit x unit blocks
+            mask = (s[4] if method == "conmim" else s[6]).flatten(1).float()
+            u, g = a.mask_unit, grid // a.mask_unit
+            assert u > 1 and (mask.sum(1) == (g * g - int(g * g * (1 - a.mask_ratio))) * u * u).all()
+            blocks = mask.view(-1, g, u, g, u)
+            assert (blocks == blocks[:, :, :1, :, :1]).all()           # constant within each block
+        elif method == "can":
+            x, sigma, noise, mask = s[1], s[2], s[3], s[6]             # (2, B, ...) view-major
+            B = x.shape[1]
+            assert sigma.shape == (2, B) and (sigma >= 0).all() and (sigma <= a.sigma_max).all()
+            assert not torch.equal(sigma[0], sigma[1])                 # a level per view and image
+            e = noise / sigma.view(2, B, 1, 1, 1)                      # noise = sigma e, e ~ N(0, 1)
+            assert abs(e.std().item() - 1) < 0.1 and abs(e.mean().item()) < 0.1
+            assert not torch.allclose(e[0], e[1])                      # independent per view
+            assert (mask.sum(-1) == N - int(N * (1 - a.mask_ratio))).all()
+            assert not torch.equal(mask[0], mask[1])                   # a mask per view
+            mask = mask.flatten(0, 1)
+        else:                                                          # siammae: f2's mask only
+            f1, f2, mask = s[1], s[2], s[5]
+            assert mask.shape == (f2.shape[0], N) and (mask.sum(1) == N - int(N * (1 - a.mask_ratio))).all()
+            assert f1.shape == f2.shape                                # f1 enters whole (0% masked)
+        assert 0 < mask.mean() < 1
+        assert len({tuple(r.tolist()) for r in mask}) > 1              # per image
+        masks.append(mask)
+    assert not torch.equal(masks[0], masks[1])                         # per step
+
+
+def test_finetune_loop_applies_warmup_cosine_times_each_layer_scale(tmp_path, monkeypatch):
+    """eval_finetune: every group's lr = MAE's per-iteration warm-up + cosine value x its layer-decay
+    scale, each step (the scales themselves: tests/test_finetune.py)."""
+    from test_finetune import _pretrained
+    ckpt = _pretrained(tmp_path, steps=1)
+    events, real_opt = [], C.optimizer_step
+    monkeypatch.setattr(C, "optimizer_step", lambda run, opt, params, max_norm=0.0: (
+        events.append([(g["lr"], g["lr_scale"], g["weight_decay"]) for g in opt.param_groups]),
+        real_opt(run, opt, params, max_norm))[1])
+    a = FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "ft"), epochs=3, steps_per_epoch=2, batch_size=8,
+                micro_batch=0, warmup_epochs=1, blr=1e-3, min_lr=1e-5, workers=0, eval_batch=500, device="cpu")
+    FT.finetune(a)
+    assert len(events) == 6
+    scales = set()
+    for k, groups in enumerate(events):
+        lr = mae_lr(k, 6, 2, 1e-3 * 8 / 256, 1e-5)
+        for g_lr, scale, wd in groups:
+            assert g_lr == pytest.approx(lr * scale, rel=1e-9) and wd in (0.0, 0.05)
+            scales.add(scale)
+    assert len(scales) > 2                                             # layer-wise decay is in force
