@@ -131,6 +131,7 @@ def test_evaluate_reports_top1_top5_and_cross_entropy_over_every_val_image():
     torch.nn.init.normal_(model.head.weight, std=0.5)
     run = C.argparse.Namespace(rank=0, world=1, device=torch.device("cpu"), autocast=C.contextlib.nullcontext())
     top1, top5, loss = FT.evaluate(model, val, 16, FT.Args(data="synthetic", workers=0, eval_batch=300), run)
+    assert model.training                                             # back to training mode
     model.eval()
     views = C.Views(val, E.eval_transform(16, True))
     with torch.no_grad():

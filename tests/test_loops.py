@@ -90,6 +90,7 @@ def _record(monkeypatch, mod):
     real_step, inside = mod.train_step, []
 
     def step_spy(*a, **kw):
+        assert a[0].training                                           # the online network trains in train mode
         steps.append(a)
         inside.append(1)
         try:
@@ -173,7 +174,7 @@ def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, 
 
 def test_finetune_loop_applies_warmup_cosine_times_each_layer_scale(tmp_path, monkeypatch):
     """eval_finetune: every group's lr = MAE's per-iteration warm-up + cosine value x its layer-decay
-    scale, each step (the scales themselves: tests/test_finetune.py)."""
+    scale, each step (the scales themselves: tests/test_finetune.py); drop path 0.1 reaches the ViT."""
     from test_finetune import _pretrained
     ckpt = _pretrained(tmp_path, steps=1)
     events, real_opt = [], C.optimizer_step
@@ -182,7 +183,16 @@ def test_finetune_loop_applies_warmup_cosine_times_each_layer_scale(tmp_path, mo
         real_opt(run, opt, params, max_norm))[1])
     a = FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "ft"), epochs=3, steps_per_epoch=2, batch_size=8,
                 micro_batch=0, warmup_epochs=1, blr=1e-3, min_lr=1e-5, workers=0, eval_batch=500, device="cpu")
+    models = []
+
+    class Recorded(FT.Classifier):
+        def __init__(self, *args):
+            super().__init__(*args)
+            models.append(self)
+    monkeypatch.setattr(FT, "Classifier", Recorded)
     FT.finetune(a)
+    rates = [b.drop_path for b in models[0].encoder.blocks]           # stochastic depth 0 -> --drop-path
+    assert rates == pytest.approx(torch.linspace(0, a.drop_path, len(rates)).tolist()) and a.drop_path == 0.1
     assert len(events) == 6
     scales = set()
     for k, groups in enumerate(events):
@@ -191,3 +201,36 @@ def test_finetune_loop_applies_warmup_cosine_times_each_layer_scale(tmp_path, mo
             assert g_lr == pytest.approx(lr * scale, rel=1e-9) and wd in (0.0, 0.05)
             scales.add(scale)
     assert len(scales) > 2                                             # layer-wise decay is in force
+
+
+# where each view of a loader batch must arrive in train_step's arguments (after C.normalize)
+ROUTES = {
+    "msn": lambda b, a: {2: b[0][0], 3: torch.stack(b[0][1:1 + a.rand_views]),     # target view; random
+                         4: torch.stack(b[0][1 + a.rand_views:])},                   # and focal anchors
+    "cmae": lambda b, a: {2: b[0][0], 3: b[0][1]},                                 # x_s (online), x_t (target)
+    "conmim": lambda b, a: {2: b[0][0], 3: b[0][1]},                               # weak (student), strong (teacher)
+    "can": lambda b, a: {1: torch.stack(b[0])},                                    # (2, B, ...) both views
+    "siammae": lambda b, a: {1: b[0].flatten(0, 1)[:, 0], 2: b[0].flatten(0, 1)[:, 1]},   # f1 earlier, f2 later
+}
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_each_view_of_the_batch_reaches_its_argument_normalised(method, tmp_path, monkeypatch):
+    """Loader batch -> train_step: every view goes through C.normalize (replaced here by a recognisable
+    shift) and lands in the argument the method's step reads it from (MSN's target vs anchors, CMAE's
+    source vs target, ConMIM's weak vs strong, CAN's two views, SiamMAE's f1 vs f2)."""
+    mod, make, _ = CASES[method]
+    batches, real_batches = [], C.epoch_batches
+
+    def batches_spy(*a, **kw):
+        for it, batch in real_batches(*a, **kw):
+            batches.append(batch)
+            yield it, batch
+    monkeypatch.setattr(C, "epoch_batches", batches_spy)
+    monkeypatch.setattr(C, "normalize", lambda x: x.float() + 1000)   # "normalised" = shifted by 1000
+    _, steps, _ = _record(monkeypatch, mod)
+    mod.train(make(tmp_path, epochs=2 if method == "siammae" else 1, steps_per_epoch=1, warmup_epochs=0))
+    assert len(steps) == len(batches) == 1
+    for i, view in ROUTES[method](batches[0], make(tmp_path)).items():
+        assert view.dtype == torch.uint8
+        torch.testing.assert_close(steps[0][i], view.float() + 1000, rtol=0, atol=0, msg=f"argument {i}")
