@@ -140,14 +140,15 @@ def test_davis_layout_end_to_end_and_palette_output(tmp_path):
 
 
 def test_synthetic_siammae_learns_its_pretext_task_and_its_checkpoint_propagates(tmp_path):
-    """The README's `python siammae.py --data synthetic`, shortened to 2 passes (124 steps, ~1.5 min on
-    2 CPU cores): the norm-pix loss on f2's masked patches falls (1.2 -> 0.5 measured), and the trained
+    """The README's `python siammae.py --data synthetic`, shortened to its first pass (62 steps of the
+    4-effective-epoch schedule, its warm-up; ~1 min on 2 CPU cores): the norm-pix loss on f2's masked
+    patches falls (1.84 at step 10 -> 0.52 at step 60 measured), and the trained
     encoder propagates the 20 synthetic validation clips. Whether it beats its random initialisation
     is measured (README), not asserted: after the full 496 steps it does not (59.1 vs 61.1 J&F)."""
-    r = run_cli("siammae.py", "--data", "synthetic", "--epochs", "4", "--log-every", "10", "--output-dir",
-                str(tmp_path), timeout=900)
+    r = run_cli("siammae.py", "--data", "synthetic", "--epochs", "4", "--stop-epoch", "1", "--log-every", "10",
+                "--output-dir", str(tmp_path), timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     recs = [json.loads(line) for line in open(tmp_path / "log.jsonl") if '"step"' in line]
-    assert recs[-1]["step"] == 124 and recs[-1]["loss"] < 0.7 * recs[0]["loss"], recs
+    assert recs[-1]["step"] == 60 and recs[-1]["loss"] < 0.5 * recs[0]["loss"], recs   # logged every 10 of 62
     res = V.evaluate(V.Args(ckpt=str(tmp_path / "checkpoint.pth"), data="synthetic"))
     assert res["videos"] == 20 and 40 < res["JF_mean"] <= 100, res
