@@ -155,6 +155,7 @@ def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, 
             x, sigma, noise, mask = s[1], s[2], s[3], s[6]             # (2, B, ...) view-major
             B = x.shape[1]
             assert sigma.shape == (2, B) and (sigma >= 0).all() and (sigma <= a.sigma_max).all()
+            assert sigma.max() > 0.5 * a.sigma_max                     # U[0, sigma_max], not a narrower range
             assert not torch.equal(sigma[0], sigma[1])                 # a level per view and image
             e = noise / sigma.view(2, B, 1, 1, 1)                      # noise = sigma e, e ~ N(0, 1)
             assert abs(e.std().item() - 1) < 0.1 and abs(e.mean().item()) < 0.1
