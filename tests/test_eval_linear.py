@@ -170,3 +170,36 @@ def test_knn_predict_matches_naive():
         top = sorted(sims, reverse=True)[:4]
         naive = [sum(math.exp(s / 0.5) for s, j in top if ytr[j] == c) for c in range(3)]
         assert torch.allclose(scores[i], torch.tensor(naive), rtol=1e-4)
+
+
+def test_linear_probe_standardises_val_with_the_train_statistics():
+    """Val features are standardised with train's mean and std (a val split of one class must not be
+    re-centred onto the decision boundary)."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(200) % 2
+    train_f = torch.randn(200, 4, generator=g) * 0.1 + 5.0
+    train_f[:, 0] += torch.where(y == 1, 1.0, -1.0)                 # the class is the sign of dim 0 - 5
+    val_f = train_f[y == 1][:50]                                      # class 1 only
+    res = E.linear_probe(train_f, y, val_f, torch.ones(50, dtype=torch.long), 2, epochs=20, lr=0.1, batch=50)
+    assert res["linear_top1"] == 100.0
+
+
+def test_flags_reach_the_protocols_and_each_pooling_has_its_own_cached_features(tmp_path, monkeypatch):
+    data = tiny_folder(tmp_path / "data")
+    torch.manual_seed(0)
+    enc = E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2)
+    C.save_checkpoint(str(tmp_path / "c.pth"), {"method": "can", "vit": dict(img_size=16, patch_size=4, dim=32, depth=1,
+                      heads=2), "encoder": enc.state_dict(), "args": {"seed": 0}, "epoch": 1, "step": 1})
+    calls = {}
+    for name in ("knn", "linear_probe", "lowshot"):
+        real = getattr(E, name)
+        monkeypatch.setattr(E, name, lambda *a, _n=name, _r=real: (calls.__setitem__(_n, a[5:]), _r(*a))[1])
+    E.evaluate(E.Args(ckpt=str(tmp_path / "c.pth"), data=data, mode="all", workers=0, pool="mean", k=3, temperature=0.5,
+                      linear_epochs=2, linear_lr=0.05, linear_batch=7, shots=2, seeds=2, lambd=0.01))
+    assert calls == {"knn": (3, 0.5), "linear_probe": (2, 0.05, 7), "lowshot": (2, 0.0, 2, 0.01, None)}
+    feats = tmp_path / "features"
+    assert len(os.listdir(feats)) == 2                                # train + val of --pool mean
+    cls = E.evaluate(E.Args(ckpt=str(tmp_path / "c.pth"), data=data, mode="knn", workers=0, pool="cls", k=3))
+    assert len(os.listdir(feats)) == 4                                # --pool cls: its own features
+    fresh = E.evaluate(E.Args(ckpt=str(tmp_path / "c.pth"), data=data, mode="knn", workers=0, pool="cls", k=3, cache=False))
+    assert cls["knn_top1"] == fresh["knn_top1"]
