@@ -152,3 +152,40 @@ def test_synthetic_siammae_learns_its_pretext_task_and_its_checkpoint_propagates
     assert recs[-1]["step"] == 60 and recs[-1]["loss"] < 0.5 * recs[0]["loss"], recs   # logged every 10 of 62
     res = V.evaluate(V.Args(ckpt=str(tmp_path / "checkpoint.pth"), data="synthetic"))
     assert res["videos"] == 20 and 40 < res["JF_mean"] <= 100, res
+
+
+def test_memory_carries_soft_labels():
+    """Propagated labels stay soft in the short-term memory (CRW): a cell equally like two labelled
+    cells gets (0.5, 0.5), and the next frame, matching it best, inherits (0.5, 0.5), not a rounding."""
+    a, b = torch.tensor([1.0, 0, 0]), torch.tensor([0.0, 1, 0])
+    c = F.normalize(a + b, dim=0)
+    feats = torch.stack([torch.stack([a, b]), torch.stack([c, c]), torch.stack([c, c])])[:, None]   # (3, 1, 2, 3)
+    lab = torch.eye(2)[None]                                          # (1, 2, 2): cell a class 0, cell b class 1
+    out = V.propagate(feats, lab, topk=4, radius=20)
+    torch.testing.assert_close(out[1], torch.full((1, 2, 2), 0.5))   # four equal affinities
+    out = V.propagate(feats, lab, topk=2, radius=20)                  # frame 2: its top-2 are frame 1's cells
+    torch.testing.assert_close(out[2], torch.full((1, 2, 2), 0.5))
+
+
+def test_scores_skip_the_first_and_last_frames_and_the_flags_reach_propagation(monkeypatch):
+    """DAVIS scores frames 1 .. T-2 (the first is given, the last is not scored); --n-context, --topk,
+    --radius and --temperature reach the propagation."""
+    T, H, W, p = 4, 32, 32, 8
+    gt = np.zeros((H, W), np.uint8)
+    gt[8:24, 8:24] = 1
+    frames = [Image.fromarray(np.zeros((H, W, 3), np.uint8))] * T
+    calls = []
+
+    def fake_propagate(feats, lab0, *args):                           # perfect except the last frame
+        calls.append(args)
+        out = lab0.expand(T, -1, -1, -1).clone()
+        out[-1] = out[-1].flip(-1)                                    # last frame: labels swapped
+        return out
+    monkeypatch.setattr(V, "frame_features", lambda enc, fr, s, d: torch.zeros(T, H // p, W // p, 4))
+    monkeypatch.setattr(V, "propagate", fake_propagate)
+    a = V.Args(n_context=3, topk=5, radius=2.5, temperature=0.3)
+    pred, per_obj = V.evaluate_video(type("Enc", (), {"patch_size": p})(), frames, [gt] * T, a, 0, torch.device("cpu"))
+    assert calls == [(3, 5, 2.5, 0.3)]
+    scored = [(V.jaccard(pred[t] == 1, gt == 1), V.f_measure(pred[t] == 1, gt == 1)) for t in (1, 2)]
+    assert V.jaccard(pred[-1] == 1, gt == 1) < 0.5 * scored[0][0]     # the last frame is wrong ...
+    assert per_obj[1] == pytest.approx(tuple(np.mean(scored, 0)))     # ... and not scored
