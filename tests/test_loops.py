@@ -6,6 +6,7 @@ noise the loop draws reach the step with the configured ratio and scale, and the
 applies its warm-up + cosine lr times each layer's scale. Every reference below is written from the
 official code (cited), not from this project's helpers. Each run: 2 epochs x 2 steps, 1 warm-up epoch."""
 import math
+import os
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import conmim
 import eval_finetune as FT
 import msn
 import siammae
+from ddp import spawn
 from test_can import tiny_args as can_args
 from test_cmae import tiny_args as cmae_args
 from test_conmim import tiny_args as conmim_args
@@ -130,11 +132,11 @@ def test_loop_applies_the_official_schedules_and_updates_the_target_after_each_s
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, monkeypatch):
     """The mask the loop draws reaches the step with --mask-ratio (and --mask-unit), a new draw each
-    step and each image; SiamMAE masks f2 only (f1 is passed whole); CAN draws one mask, one noise
+    step, epoch and image; SiamMAE masks f2 only (f1 is passed whole); CAN draws one mask, one noise
     level sigma ~ U[0, sigma_max] and one noise e ~ N(0, 1) per view and image."""
     mod, make, _ = CASES[method]
-    kw = dict(epochs=2, img_size=32) if method == "siammae" else dict(epochs=1)   # SiamMAE: 3 of 64 patches kept
-    a = make(tmp_path, steps_per_epoch=2, warmup_epochs=0, **kw)     # 2 steps
+    kw = dict(epochs=4, img_size=32) if method == "siammae" else dict(epochs=2)   # SiamMAE: 3 of 64 patches kept
+    a = make(tmp_path, steps_per_epoch=2, warmup_epochs=0, **kw)     # 2 epochs of 2 steps
     _, steps, _ = _record(monkeypatch, mod)
     mod.train(a)
     grid = a.img_size // a.patch_size
@@ -170,7 +172,8 @@ def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, 
         assert 0 < mask.mean() < 1
         assert len({tuple(r.tolist()) for r in mask}) > 1              # per image
         masks.append(mask)
-    assert not torch.equal(masks[0], masks[1])                         # per step
+    assert len(masks) == 4 and all(not torch.equal(masks[i], masks[j]) for i in range(4) for j in range(i))   # per step
+    # and per epoch: each epoch reseeds from (seed, epoch, rank), so epoch 1 must not replay epoch 0
 
 
 def test_finetune_loop_applies_warmup_cosine_times_each_layer_scale(tmp_path, monkeypatch):
@@ -235,3 +238,24 @@ def test_each_view_of_the_batch_reaches_its_argument_normalised(method, tmp_path
     for i, view in ROUTES[method](batches[0], make(tmp_path)).items():
         assert view.dtype == torch.uint8
         torch.testing.assert_close(steps[0][i], view.float() + 1000, rtol=0, atol=0, msg=f"argument {i}")
+
+
+MASK_ARG = {"msn": 5, "cmae": 6, "conmim": 4, "can": 6, "siammae": 5}   # train_step's mask (MSN: ids_keep)
+
+
+def _rank_mask(rank, world, method, out):
+    """In a 2-process gloo group: the mask this rank's first training step gets."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    mod, make, _ = CASES[method]
+    got, real = [], mod.train_step
+    mod.train_step = lambda *a, **kw: (got.append(a[MASK_ARG[method]].clone()), real(*a, **kw))[1]
+    mod.train(make(out, epochs=2 if method == "siammae" else 1, steps_per_epoch=1, warmup_epochs=0, stop_step=1,
+                   device="cpu", **({"img_size": 32} if method == "siammae" else {})))
+    return got[0]
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_each_process_draws_its_own_masks(method, tmp_path):
+    """The per-epoch reseed includes the rank: two processes must not mask their images alike."""
+    m0, m1 = spawn(_rank_mask, method, str(tmp_path))
+    assert m0.shape == m1.shape and not torch.equal(m0, m1)
