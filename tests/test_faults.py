@@ -94,12 +94,12 @@ def _train_mid_epoch(train, make, tmp_path, stop_step):
 @pytest.mark.parametrize("method", ["msn", "can"])
 def test_mid_epoch_resume_is_bit_exact(method, tmp_path):
     train, args = (msn.train, msn_args) if method == "msn" else (can.train, can_args)
-    make = lambda out, **kw: args(out, epochs=2, steps_per_epoch=3, save_every_minutes=0, **kw)   # noqa: E731
-    full, part = _train_mid_epoch(train, make, tmp_path, stop_step=4)       # step 4 of 6: inside epoch 2
-    for key in ("model", "encoder", "target") if method == "msn" else ("model", "encoder"):
-        for k, v in full[key].items():
+    make = lambda out, **kw: args(out, epochs=3, steps_per_epoch=3, save_every_minutes=0, **kw)   # noqa: E731
+    full, part = _train_mid_epoch(train, make, tmp_path, stop_step=4)       # step 4 of 9: inside epoch 2, and
+    for key in ("model", "encoder", "target") if method == "msn" else ("model", "encoder"):   # the resumed run
+        for k, v in full[key].items():                                      # goes on into epoch 3
             assert torch.equal(v, part[key][k]), (key, k)
-    assert full["step"] == part["step"] == 6
+    assert full["step"] == part["step"] == 9
 
 
 def test_save_every_writes_mid_epoch_checkpoints(tmp_path, monkeypatch):
