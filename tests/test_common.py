@@ -1,5 +1,6 @@
 """common.py: schedules, optimiser groups, data, augmentation, CLI (each method's ViT, masking and EMA: test_vits.py)."""
 import argparse
+import itertools
 import math
 import os
 
@@ -196,3 +197,19 @@ def test_optimizer_step_unscales_then_clips_and_returns_the_norm_before_clipping
     k = min(1.0, max_norm / (float(true) + 1e-6)) if max_norm else 1.0                 # torch's clip coefficient
     torch.testing.assert_close(lin.weight.detach(), w0 - k * gw)
     torch.testing.assert_close(lin.bias.detach(), b0 - k * gb)
+
+
+def test_epoch_sampler_reshuffles_every_epoch_and_skips_only_the_resumed_one():
+    """One iterator serves the run: each epoch is a new permutation labelled with its epoch; a resume's
+    skip applies to its first epoch only."""
+    s = C.EpochSampler(range(12), num_replicas=1, rank=0, shuffle=True, seed=0)
+    s.batch, s.ipe = 3, 4
+    s.set_epoch(0)
+    got = list(itertools.islice(iter(s), 36))
+    epochs = [[i for i, e in got if e == k] for k in range(3)]
+    assert [len(x) for x in epochs] == [12, 12, 12] and all(sorted(x) == list(range(12)) for x in epochs)
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+    s.set_epoch(1)
+    s.skip = 5                                                         # resumed after 5 images of epoch 1
+    got = list(itertools.islice(iter(s), 7 + 12))
+    assert got[:7] == [(i, 1) for i in epochs[1][5:]] and [i for i, _ in got[7:]] == epochs[2]
