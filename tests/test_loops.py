@@ -58,23 +58,24 @@ def conmim_reference(k, a, total, ipe):
     return lr, a.weight_decay, m
 
 
-def mae_reference(lr_of):
-    def ref(k, a, total, ipe):
-        return mae_lr(k, total, a.warmup_epochs * ipe, lr_of(a), a.min_lr), a.weight_decay, None
-    return ref
+def mae_reference(k, a, total, ipe):
+    """CMAE, CAN (MAE recipe): lr = blr x batch / 256, warm-up + cosine per iteration, constant weight
+    decay; CMAE's EMA momentum is constant (official)."""
+    lr = mae_lr(k, total, a.warmup_epochs * ipe, a.blr * a.batch_size / 256, a.min_lr)
+    return lr, a.weight_decay, getattr(a, "ema", None)
+
+
+def siammae_reference(k, a, total, ipe):
+    """MAE-ST convention: --epochs and --warmup-epochs count effective epochs (passes x repeated sampling
+    R); lr = blr x videos / 256."""
+    lr = mae_lr(k, total, round(a.warmup_epochs / a.repeated_sampling * ipe), a.blr * a.batch_size / 256, a.min_lr)
+    return lr, a.weight_decay, None
 
 
 # module, tiny args, reference(k, args, total steps, ipe) -> (lr, wd, EMA momentum or None)
-CASES = {
-    "msn": (msn, msn_args, msn_reference),
-    "cmae": (cmae, cmae_args, lambda k, a, t, i: (*mae_reference(lambda a: a.blr * a.batch_size / 256)(k, a, t, i)[:2], a.ema)),
-    "conmim": (conmim, conmim_args, conmim_reference),
-    "can": (can, can_args, mae_reference(lambda a: a.blr * a.batch_size / 256)),
-    # SiamMAE: --epochs are effective epochs (passes x repeated sampling R); lr = blr x videos / 256
-    "siammae": (siammae, siammae_args, lambda k, a, t, i: (
-        mae_lr(k, t, round(a.warmup_epochs / a.repeated_sampling * i), a.blr * a.batch_size / 256, a.min_lr),
-        a.weight_decay, None)),
-}
+CASES = {"msn": (msn, msn_args, msn_reference), "cmae": (cmae, cmae_args, mae_reference),
+         "conmim": (conmim, conmim_args, conmim_reference), "can": (can, can_args, mae_reference),
+         "siammae": (siammae, siammae_args, siammae_reference)}
 
 
 def _record(monkeypatch, mod):
