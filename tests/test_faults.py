@@ -41,6 +41,20 @@ def test_non_finite_loss_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
     assert ck["step"] == 3 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_guard_reports_the_first_non_finite_step_of_any_part(bad):
+    """bf16 / fp32: NaN and +-Inf in any part (a loss term or the gradient norm) stop at check() with the
+    FIRST bad step and its values; finite steps never do."""
+    g = C.Guard(torch.device("cpu"), "bf16", "ck.pth")
+    for step in (1, 2):
+        g.update(step, {"loss": torch.tensor(1.0), "grad_norm": torch.tensor(2.0)})
+    g.check()
+    g.update(3, {"loss": torch.tensor(1.5), "grad_norm": torch.tensor(bad)})
+    g.update(4, {"loss": torch.tensor(bad), "grad_norm": torch.tensor(bad)})
+    with pytest.raises(C.UserError, match=f"at step 3 \\(loss 1.5, grad_norm {bad}\\)"):
+        g.check()
+
+
 def test_guard_ignores_isolated_fp16_skips_but_not_a_long_run(tmp_path):
     g = C.Guard(torch.device("cpu"), "fp16", "ck.pth", max_skipped=3)
     scaler = argparse.Namespace(_scale=torch.tensor(1024.0))

@@ -71,6 +71,11 @@ def test_mixup_cutmix_targets_are_smoothed_distributions():
         assert (t.gather(1, y[:, None]) >= 0.1 / 10).all()
         mixed += int((t.max(1).values < 0.9 + 0.01 - 1e-6).any())      # a second class got mass
     assert mixed >= 15
+    kinds = set()                                                      # one of the two per batch, both used:
+    for _ in range(30):                                                # MixUp blends whole images (each stays
+        xm, _ = mix(torch.arange(8.0).view(8, 1, 1, 1).expand(8, 3, 16, 16), torch.arange(8))   # flat), CutMix
+        kinds.add("cutmix" if (xm.flatten(1).std(1) > 0).any() else "mixup")                     # pastes a box
+    assert kinds == {"mixup", "cutmix"}
     a = FT.Args(data="synthetic", mixup=0.0, cutmix=0.0)                # off: the smoothed one-hot
     _, t = FT.Mix(a, 10)(torch.randn(4, 3, 8, 8), torch.tensor([0, 3, 9, 3]))
     torch.testing.assert_close(t, F.one_hot(torch.tensor([0, 3, 9, 3]), 10).float() * 0.9 + 0.01)
@@ -183,3 +188,23 @@ def test_the_network_sees_the_mixed_images_and_the_loss_the_mixed_targets(tmp_pa
                         batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, eval_batch=500, device="cpu"))
     assert seen and (seen[0] == 7.0).all()                           # training forward: the mixed images
     assert targets and torch.allclose(targets[0].sum(1), torch.ones(8)) and targets[0].max() < 1.0   # smoothed
+
+
+@pytest.mark.parametrize("method,recipe,warmup_lr,peak", [("conmim", "beit", 1e-6, 4e-3),          # absolute
+                                                          ("cmae", "mae", 0.0, 5e-4 * 8 / 256)])    # blr x batch / 256
+def test_the_checkpoint_method_picks_the_official_recipe(method, recipe, warmup_lr, peak, tmp_path, monkeypatch):
+    """ConMIM -> BEiT-style recipe (lr 4e-3 for the global batch, warm-up from 1e-6), every other method ->
+    MAE's (blr 5e-4 x batch / 256, warm-up from 0): the lr each step applies, divided by its layer scale."""
+    torch.manual_seed(0)
+    vit = dict(img_size=16, patch_size=4, dim=32, depth=1, heads=2)
+    C.save_checkpoint(str(tmp_path / "c.pth"), {"method": method, "vit": vit, "encoder": E.ViT(**vit).state_dict(),
+                                                "args": {"seed": 0}, "epoch": 1, "step": 1})
+    lrs, real = [], C.optimizer_step
+    monkeypatch.setattr(C, "optimizer_step", lambda run, opt, params, max_norm=0.0: (
+        lrs.append([g["lr"] / g["lr_scale"] for g in opt.param_groups]), real(run, opt, params, max_norm))[1])
+    res = FT.finetune(FT.Args(ckpt=str(tmp_path / "c.pth"), data="synthetic", output_dir=str(tmp_path / "o"), epochs=2,
+                              steps_per_epoch=2, batch_size=8, micro_batch=0, warmup_epochs=1, workers=0, eval_batch=500,
+                              device="cpu"))
+    assert res["recipe"] == recipe and len(lrs) == 4
+    assert lrs[0] == pytest.approx([warmup_lr] * len(lrs[0]), abs=1e-12)            # warm-up start
+    assert lrs[2] == pytest.approx([peak] * len(lrs[2]))                             # the peak, after warm-up
