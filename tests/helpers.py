@@ -1,4 +1,4 @@
-"""Test helpers shared by the method test files: CLI runs with one-line errors, exact resume."""
+"""Test helpers shared by the test files: CLI runs with one-line errors, exact resume, a tiny ViT checkpoint."""
 import os
 import socket
 import subprocess
@@ -55,3 +55,14 @@ def exact_resume(train, make_args, tmp_path, method, keys):
         for k, v in full[key].items():
             assert torch.equal(v, part[key][k]), (key, k)
     return full, part1
+
+
+def vit_checkpoint(path, method, **vit):
+    """A checkpoint in this project's format holding only a randomly initialised tiny ViT encoder (seed 0),
+    for the evaluation scripts; `method` picks their per-method defaults (pooling, fine-tuning recipe)."""
+    import eval_linear as E
+    vit = dict(dict(img_size=16, patch_size=4, dim=32, depth=1, heads=2), **vit)
+    torch.manual_seed(0)
+    C.save_checkpoint(str(path), {"method": method, "vit": vit, "encoder": E.ViT(**vit).state_dict(),
+                                  "args": {"seed": 0}, "epoch": 1, "step": 1})
+    return str(path)

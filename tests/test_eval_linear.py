@@ -10,7 +10,7 @@ import torch
 import common as C
 import synthetic as S
 import eval_linear as E
-from helpers import one_line_error, run_cli
+from helpers import one_line_error, run_cli, vit_checkpoint
 
 
 def test_knn_matches_naive_weighted_vote():
@@ -186,20 +186,17 @@ def test_linear_probe_standardises_val_with_the_train_statistics():
 
 def test_flags_reach_the_protocols_and_each_pooling_has_its_own_cached_features(tmp_path, monkeypatch):
     data = tiny_folder(tmp_path / "data")
-    torch.manual_seed(0)
-    enc = E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2)
-    C.save_checkpoint(str(tmp_path / "c.pth"), {"method": "can", "vit": dict(img_size=16, patch_size=4, dim=32, depth=1,
-                      heads=2), "encoder": enc.state_dict(), "args": {"seed": 0}, "epoch": 1, "step": 1})
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "can")
     calls = {}
     for name in ("knn", "linear_probe", "lowshot"):
         real = getattr(E, name)
         monkeypatch.setattr(E, name, lambda *a, _n=name, _r=real: (calls.__setitem__(_n, a[5:]), _r(*a))[1])
-    E.evaluate(E.Args(ckpt=str(tmp_path / "c.pth"), data=data, mode="all", workers=0, pool="mean", k=3, temperature=0.5,
+    E.evaluate(E.Args(ckpt=ckpt, data=data, mode="all", workers=0, pool="mean", k=3, temperature=0.5,
                       linear_epochs=2, linear_lr=0.05, linear_batch=7, shots=2, seeds=2, lambd=0.01))
     assert calls == {"knn": (3, 0.5), "linear_probe": (2, 0.05, 7), "lowshot": (2, 0.0, 2, 0.01, None)}
     feats = tmp_path / "features"
     assert len(os.listdir(feats)) == 2                                # train + val of --pool mean
-    cls = E.evaluate(E.Args(ckpt=str(tmp_path / "c.pth"), data=data, mode="knn", workers=0, pool="cls", k=3))
+    cls = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="knn", workers=0, pool="cls", k=3))
     assert len(os.listdir(feats)) == 4                                # --pool cls: its own features
-    fresh = E.evaluate(E.Args(ckpt=str(tmp_path / "c.pth"), data=data, mode="knn", workers=0, pool="cls", k=3, cache=False))
+    fresh = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="knn", workers=0, pool="cls", k=3, cache=False))
     assert cls["knn_top1"] == fresh["knn_top1"]

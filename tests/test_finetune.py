@@ -13,7 +13,7 @@ import can
 import common as C
 import eval_finetune as FT
 import eval_linear as E
-from helpers import exact_resume, one_line_error, run_cli
+from helpers import exact_resume, one_line_error, run_cli, vit_checkpoint
 
 DECAY = 0.65
 
@@ -195,14 +195,11 @@ def test_the_network_sees_the_mixed_images_and_the_loss_the_mixed_targets(tmp_pa
 def test_the_checkpoint_method_picks_the_official_recipe(method, recipe, warmup_lr, peak, tmp_path, monkeypatch):
     """ConMIM -> BEiT-style recipe (lr 4e-3 for the global batch, warm-up from 1e-6), every other method ->
     MAE's (blr 5e-4 x batch / 256, warm-up from 0): the lr each step applies, divided by its layer scale."""
-    torch.manual_seed(0)
-    vit = dict(img_size=16, patch_size=4, dim=32, depth=1, heads=2)
-    C.save_checkpoint(str(tmp_path / "c.pth"), {"method": method, "vit": vit, "encoder": E.ViT(**vit).state_dict(),
-                                                "args": {"seed": 0}, "epoch": 1, "step": 1})
+    ckpt = vit_checkpoint(tmp_path / "c.pth", method)
     lrs, real = [], C.optimizer_step
     monkeypatch.setattr(C, "optimizer_step", lambda run, opt, params, max_norm=0.0: (
         lrs.append([g["lr"] / g["lr_scale"] for g in opt.param_groups]), real(run, opt, params, max_norm))[1])
-    res = FT.finetune(FT.Args(ckpt=str(tmp_path / "c.pth"), data="synthetic", output_dir=str(tmp_path / "o"), epochs=2,
+    res = FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=2,
                               steps_per_epoch=2, batch_size=8, micro_batch=0, warmup_epochs=1, workers=0, eval_batch=500,
                               device="cpu"))
     assert res["recipe"] == recipe and len(lrs) == 4

@@ -1,10 +1,11 @@
 """The training loops around each train_step (tests/test_step.py and test_wiring.py check the steps):
 per step, the lr and weight decay the optimiser actually applies follow the official schedule, the
 EMA target is updated once per step, after the optimiser, with the official momentum schedule, the
-target/teacher BatchNorm runs in train mode (batch statistics, as the official code), the masks and
-noise the loop draws reach the step with the configured ratio and scale, and the fine-tuning loop
+target/teacher BatchNorm runs in train mode (batch statistics, as the official code), each view of the
+loader's batch reaches its train_step argument normalised, the masks and noise the loop draws reach the
+step with the configured ratio and scale, new each step, epoch and process, and the fine-tuning loop
 applies its warm-up + cosine lr times each layer's scale. Every reference below is written from the
-official code (cited), not from this project's helpers. Each run: 2 epochs x 2 steps, 1 warm-up epoch."""
+official code (cited), not from this project's helpers. Runs of 1 to 6 steps on the tiny configs."""
 import math
 import os
 
@@ -76,6 +77,12 @@ def siammae_reference(k, a, total, ipe):
 CASES = {"msn": (msn, msn_args, msn_reference), "cmae": (cmae, cmae_args, mae_reference),
          "conmim": (conmim, conmim_args, conmim_reference), "can": (can, can_args, mae_reference),
          "siammae": (siammae, siammae_args, siammae_reference)}
+MASK_ARG = {"msn": 5, "cmae": 6, "conmim": 4, "can": 6, "siammae": 5}   # train_step's mask (MSN: ids_keep)
+
+
+def epochs(method, passes):
+    """--epochs for `passes` passes over the data: SiamMAE counts effective epochs (x repeated sampling)."""
+    return passes * (siammae_args().repeated_sampling if method == "siammae" else 1)
 
 
 def _record(monkeypatch, mod):
@@ -136,26 +143,27 @@ def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, 
     step, epoch and image; SiamMAE masks f2 only (f1 is passed whole); CAN draws one mask, one noise
     level sigma ~ U[0, sigma_max] and one noise e ~ N(0, 1) per view and image."""
     mod, make, _ = CASES[method]
-    kw = dict(epochs=4, img_size=32) if method == "siammae" else dict(epochs=2)   # SiamMAE: 3 of 64 patches kept
-    a = make(tmp_path, steps_per_epoch=2, warmup_epochs=0, **kw)     # 2 epochs of 2 steps
+    kw = dict(img_size=32) if method == "siammae" else {}             # SiamMAE: 3 of 64 patches kept
+    a = make(tmp_path, epochs=epochs(method, 2), steps_per_epoch=2, warmup_epochs=0, **kw)   # 2 passes of 2 steps
     _, steps, _ = _record(monkeypatch, mod)
     mod.train(a)
     grid = a.img_size // a.patch_size
     N = grid * grid
     masks = []
     for s in steps:
+        mask = s[MASK_ARG[method]]
         if method == "msn":                                            # ids_keep (R, B, n_keep) of kept patches
-            ids_keep = s[5]
+            ids_keep = mask
             assert ids_keep.shape[-1] == int(N * (1 - a.mask_ratio))
             mask = torch.ones(ids_keep.shape[:-1] + (N,)).scatter_(-1, ids_keep, 0.0).flatten(0, 1)
         elif method in ("cmae", "conmim"):                            # masked in unit x unit blocks
-            mask = (s[4] if method == "conmim" else s[6]).flatten(1).float()
+            mask = mask.flatten(1).float()
             u, g = a.mask_unit, grid // a.mask_unit
             assert u > 1 and (mask.sum(1) == (g * g - int(g * g * (1 - a.mask_ratio))) * u * u).all()
             blocks = mask.view(-1, g, u, g, u)
             assert (blocks == blocks[:, :, :1, :, :1]).all()           # constant within each block
         elif method == "can":
-            x, sigma, noise, mask = s[1], s[2], s[3], s[6]             # (2, B, ...) view-major
+            x, sigma, noise = s[1], s[2], s[3]                         # (2, B, ...) view-major
             B = x.shape[1]
             assert sigma.shape == (2, B) and (sigma >= 0).all() and (sigma <= a.sigma_max).all()
             assert sigma.max() > 0.5 * a.sigma_max                     # U[0, sigma_max], not a narrower range
@@ -167,14 +175,14 @@ def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, 
             assert not torch.equal(mask[0], mask[1])                   # a mask per view
             mask = mask.flatten(0, 1)
         else:                                                          # siammae: f2's mask only
-            f1, f2, mask = s[1], s[2], s[5]
+            f1, f2 = s[1], s[2]
             assert mask.shape == (f2.shape[0], N) and (mask.sum(1) == N - int(N * (1 - a.mask_ratio))).all()
             assert f1.shape == f2.shape                                # f1 enters whole (0% masked)
         assert 0 < mask.mean() < 1
         assert len({tuple(r.tolist()) for r in mask}) > 1              # per image
         masks.append(mask)
-    assert len(masks) == 4 and all(not torch.equal(masks[i], masks[j]) for i in range(4) for j in range(i))   # per step
-    # and per epoch: each epoch reseeds from (seed, epoch, rank), so epoch 1 must not replay epoch 0
+    # per step and per epoch (each epoch reseeds from (seed, epoch, rank): epoch 1 must not replay epoch 0)
+    assert len(masks) == 4 and all(not torch.equal(masks[i], masks[j]) for i in range(4) for j in range(i))
 
 
 def test_finetune_loop_applies_warmup_cosine_times_each_layer_scale(tmp_path, monkeypatch):
@@ -234,14 +242,12 @@ def test_each_view_of_the_batch_reaches_its_argument_normalised(method, tmp_path
     monkeypatch.setattr(C, "epoch_batches", batches_spy)
     monkeypatch.setattr(C, "normalize", lambda x: x.float() + 1000)   # "normalised" = shifted by 1000
     _, steps, _ = _record(monkeypatch, mod)
-    mod.train(make(tmp_path, epochs=2 if method == "siammae" else 1, steps_per_epoch=1, warmup_epochs=0))
+    mod.train(make(tmp_path, epochs=epochs(method, 1), steps_per_epoch=1, warmup_epochs=0))
     assert len(steps) == len(batches) == 1
     for i, view in ROUTES[method](batches[0], make(tmp_path)).items():
         assert view.dtype == torch.uint8
         torch.testing.assert_close(steps[0][i], view.float() + 1000, rtol=0, atol=0, msg=f"argument {i}")
 
-
-MASK_ARG = {"msn": 5, "cmae": 6, "conmim": 4, "can": 6, "siammae": 5}   # train_step's mask (MSN: ids_keep)
 
 
 def _rank_mask(rank, world, method, out):
@@ -250,7 +256,7 @@ def _rank_mask(rank, world, method, out):
     mod, make, _ = CASES[method]
     got, real = [], mod.train_step
     mod.train_step = lambda *a, **kw: (got.append(a[MASK_ARG[method]].clone()), real(*a, **kw))[1]
-    mod.train(make(out, epochs=2 if method == "siammae" else 1, steps_per_epoch=1, warmup_epochs=0, stop_step=1,
+    mod.train(make(out, epochs=epochs(method, 1), steps_per_epoch=1, warmup_epochs=0, stop_step=1,
                    device="cpu", **({"img_size": 32} if method == "siammae" else {})))
     return got[0]
 
