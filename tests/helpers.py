@@ -66,3 +66,13 @@ def vit_checkpoint(path, method, **vit):
     C.save_checkpoint(str(path), {"method": method, "vit": vit, "encoder": E.ViT(**vit).state_dict(),
                                   "args": {"seed": 0}, "epoch": 1, "step": 1})
     return str(path)
+
+
+def slim_checkpoint(src, dst):
+    """The encoder of a training checkpoint, in fp16, with what the evaluation scripts read (method, ViT
+    config, args): tests/data/cmae_synthetic_quickstart.pth is
+    slim_checkpoint("runs/cmae/checkpoint.pth", "tests/data/cmae_synthetic_quickstart.pth")."""
+    c = C.load_checkpoint(src)
+    C.save_checkpoint(dst, {"method": c["method"], "vit": c["vit"], "args": c["args"], "epoch": c["epoch"],
+                            "step": c["step"], "encoder": {k: v.half() if v.is_floating_point() else v
+                                                           for k, v in c["encoder"].items()}})
