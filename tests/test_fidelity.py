@@ -38,7 +38,10 @@ def test_conmim_pretraining_drop_path_is_zero_and_teacher_is_deterministic_in_tr
 
 
 def test_conmim_projector_has_no_bias_and_sees_the_cls_token():
+    """modeling_pretrain.py: (Linear no bias, BN, ReLU) x 2, Linear no bias, BN(affine=False); over every token."""
     model = conmim.Net(conmim_args("/tmp/unused"))
+    assert [type(m) for m in model.projector.mlp] == [nn.Linear, nn.BatchNorm1d, nn.ReLU] * 2 + [nn.Linear, nn.BatchNorm1d]
+    assert model.projector.mlp[1].affine and not model.projector.mlp[-1].affine
     assert all(m.bias is None for m in model.projector.modules() if isinstance(m, nn.Linear))
     seen = []
     model.projector.register_forward_hook(lambda m, inp, out: seen.append(inp[0].shape))
@@ -138,9 +141,10 @@ def test_cmae_heads_keep_pytorch_default_init_and_bn_eps():
 
 
 def test_msn_patch_embedding_is_kaiming_normal():
-    model = msn.MSN(msn_args("/tmp/unused", model="micro"))
-    w = model.net.encoder.patch_embed.proj.weight
-    assert abs(w.std().item() - math.sqrt(2 / w[0].numel())) < 0.1 * math.sqrt(2 / w[0].numel())
+    """kaiming-normal fan_in (std sqrt(2 / (3 p p))): MSN, and SiamMAE's --init trunc (DeiT's)."""
+    for w in (msn.MSN(msn_args("/tmp/unused", model="micro")).net.encoder.patch_embed.proj.weight,
+              siammae.SiamMAE(siammae_args(model="micro", init="trunc")).encoder.patch_embed.proj.weight):
+        assert abs(w.std().item() - math.sqrt(2 / w[0].numel())) < 0.1 * math.sqrt(2 / w[0].numel())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,3 +183,80 @@ def test_siammae_epochs_count_passes_times_R_and_lr_scales_with_videos(tmp_path)
     assert ckpt["epoch"] == 2 and ckpt["step"] == 4           # 4 effective epochs = 2 passes of R = 2
     recs = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert math.isclose(recs[0]["lr"], 0.256 * 4 / 256)       # videos per step, not pairs (x R = 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Heads and decoders, written out from each official module
+# ---------------------------------------------------------------------------------------------
+def test_msn_head_projects_the_normed_cls_token_and_prototypes_are_uniform():
+    """msn_train.py init_model: fc1-bn1-gelu1-fc2-bn2-gelu2-fc3 on deit.py's norm(x)[:, 0]; prototypes
+    U(-1/sqrt(d), 1/sqrt(d))."""
+    a = msn_args("/tmp/unused", head_dim=64, num_prototypes=1024)
+    model = msn.MSN(a).eval()
+    head = model.net.head
+    assert [type(m) for m in head] == [nn.Linear, nn.BatchNorm1d, nn.GELU] * 2 + [nn.Linear]
+    assert all(m.approximate == "none" for m in head if isinstance(m, nn.GELU))
+    x = torch.randn(4, 3, 16, 16)
+    torch.testing.assert_close(model.net(x), head(model.net.encoder(x)[:, 0]))
+    b, P = 64 ** -0.5, model.prototypes
+    assert P.abs().max() <= b and P.abs().max() > 0.99 * b and abs(P.std().item() - b / math.sqrt(3)) < 0.02 * b
+
+
+def test_cmae_decoders_heads_and_feature_branch_written_out():
+    """Each decoder: embed, [M] tokens into the masked slots (unshuffled), + sin-cos table, blocks, norm,
+    linear; u = predictor(projector(mean of the feature decoder's patch tokens)); the heads are
+    Linear-BN-ReLU-Linear(no bias) (NonLinearNeck); the [M] tokens normal(0.02)."""
+    model = cmae.CMAE(cmae_args("/tmp/unused")).eval()
+    x = torch.randn(4, 3, 16, 16)
+    ids_keep, ids_restore, _ = cmae.random_masking(4, 4, 0.5, 2)
+    latent = model.encoder(x, ids_keep)
+    for dec in (model.pixel_decoder, model.feature_decoder):
+        t = cmae.restore_tokens(dec.embed(latent), dec.mask_token, ids_restore) + cmae.sincos_pos_embed(32, 4)
+        for blk in dec.blocks:
+            t = blk(t)
+        torch.testing.assert_close(dec(latent, ids_restore), dec.out(dec.norm(t)))
+    pred, u = model(x, ids_keep, ids_restore)
+    torch.testing.assert_close(pred, model.pixel_decoder(latent, ids_restore)[:, 1:])
+    y_s = model.feature_decoder(latent, ids_restore)[:, 1:].mean(1)
+    torch.testing.assert_close(u, model.predictor(model.projector(y_s)))
+    for head in (model.projector, model.predictor):
+        assert [type(m) for m in head] == [nn.Linear, nn.BatchNorm1d, nn.ReLU, nn.Linear]
+        assert head[0].bias is not None and head[3].bias is None
+    tok = cmae.Decoder(32, 4, 2048, 0, 2, 8).mask_token
+    assert abs(tok.std().item() - 0.02) < 0.002
+
+
+def test_can_forward_written_out():
+    """u = projector(mean of the visible patch tokens), projector Linear-BN-ReLU-Linear; the decoder input
+    is embed + [M] tokens (unshuffled) + sin-cos table + MLP(sinusoid(1000 sigma)) on every token;
+    sinusoid = [sin(s w_k), cos(s w_k)], w_k = 10000^(-k / half)."""
+    model = can.CAN(can_args("/tmp/unused")).eval()
+    assert [type(m) for m in model.projector] == [nn.Linear, nn.BatchNorm1d, nn.ReLU, nn.Linear]
+    x, sigma = torch.randn(4, 3, 16, 16), torch.tensor([0.0, 0.1, 0.3, 0.75])
+    ids_keep, ids_restore, _ = can.random_masking(4, 4, 0.5)
+    latent = model.encoder(x, ids_keep)
+    s = 1000 * sigma[:, None] * 10000 ** (-torch.arange(16.0) / 16)
+    torch.testing.assert_close(can.sinusoid(1000 * sigma, 32), torch.cat([s.sin(), s.cos()], 1))
+    t = can.restore_tokens(model.decoder_embed(latent), model.mask_token, ids_restore) + can.sincos_pos_embed(32, 4)
+    t = t + model.noise_embed.mlp(torch.cat([s.sin(), s.cos()], 1))[:, None]
+    for blk in model.decoder:
+        t = blk(t)
+    pred, u = model(x, sigma, ids_keep, ids_restore)
+    torch.testing.assert_close(u, model.projector(latent[:, 1:].mean(1)))
+    torch.testing.assert_close(pred, model.decoder_pred(model.decoder_norm(t))[:, 1:])
+
+
+def test_siammae_forward_written_out():
+    """f1 whole and f2's visible patches through the shared encoder, each embedded and given the decoder's
+    sin-cos table (f2 with [M] tokens, unshuffled); every block: f2 cross-attends to f1, then self, then MLP."""
+    model = siammae.SiamMAE(siammae_args()).eval()
+    f1, f2 = torch.randn(2, 3, 16, 16), torch.randn(2, 3, 16, 16)
+    ids_keep, ids_restore, _ = siammae.random_masking(2, 4, 0.5)
+    pe = siammae.sincos_pos_embed(32, 4)
+    h1 = model.decoder_embed(model.encoder(f1)) + pe
+    x = siammae.restore_tokens(model.decoder_embed(model.encoder(f2, ids_keep)), model.mask_token, ids_restore) + pe
+    for blk in model.blocks:
+        x = x + blk.cross(blk.norm_x(x), blk.norm_ctx(h1))
+        x = x + blk.attn(blk.norm_sa(x))
+        x = x + blk.mlp(blk.norm_mlp(x))
+    torch.testing.assert_close(model(f1, f2, ids_keep, ids_restore), model.pred(model.norm(x))[:, 1:])

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import can
 import cmae
@@ -14,6 +15,7 @@ import msn
 import siammae
 
 MAE = ["cmae", "can", "siammae"]                   # MAE-style masking with ids_restore and token dropping
+ALL = [msn, cmae, conmim, can, siammae]
 
 
 @pytest.mark.parametrize("method,grid,ratio,unit", [(m, *c) for m in MAE for c in [(8, 0.15, 1), (8, 0.75, 1), (14, 0.95, 1)]]
@@ -103,6 +105,37 @@ def test_msn_interpolates_position_embeddings_for_focal_views():
     assert torch.allclose(vit.patch_pos_embed(2, 2), torch.arange(32.0).expand(1, 4, 32), atol=1e-4)
     vit = E.ViT(32, 8, 32, 2, 2).eval()                          # the evaluation's copy too
     assert vit(torch.randn(3, 3, 16, 16)).shape == (3, 5, 32)
+
+
+def test_msn_focal_position_embeddings_follow_the_official_interpolation():
+    """deit.py interpolate_pos_encoding: the patch table resized bicubic with scale_factor sqrt(npatch / N)
+    (224 px, grid 14 -> the 96 px focal views' grid 6), [CLS]'s entry unchanged."""
+    vit = msn.ViT(224, 16, 32, 1, 2)
+    pe = vit.pos_embed[:, 1:].reshape(1, 14, 14, 32).permute(0, 3, 1, 2)
+    ref = F.interpolate(pe, scale_factor=math.sqrt(36 / 196), mode="bicubic").permute(0, 2, 3, 1).reshape(1, 36, 32)
+    torch.testing.assert_close(vit.patch_pos_embed(6, 6), ref)
+
+
+@pytest.mark.parametrize("mod", ALL, ids=lambda m: m.__name__)
+def test_stochastic_depth_rises_linearly_and_wraps_both_residual_branches(mod, monkeypatch):
+    """DeiT / MAE / BEiT: block i drops at rate linspace(0, p, depth)[i], and both the attention and the MLP
+    branch go through drop_path: with every branch dropped, each block is the identity."""
+    vit = mod.ViT(16, 8, 32, 3, 2, drop_path=0.3).train()
+    assert [b.drop_path for b in vit.blocks] == pytest.approx([0.0, 0.15, 0.3])
+    monkeypatch.setattr(mod, "drop_path", lambda x, p, training: torch.zeros_like(x))
+    x = torch.randn(2, 5, 32)
+    for blk in vit.blocks:
+        assert torch.equal(blk(x), x)
+
+
+@pytest.mark.parametrize("mod", ALL, ids=lambda m: m.__name__)
+def test_norm_false_returns_the_tokens_before_the_final_norm(mod):
+    """norm=False (MSN's evaluations, CMAE's target, the fine-tuning pooling) skips only the final norm."""
+    vit = mod.ViT(16, 8, 32, 2, 2).eval()
+    x = torch.randn(2, 3, 16, 16)
+    raw = vit(x, norm=False)
+    torch.testing.assert_close(vit.norm(raw), vit(x))
+    assert not torch.allclose(raw, vit(x), atol=1e-2)
 
 
 def test_conmim_mask_token_replaces_masked_patches():
