@@ -447,7 +447,7 @@ def train(args):
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
     start = C.resume_run(run, "can", args, model, opt)                # global step
     net, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
-    log = C.Logger(run, total, args.batch_size, args.log_every, start)
+    log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     save = lambda s: C.save_run(run, "can", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
              + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"))

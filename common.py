@@ -753,6 +753,8 @@ def validate(args):
             raise bad(f"{flag} momentum must be in [0, 1], got {v}")
         if k.endswith("scale") and isinstance(v, tuple) and not 0 < v[0] <= v[1] <= 1:
             raise bad(f"{flag} must be 0 < min <= max <= 1, got {v}")
+    if d.get("stop_epoch", 0) > d.get("epochs", 1):
+        raise bad(f"stop-epoch {d['stop_epoch']} is after the last epoch (--epochs {d['epochs']})")
     if d.get("warmup_epochs", 0) > d.get("epochs", 1):
         raise bad(f"warmup-epochs {d['warmup_epochs']} is longer than --epochs {d['epochs']}")
     for k in ("img_size", "focal_size"):
@@ -892,8 +894,8 @@ def end_step(run, log, args, step, epoch, parts, save, dataset=None, reads=0, ba
     mid-epoch checkpoint when due. Returns True when the run must stop now (checkpoint written)."""
     run.guard.update(step, parts, run.scaler)
     bad = check_unreadable(dataset, reads, bad0, args.max_unreadable) if dataset is not None else None
-    log.step(step, epoch, parts, bad_images=bad, **scalars)
     due, stop = run.control.poll(step)
+    log.step(step, epoch, parts, force=stop, bad_images=bad, **scalars)         # a stopping step is logged
     if due:
         save(step)
     if stop:
@@ -1051,17 +1053,19 @@ def resume_run(run, method, args, model, optimizer, target=None):
 # Logging and the end-of-run k-NN report
 # ----------------------------------------------------------------------------------------------
 class Logger:
-    """Every `every` steps: one host sync, a console line and a JSONL record (rank 0 only)."""
+    """Every `every` steps and at the run's last step (the schedule's end, --stop-epoch's end `stop`,
+    or a stop that end_step forces): one host sync, a console line and a JSONL record (rank 0 only)."""
 
-    def __init__(self, run, total_steps, batch_size, every, start_step=0):
+    def __init__(self, run, total_steps, batch_size, every, start_step=0, stop=0):
         self.total, self.batch, self.every, self.guard = total_steps, batch_size, every, run.guard
+        self.stop = stop
         self.path = os.path.join(run.out, "log.jsonl")
         self.t, self.last = time.time(), start_step
         DATA_WAIT[0] = 0.0
 
-    def step(self, step, epoch, parts, **scalars):
+    def step(self, step, epoch, parts, force=False, **scalars):
         """parts: dict of 0-d tensors (loss terms), kept on device until logged."""
-        if step % self.every and step != self.total:
+        if step % self.every and step not in (self.total, self.stop) and not force:
             return None
         rec = {k: round(float(v), 5) for k, v in parts.items()}      # the one sync
         self.guard.check()

@@ -369,7 +369,7 @@ def train(args):
     start = C.resume_run(run, "conmim", args, model, opt, teacher)    # global step
     student, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
     teacher_fwd = torch.compile(teacher) if args.compile else teacher
-    log = C.Logger(run, total, args.batch_size, args.log_every, start)
+    log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, teacher)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute, for the "
              "official global batch 2048; not rescaled)")

@@ -251,7 +251,7 @@ def finetune(args):
     start = C.resume_run(run, "finetune", args, model, opt)
     net, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
     mix = Mix(args, len(train.classes))
-    log = C.Logger(run, total, args.batch_size, args.log_every, start)
+    log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     save = lambda s: C.save_run(run, "finetune", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
     C.print0(f"fine-tuning {ckpt['method']} ({'random init' if args.random_init else args.ckpt}), recipe {recipe}: "
              f"{len(train)} images, {len(train.classes)} classes, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"

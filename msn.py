@@ -435,7 +435,7 @@ def train(args):
     start = C.resume_run(run, "msn", args, model, opt, target)        # global step
     online, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
     target_fwd = torch.compile(target) if args.compile else target
-    log = C.Logger(run, total, args.batch_size, args.log_every, start)
+    log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     save = lambda s: C.save_run(run, "msn", args, s // ipe, s, target.encoder, model, opt, target)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps ({args.epochs} epochs; schedules span "
              f"{sched}), {1 + R + args.focal_views} views/image; lr {args.start_lr:g} -> {args.lr:g} -> "

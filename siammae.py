@@ -473,6 +473,9 @@ def train(args):
         raise C.UserError(f"--epochs {args.epochs} counts effective epochs (passes x --repeated-sampling {R}): "
                           "make it a multiple of it")
     passes = args.epochs // R
+    if args.stop_epoch > passes:
+        raise C.UserError(f"--stop-epoch {args.stop_epoch} counts passes: this run has {passes} "
+                          f"(--epochs {args.epochs} / --repeated-sampling {R})")
     total = passes * ipe
     videos = args.batch_size                                           # MAE-ST: lr scales with videos
     pairs = videos * R
@@ -484,7 +487,7 @@ def train(args):
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
     start = C.resume_run(run, "siammae", args, model, opt)            # global step
     net, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
-    log = C.Logger(run, total, pairs, args.log_every, start)
+    log = C.Logger(run, total, pairs, args.log_every, start, args.stop_epoch * ipe)
     save = lambda s: C.save_run(run, "siammae", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
     C.print0(f"{len(dataset)} videos, {args.epochs} effective epochs = {passes} passes of {ipe} steps, {total} steps, "
              f"{videos} videos = {pairs} pairs/step, lr {lr:.3g} (blr x {videos} videos / 256)")

@@ -171,6 +171,7 @@ def test_one_failing_rank_takes_the_others_down(tmp_path):
     (["--crop-scale", "0.5", "0.2"], "--crop-scale must be 0 < min <= max <= 1"),
     (["--batch-size", "8", "--micro-batch", "3"], "--micro-batch 3 must divide the per-process batch 8"),
     (["--steps-per-epoch", "-2"], "--steps-per-epoch must be >= 0"),
+    (["--stop-epoch", "3"], "--stop-epoch 3 is after the last epoch (--epochs 2)"),
 ])
 def test_flags_are_validated_with_one_line_errors(flags, msg, tmp_path):
     one_line_error(run_cli(*CAN_CLI, "--data", "synthetic", "--epochs", "2", *flags, "--output-dir", str(tmp_path)), msg)
@@ -208,6 +209,15 @@ def test_one_loader_iterator_serves_every_epoch(tmp_path, monkeypatch):
     can.train(can_args(tmp_path, epochs=3, steps_per_epoch=2, workers=2))           # resumes at epoch 2
     assert len(calls) == 2
     assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 6
+
+
+def test_a_run_that_stops_early_logs_its_last_step(tmp_path):
+    """Whatever ends the run, its last step is in the log, between --log-every steps too: the end of
+    --stop-epoch's epoch, --stop-step, a preemption signal (the stop end_step forces)."""
+    steps = lambda d: [json.loads(line)["step"] for line in open(tmp_path / d / "log.jsonl") if '"step"' in line]
+    can.train(can_args(tmp_path / "epoch", epochs=3, steps_per_epoch=3, log_every=2, stop_epoch=1))
+    can.train(can_args(tmp_path / "step", epochs=3, steps_per_epoch=3, log_every=2, stop_step=5))
+    assert steps("epoch") == [2, 3] and steps("step") == [2, 4, 5]
 
 
 def test_the_log_reports_the_share_of_time_spent_waiting_for_data(tmp_path, monkeypatch):

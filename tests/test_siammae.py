@@ -151,3 +151,12 @@ def test_bad_input(tmp_path):
     os.makedirs(tmp_path / "empty" / "v1")
     one_line_error(run_cli("siammae.py", "--data", str(tmp_path / "empty"), *tiny), "no usable videos")
     one_line_error(run_cli("siammae.py", "--data", "synthetic", *tiny, "--decoder", "foo"), "--decoder must be")
+
+
+def test_epochs_and_stop_epoch_count_in_their_units(tmp_path):
+    """--epochs counts effective epochs (passes x --repeated-sampling), --stop-epoch counts passes:
+    either out of step with the other is a one-line error before training."""
+    with pytest.raises(C.UserError, match="make it a multiple of it"):
+        siammae.train(tiny_args(tmp_path, epochs=3))
+    with pytest.raises(C.UserError, match="--stop-epoch 3 counts passes: this run has 2"):
+        siammae.train(tiny_args(tmp_path, stop_epoch=3))
