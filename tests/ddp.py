@@ -1,4 +1,5 @@
 """Run a function in 2 gloo processes on CPU and collect what each rank returns."""
+import gc
 import os
 import socket
 import sys
@@ -23,6 +24,7 @@ def _worker(rank, world, port, fn, out_dir, args):
     try:
         torch.save(fn(rank, world, *args), os.path.join(out_dir, f"{rank}.pt"))
     finally:
+        gc.collect()                          # as common.main: no gloo work left to the interpreter's exit
         dist.destroy_process_group()
 
 
