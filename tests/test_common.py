@@ -1,4 +1,5 @@
-"""common.py: schedules, optimiser groups, data, augmentation, CLI (each method's ViT, masking and EMA: test_vits.py)."""
+"""common.py: schedules, optimiser groups, data, augmentation, CLI, run plumbing (checkpoints, resume, log,
+control) (each method's ViT, masking and EMA: test_vits.py)."""
 import argparse
 import itertools
 import math
@@ -213,3 +214,109 @@ def test_epoch_sampler_reshuffles_every_epoch_and_skips_only_the_resumed_one():
     s.skip = 5                                                         # resumed after 5 images of epoch 1
     got = list(itertools.islice(iter(s), 7 + 12))
     assert got[:7] == [(i, 1) for i in epochs[1][5:]] and [i for i, _ in got[7:]] == epochs[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Run plumbing, one rule at a time (each broken on purpose once: every test below failed then)
+# ---------------------------------------------------------------------------------------------
+def test_normalize_and_micro_slices():
+    x = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    mean, std = torch.tensor(C.IMAGENET_MEAN).view(3, 1, 1), torch.tensor(C.IMAGENET_STD).view(3, 1, 1)
+    torch.testing.assert_close(C.normalize(x), (x.float() / 255 - mean) / std)
+    torch.testing.assert_close(C.normalize(x.float() / 255), (x.float() / 255 - mean) / std)
+    assert C.micro_slices(10, 4) == [slice(0, 4), slice(4, 8), slice(8, 10)]     # the tail is a slice too
+
+
+def test_blur_taps_cover_three_sigma_below_the_image_size():
+    assert C.blur_taps() == 13 and C.blur_taps(1.0) == 7                          # 2 * ceil(3 sigma) + 1
+    assert C.blur_taps(size=224) == 13 and C.blur_taps(size=12) == 11 and C.blur_taps(size=8) == 7
+
+
+def test_color_jitter_order_is_a_uniform_random_permutation_per_image(monkeypatch):
+    seen = []
+    real = C.color_jitter_batch
+    monkeypatch.setattr(C, "color_jitter_batch", lambda x, *a: (seen.append(a[-1]), real(x, *a))[1])
+    torch.manual_seed(0)
+    C.color_augment_batch(torch.rand(4800, 3, 2, 2), p_jitter=1.0, p_blur=0.0)
+    order = seen[0]
+    assert torch.equal(order.sort(1).values, torch.arange(4).expand(4800, 4))
+    counts = torch.unique(order, dim=0, return_counts=True)[1]
+    assert len(counts) == 24 and counts.min() > 120 and counts.max() < 280          # 200 each expected
+
+
+def test_unreadable_images_stop_the_run_above_max_unreadable(monkeypatch):
+    monkeypatch.setattr(C, "bad_reads", lambda dataset: 11)
+    with pytest.raises(C.UserError, match="11 of 1000 images read in this epoch were unreadable"):
+        C.check_unreadable(None, 1000, 0, 0.01)
+    assert C.check_unreadable(None, 1000, 1, 0.01) == 10                            # 10 of 1000: on
+    assert C.check_unreadable(None, 999, 0, 0.01) == 11                             # judged from 1000 reads
+    with pytest.raises(C.UserError):
+        C.check_unreadable(None, 999, 0, 0.01, final=True)                          # and at the epoch's end
+
+
+def test_control_saves_after_save_every_minutes():
+    args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=1.0)
+    ctl = C.Control(args, torch.device("cpu"))
+    assert ctl.poll(1) == (False, False)
+    ctl.t -= 61
+    assert ctl.poll(2) == (True, False)
+    assert ctl.poll(3) == (False, False)                                            # the clock restarts
+
+
+def _run(tmp_path):
+    ckpt = str(tmp_path / "checkpoint.pth")
+    return argparse.Namespace(ckpt=ckpt, out=str(tmp_path), scaler=torch.amp.GradScaler("cpu", enabled=False),
+                              guard=C.Guard(torch.device("cpu"), "fp32", ckpt))
+
+
+def test_save_run_never_writes_non_finite_weights(tmp_path):
+    run, model = _run(tmp_path), torch.nn.Linear(2, 2)
+    args = C.RunArgs()
+    model.config = {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    C.save_run(run, "can", args, 0, 1, model, model, opt)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(C.UserError, match="non-finite weights at step 2: not written"):
+        C.save_run(run, "can", args, 0, 2, model, model, opt)
+    assert C.load_checkpoint(run.ckpt)["step"] == 1
+
+
+def test_resume_restores_this_ranks_rng_and_rescales_the_step_for_a_new_batch(tmp_path, monkeypatch):
+    run, model = _run(tmp_path), torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    states = []
+    for seed in (1, 2):                                                             # rank 0's, rank 1's
+        torch.manual_seed(seed)
+        states.append(C.rng_state())
+    C.save_checkpoint(run.ckpt, {"method": "can", "encoder": {}, "args": {"batch_size": 8}, "epoch": 0, "step": 10,
+                                 "model": model.state_dict(), "optimizer": opt.state_dict(),
+                                 "scaler": run.scaler.state_dict(), "rng": states})
+    monkeypatch.setattr(C, "rank", lambda: 1)
+    args = argparse.Namespace(resume=True, batch_size=4, allow_batch_change=True)
+    assert C.resume_run(run, "can", args, model, opt) == 20                          # same images seen
+    drawn = torch.rand(3)
+    torch.manual_seed(2)
+    assert torch.equal(drawn, torch.rand(3))
+
+
+def _init_worker(rank, world, out):
+    os.environ["WORLD_SIZE"] = str(world)                                           # as torchrun sets it
+    args = msn.Args(data="synthetic", output_dir=f"{out}/{rank}", model="nano", patch_size=4, img_size=16,
+                    focal_size=8, head_hidden=32, head_dim=16, num_prototypes=16, seed=3)
+    C.setup(args, "msn")
+    return torch.cat([p.flatten() for p in msn.MSN(args).parameters()])
+
+
+def test_setup_seeds_every_rank_alike_for_the_same_initial_weights(tmp_path):
+    """DDP broadcasts the online network from rank 0, but not what is built beside it (MSN's EMA target
+    is a copy made before DDP): every rank must build the same weights."""
+    w0, w1 = spawn(_init_worker, str(tmp_path))
+    assert torch.equal(w0, w1)
+
+
+def test_each_log_line_reports_the_data_wait_of_its_own_interval(tmp_path):
+    log = C.Logger(_run(tmp_path), total_steps=10, batch_size=4, every=2)
+    C.DATA_WAIT[0] = 1e9                                                            # a long wait before step 2
+    assert log.step(2, 0, {"loss": torch.tensor(1.0)})["data_wait"] == 1.0          # capped at the interval
+    assert log.step(4, 0, {"loss": torch.tensor(1.0)})["data_wait"] == 0.0          # not carried over
