@@ -12,6 +12,7 @@ import common as C
 import msn
 import synthetic as S
 from ddp import spawn
+from test_msn import tiny_args as msn_args
 
 
 def test_schedules():
@@ -302,8 +303,7 @@ def test_resume_restores_this_ranks_rng_and_rescales_the_step_for_a_new_batch(tm
 
 def _init_worker(rank, world, out):
     os.environ["WORLD_SIZE"] = str(world)                                           # as torchrun sets it
-    args = msn.Args(data="synthetic", output_dir=f"{out}/{rank}", model="nano", patch_size=4, img_size=16,
-                    focal_size=8, head_hidden=32, head_dim=16, num_prototypes=16, seed=3)
+    args = msn_args(f"{out}/{rank}", seed=3)
     C.setup(args, "msn")
     return torch.cat([p.flatten() for p in msn.MSN(args).parameters()])
 
