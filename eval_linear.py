@@ -116,6 +116,13 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+def drop_path(x, p, training):
+    """Stochastic depth: zero a sample's residual branch with probability p, rescale the rest."""
+    if p == 0.0 or not training:
+        return x
+    return x * x.new_empty(x.shape[0], 1, 1).bernoulli_(1 - p) / (1 - p)
+
+
 class Block(nn.Module):
     """Pre-norm block; drop_path: stochastic depth (used by eval_finetune.py only)."""
 
@@ -125,14 +132,9 @@ class Block(nn.Module):
         self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, int(dim * mlp_ratio))
         self.drop_path = drop_path
 
-    def residual(self, x):
-        if self.drop_path == 0.0 or not self.training:
-            return x
-        return x * x.new_empty(x.shape[0], 1, 1).bernoulli_(1 - self.drop_path) / (1 - self.drop_path)
-
     def forward(self, x):
-        x = x + self.residual(self.attn(self.norm1(x)))
-        return x + self.residual(self.mlp(self.norm2(x)))
+        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
+        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
 
 
 class PatchEmbed(nn.Module):
@@ -331,9 +333,7 @@ def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, wor
     (ftr, ytr), (fva, yva) = (extract_features(encoder, torch.utils.data.DataLoader(C.Views(ds, tf), batch_size,
                               num_workers=workers), device, lambda e, x: features_of(e, x, how), autocast)
                               for ds in (train, val))
-    yva = val_to_train(train, val)[yva]
-    pred = knn_predict(F.normalize(ftr, dim=1), ytr, F.normalize(fva, dim=1), len(train.classes), k).argmax(1)
-    return 100.0 * (pred == yva).float().mean().item()
+    return knn(ftr, ytr, fva, val_to_train(train, val)[yva], len(train.classes), k)["knn_top1"]
 
 
 def splits(data, skip_unreadable=False):
@@ -385,8 +385,17 @@ def knn(train_f, train_y, val_f, val_y, num_classes, k=20, T=0.07):
 
 
 def linear_probe(train_f, train_y, val_f, val_y, num_classes, epochs=100, lr=0.1, batch=1024, seed=0):
+    """Both splits standardised with the TRAIN mean and std, a linear head trained on train, top-1/5 on val."""
     mean, std = train_f.mean(0), train_f.std(0) + 1e-6
-    xt, xv = (train_f - mean) / std, (val_f - mean) / std
+    head = linear_head((train_f - mean) / std, train_y, num_classes, epochs, lr, batch, seed)
+    with torch.no_grad():
+        s = head((val_f - mean) / std)
+    return {"linear_top1": topk(s, val_y, 1), "linear_top5": topk(s, val_y, 5)}
+
+
+def linear_head(xt, train_y, num_classes, epochs=100, lr=0.1, batch=1024, seed=0):
+    """nn.Linear from zeros, mean CE, SGD momentum 0.9, lr cosine from lr to 0 per step over epochs x
+    ceil(n / batch) steps, a fresh shuffle (generator seeded by seed) each epoch, the last batch partial."""
     g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(xt.shape[1], num_classes)
     torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)
@@ -402,9 +411,7 @@ def linear_probe(train_f, train_y, val_f, val_y, num_classes, epochs=100, lr=0.1
             loss.backward()
             opt.step()
             sched.step()
-    with torch.no_grad():
-        s = head(xv)
-    return {"linear_top1": topk(s, val_y, 1), "linear_top5": topk(s, val_y, 5)}
+    return head
 
 
 def msn_preprocess(x):

@@ -42,6 +42,8 @@ def test_eval_matches_val_classes_to_train_by_name(tmp_path):
         shutil.copy(tmp_path / "d" / "train" / "b" / f"{i}.png", tmp_path / "d" / "val" / "b")
     res = _eval(tmp_path, tmp_path / "d", k=1)
     assert res["knn_top1"] == 100.0 and res["train_classes"] == 2 and res["val_classes"] == 1
+    enc, _ = E.load_encoder(_timm_ckpt(tmp_path / "w.pth"))         # the training scripts' k-NN monitor too
+    assert E.knn_accuracy(enc, str(tmp_path / "d"), 16, torch.device("cpu"), "mean", k=1) == 100.0
     _png(tmp_path / "d" / "val" / "c" / "0.png", 0)               # a class train does not have
     with pytest.raises(C.UserError, match="val/ has 1 class.*that train/ lacks.*'c'"):
         _eval(tmp_path, tmp_path / "d")

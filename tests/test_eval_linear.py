@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import common as C
 import synthetic as S
@@ -200,3 +201,158 @@ def test_flags_reach_the_protocols_and_each_pooling_has_its_own_cached_features(
     assert len(os.listdir(feats)) == 4                                # --pool cls: its own features
     fresh = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="knn", workers=0, pool="cls", k=3, cache=False))
     assert cls["knn_top1"] == fresh["knn_top1"]
+
+
+# ----------------------------------------------------------------------------------------------
+# What the mutation audit of eval_linear.py found unpinned (each test fails with its line broken)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can"])
+def test_the_default_pooling_of_each_method_reaches_the_features(method, tmp_path):
+    """README: MSN the [CLS] token before the final norm, the MAE-style methods the mean of the normed
+    PATCH tokens ([CLS] left out); evaluate() without --pool extracts exactly that."""
+    data = tiny_folder(tmp_path / "data")
+    ckpt = vit_checkpoint(tmp_path / "c.pth", method)
+    enc, ck = E.load_encoder(ckpt)
+    val = C.image_dataset(data, "val")
+    f, _ = E.features(E.Args(ckpt=ckpt, data=data, workers=0, cache=False), enc, ck, "val", val, torch.device("cpu"))
+    x = torch.stack([C.normalize(E.eval_transform(16)(val.load(i)[0])) for i in range(len(val))])
+    with torch.no_grad():
+        tok = enc(x, norm=method != "msn")
+    torch.testing.assert_close(f, tok[:, 0] if method == "msn" else tok[:, 1:].mean(1))
+
+
+def test_eval_transform_is_resize_256_over_224_bicubic_then_centre_crop():
+    """MAE's evaluation transform (Resize(img * 256 / 224, bicubic) + CenterCrop(img)); the square
+    synthetic images are resized whole."""
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode, functional as TF
+    img = Image.fromarray(torch.randint(0, 256, (100, 150, 3), dtype=torch.uint8).numpy())
+    ref = TF.center_crop(TF.resize(img, 128, InterpolationMode.BICUBIC), 112)           # 112 * 256 / 224 = 128
+    assert torch.equal(E.eval_transform(112)(img), TF.pil_to_tensor(ref))
+    sq = img.crop((0, 0, 64, 64))
+    assert torch.equal(E.eval_transform(32, synthetic=True)(sq), TF.pil_to_tensor(TF.resize(sq, 32)))
+
+
+def test_features_are_extracted_in_eval_mode_without_drop_path():
+    enc = E.ViT(16, 4, 32, 2, 2, drop_path=0.5).train()
+    batch = [(torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8), torch.arange(3))]
+    pool = lambda e, x: E.features_of(e, x, "cls")                                     # noqa: E731
+    f1, y = E.extract_features(enc, batch, torch.device("cpu"), pool)
+    f2, _ = E.extract_features(enc.train(), batch, torch.device("cpu"), pool)
+    assert torch.equal(f1, f2) and torch.equal(y, torch.arange(3))
+    with torch.no_grad():
+        torch.testing.assert_close(f1, enc.eval()(C.normalize(batch[0][0]))[:, 0])
+
+
+def test_the_evaluation_vit_interpolates_its_position_table_bicubically():
+    """At another image size the learned table's patch part is resized bicubically (timm / DeiT's
+    resample_abs_pos_embed, MSN's interpolate_pos_encoding); [CLS]'s entry is kept."""
+    torch.manual_seed(0)
+    vit = E.ViT(16, 4, 32, 1, 2).eval()
+    big = E.ViT(24, 4, 32, 1, 2).eval()
+    sd = vit.state_dict()
+    pe = sd["pos_embed"][:, 1:].reshape(1, 4, 4, 32).permute(0, 3, 1, 2)
+    pe = F.interpolate(pe, size=(6, 6), mode="bicubic", align_corners=False).permute(0, 2, 3, 1).reshape(1, 36, 32)
+    big.load_state_dict({**sd, "pos_embed": torch.cat([sd["pos_embed"][:, :1], pe], 1)})
+    x = torch.randn(2, 3, 24, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(vit(x), big(x))
+
+
+def test_model_flag_sets_the_heads_of_a_foreign_checkpoint(tmp_path):
+    """--model picks timm's heads for the size (ViT-Ti: 3), as does the width alone; the features equal
+    the saved ViT's."""
+    torch.manual_seed(0)
+    enc = E.ViT(16, 4, 192, 1, 3).eval()
+    torch.save(enc.state_dict(), tmp_path / "w.pth")
+    x = torch.randn(2, 3, 16, 16)
+    for model in (None, "tiny"):
+        loaded, ck = E.load_encoder(str(tmp_path / "w.pth"), model=model)
+        assert ck["vit"]["heads"] == 3
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), enc(x))
+
+
+def test_random_init_is_drawn_with_the_runs_seed_whatever_the_global_rng(tmp_path):
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
+    ck = torch.load(ckpt, weights_only=True)
+    ck["args"]["seed"] = 5
+    torch.save(ck, ckpt)
+    torch.manual_seed(123)
+    a, _ = E.load_encoder(ckpt, random_init=True)
+    torch.manual_seed(0)
+    ref = E.ViT(**ck["vit"])
+    assert not all(torch.equal(v, ref.state_dict()[k]) for k, v in a.state_dict().items())   # not seed 0 (or 123)
+    torch.manual_seed(5)
+    ref = E.ViT(**ck["vit"])
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in a.state_dict().items())
+
+
+def test_a_rewritten_checkpoint_of_the_same_size_gets_fresh_features(tmp_path):
+    """The cache key holds the checkpoint's mtime: training on writes a file of the same size, whose
+    features must not be served from the old file's cache."""
+    data = tiny_folder(tmp_path / "data")
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "can")
+    raw = torch.load(ckpt, weights_only=True)
+    C.save_checkpoint(ckpt, raw)
+    a = E.Args(ckpt=ckpt, data=data, workers=0)
+    val = C.image_dataset(data, "val")
+    enc, ck = E.load_encoder(ckpt)
+    f1, _ = E.features(a, enc, ck, "val", val, torch.device("cpu"))
+    size = os.path.getsize(ckpt)
+    for v in raw["encoder"].values():
+        v.add_(0.1)                                                  # same tensors, new values
+    C.save_checkpoint(ckpt, raw)
+    os.utime(ckpt, ns=(os.stat(ckpt).st_atime_ns, os.stat(ckpt).st_mtime_ns + 10**9))
+    assert os.path.getsize(ckpt) == size
+    enc, ck = E.load_encoder(ckpt)
+    f2, _ = E.features(a, enc, ck, "val", val, torch.device("cpu"))
+    assert not torch.allclose(f1, f2)
+
+
+def test_linear_head_is_sgd_momentum_with_a_per_step_cosine_from_zeros():
+    """The probe's head against a plain re-implementation of its protocol: W, b from 0, mean CE,
+    v <- 0.9 v + g, p <- p - lr_t v, lr_t = lr (1 + cos(pi t / steps)) / 2, reshuffled each epoch."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(23, 5, generator=g), torch.randint(0, 3, (23,), generator=g)
+    head = E.linear_head(x, y, 3, epochs=3, lr=0.5, batch=10, seed=4)
+    W, b = torch.zeros(3, 5, requires_grad=True), torch.zeros(3, requires_grad=True)
+    vel = [torch.zeros(3, 5), torch.zeros(3)]
+    gen, t, steps = torch.Generator().manual_seed(4), 0, 3 * 3
+    for _ in range(3):
+        perm = torch.randperm(23, generator=gen)
+        for i in range(0, 23, 10):
+            idx = perm[i:i + 10]
+            gW, gb = torch.autograd.grad(F.cross_entropy(x[idx] @ W.T + b, y[idx]), (W, b))
+            lr_t = 0.5 * (1 + math.cos(math.pi * t / steps)) / 2
+            with torch.no_grad():
+                for p, v, gr in zip((W, b), vel, (gW, gb)):
+                    v.mul_(0.9).add_(gr)
+                    p -= lr_t * v
+            t += 1
+    torch.testing.assert_close(head.weight.detach(), W.detach())
+    torch.testing.assert_close(head.bias.detach(), b.detach())
+
+
+def test_linear_probe_scores_both_classes_of_val_standardised_like_train():
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(200) % 2
+    f = torch.randn(200, 4, generator=g) * 0.1 + 5.0
+    f[:, 0] += torch.where(y == 1, 1.0, -1.0)
+    assert E.linear_probe(f, y, f, y, 2, epochs=20, lr=0.1, batch=50)["linear_top1"] == 100.0
+
+
+def test_lowshot_preprocesses_val_as_train_and_draws_one_subset_per_seed(monkeypatch):
+    """Val rows go through the same per-row centring + L2 normalisation: a per-row shift and scale of
+    val changes nothing. --seeds N: the subsets of seeds 0 .. N-1."""
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(3, 8, generator=g)
+    ytr, yva = torch.arange(3).repeat(5), torch.arange(3).repeat(4)
+    tr, va = centres[ytr] + 0.3 * torch.randn(15, 8, generator=g), centres[yva] + 0.3 * torch.randn(12, 8, generator=g)
+    res = E.lowshot(tr, ytr, va, yva, 3, shots=2, seeds=2)
+    moved = va * torch.linspace(0.5, 3, 12)[:, None] + torch.linspace(-4, 4, 12)[:, None]
+    assert E.lowshot(tr, ytr, moved, yva, 3, shots=2, seeds=2) == res
+    seeds, real = [], E.lowshot_subset
+    monkeypatch.setattr(E, "lowshot_subset", lambda *a: (seeds.append(a[-1]), real(*a))[1])
+    E.lowshot(tr, ytr, va, yva, 3, shots=2, seeds=3)
+    assert seeds == [0, 1, 2]

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+import common as C
 import synthetic as S
 import eval_linear as E
 import eval_video as V
@@ -190,3 +191,111 @@ def test_scores_skip_the_first_and_last_frames_and_the_flags_reach_propagation(m
     scored = [(V.jaccard(pred[t] == 1, gt == 1), V.f_measure(pred[t] == 1, gt == 1)) for t in (1, 2)]
     assert V.jaccard(pred[-1] == 1, gt == 1) < 0.5 * scored[0][0]     # the last frame is wrong ...
     assert per_obj[1] == pytest.approx(tuple(np.mean(scored, 0)))     # ... and not scored
+
+
+# ----------------------------------------------------------------------------------------------
+# What the mutation audit of eval_video.py found unpinned (each test fails with its line broken)
+# ----------------------------------------------------------------------------------------------
+def test_propagation_equals_a_naive_reference():
+    """Cell by cell, as the module docstring states: candidates are every cell of frame 0 and the cells
+    at distance < radius of frames max(0, t - n_context) .. t - 1 (soft labels), top-k affinities
+    f_t . f_s / T, weights softmax over the top k."""
+    g = torch.Generator().manual_seed(3)
+    T, h, w, D, Cl = 5, 3, 4, 6, 3
+    feats = F.normalize(torch.randn(T, h, w, D, generator=g), dim=-1)
+    lab0 = torch.softmax(torch.randn(h, w, Cl, generator=g), -1)
+    n_context, k, radius, temp = 2, 3, 1.5, 0.3
+    out = V.propagate(feats, lab0, n_context, k, radius, temp)
+    cells = [(i, j) for i in range(h) for j in range(w)]
+    labels = [lab0]
+    for t in range(1, T):
+        new = torch.zeros(h, w, Cl)
+        for i, j in cells:
+            cand = [(float(feats[t, i, j] @ feats[0, a, b]) / temp, labels[0][a, b]) for a, b in cells]
+            cand += [(float(feats[t, i, j] @ feats[s, a, b]) / temp, labels[s][a, b])
+                     for s in range(max(0, t - n_context), t) for a, b in cells if (a - i) ** 2 + (b - j) ** 2 < radius ** 2]
+            top = sorted(cand, key=lambda c: -c[0])[:k]
+            wgt = torch.softmax(torch.tensor([a for a, _ in top]), 0)
+            new[i, j] = sum(wt * lab for wt, (_, lab) in zip(wgt, top))
+        labels.append(new)
+    torch.testing.assert_close(out, torch.stack(labels))
+
+
+def test_boundary_of_a_mask_touching_the_bottom_right_border():
+    """DAVIS seg2bmap: the last row / column compare only along the border, and the corner is never a
+    boundary, so a full mask has no boundary at all."""
+    assert not V.boundary(np.ones((4, 5), bool)).any()
+    m = np.zeros((4, 5), bool)
+    m[2:, 3:] = True                                                  # a block in the bottom-right corner
+    expected = np.zeros((4, 5), bool)
+    expected[1, 2:5] = True                                           # above it (lower / lower-right differ)
+    expected[2:4, 2] = True                                           # left of it (right neighbour differs)
+    assert np.array_equal(V.boundary(m), expected), V.boundary(m).astype(int)
+
+
+def test_f_measure_tolerance_is_ceil_of_the_diagonal_fraction_and_a_closed_disk():
+    """200 x 200: ceil(0.008 x 282.8) = 3 px; a boundary shifted by exactly 3 px matches, 4 does not."""
+    big = np.zeros((200, 200), bool)
+    big[50:150, 50:150] = True
+    assert V.f_measure(np.roll(big, 3, axis=1), big) == 1.0
+    assert V.f_measure(np.roll(big, 4, axis=1), big) < 1.0
+
+
+def test_f_measure_precision_and_recall_count_their_own_boundaries():
+    """A prediction with an extra far blob: recall 1, precision = square boundary / all predicted boundary."""
+    gt = np.zeros((100, 100), bool)
+    gt[40:80, 40:80] = True
+    pred = gt.copy()
+    pred[5:15, 5:15] = True
+    blob = np.zeros_like(gt)
+    blob[5:15, 5:15] = True
+    P = V.boundary(gt).sum() / (V.boundary(gt).sum() + V.boundary(blob).sum())
+    assert V.f_measure(pred, gt) == pytest.approx(2 * P / (P + 1))
+
+
+def test_grid_to_frame_repeats_the_edge_and_resizes_like_pil_nearest():
+    p, h, w = 4, 3, 5
+    soft = torch.zeros(1, h, w, 2)
+    soft[..., 1] = 1
+    assert (V.grid_to_frame(soft, p, (w * p + 3, h * p + 2), (h * p + 2, w * p + 3)) == 1).all()   # border too
+    g = torch.Generator().manual_seed(0)
+    soft = torch.rand(1, h, w, 4, generator=g)
+    full = V.grid_to_frame(soft, p, (w * p, h * p), (h * p, w * p))[0].numpy().astype(np.uint8)
+    small = V.grid_to_frame(soft, p, (w * p, h * p), (7, 9))[0].numpy()
+    assert np.array_equal(small, np.array(Image.fromarray(full).resize((9, 7), Image.NEAREST)))
+
+
+def test_frame_features_are_the_normalised_patch_tokens_of_the_resized_cropped_frame():
+    """Short side to --short-side (bilinear, sizes rounded), crop to a multiple of the patch at the
+    bottom / right, the last layer's normed patch tokens ([CLS] dropped), L2-normalised."""
+    torch.manual_seed(0)
+    enc = E.ViT(16, 4, 32, 1, 2).eval()
+    im = Image.fromarray(np.random.default_rng(0).integers(0, 256, (23, 45, 3), dtype=np.uint8))
+    assert V.resize_short(im, 30, Image.NEAREST).size == (59, 30)       # 45 x 30 / 23 = 58.7 -> 59
+    f = V.frame_features(enc, [im], 30, torch.device("cpu"))
+    x = np.asarray(im.resize((59, 30), Image.BILINEAR))[:28, :56]
+    x = C.normalize(torch.from_numpy(x.copy()).permute(2, 0, 1)[None])
+    with torch.no_grad():
+        ref = F.normalize(enc(x)[0, 1:], dim=-1).view(7, 14, 32)
+    torch.testing.assert_close(f[0], ref)
+
+
+def test_the_davis_void_label_is_not_an_object():
+    """255 marks void pixels in DAVIS annotations (and 0 the background): neither is scored."""
+    gt = np.zeros((32, 32), np.uint8)
+    gt[8:20, 8:20] = 1
+    gt[:, 28:] = 255
+    frames = [Image.fromarray(np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8))] * 3
+    _, per_obj = V.evaluate_video(E.ViT(16, 4, 32, 1, 2).eval(), frames, [gt] * 3, V.Args(topk=1), 0,
+                                  torch.device("cpu"))
+    assert sorted(per_obj) == [1]
+
+
+def test_synthetic_clips_are_evaluated_at_their_native_size(tmp_path, monkeypatch):
+    """--short-side (480 for DAVIS) does not apply to the 64 px synthetic clips; J&F = (J + F) / 2."""
+    from helpers import vit_checkpoint
+    seen = []
+    monkeypatch.setattr(V, "synthetic_videos", lambda: iter([("v", [None] * 3, [None] * 3)]))
+    monkeypatch.setattr(V, "evaluate_video", lambda enc, fr, m, a, short, dev: (seen.append(short), (None, {1: (0.5, 0.7)}))[1])
+    res = V.evaluate(V.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", "siammae"), data="synthetic"))
+    assert seen == [0] and res["JF_mean"] == pytest.approx(60.0)

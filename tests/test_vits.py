@@ -116,7 +116,7 @@ def test_msn_focal_position_embeddings_follow_the_official_interpolation():
     torch.testing.assert_close(vit.patch_pos_embed(6, 6), ref)
 
 
-@pytest.mark.parametrize("mod", ALL, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("mod", ALL + [E], ids=lambda m: m.__name__)
 def test_stochastic_depth_rises_linearly_and_wraps_both_residual_branches(mod, monkeypatch):
     """DeiT / MAE / BEiT: block i drops at rate linspace(0, p, depth)[i], and both the attention and the MLP
     branch go through drop_path: with every branch dropped, each block is the identity."""
@@ -128,7 +128,7 @@ def test_stochastic_depth_rises_linearly_and_wraps_both_residual_branches(mod, m
         assert torch.equal(blk(x), x)
 
 
-@pytest.mark.parametrize("mod", ALL, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("mod", ALL + [E], ids=lambda m: m.__name__)
 def test_norm_false_returns_the_tokens_before_the_final_norm(mod):
     """norm=False (MSN's evaluations, CMAE's target, the fine-tuning pooling) skips only the final norm."""
     vit = mod.ViT(16, 8, 32, 2, 2).eval()
