@@ -231,3 +231,84 @@ def test_a_pretrained_quickstart_checkpoint_beats_random_init(tmp_path):
     assert pre["method"] == "cmae" and not pre["random_init"] and rand["random_init"]
     assert pre["last_val_loss"] < rand["last_val_loss"] - 0.04, (pre, rand)
     assert pre["last_top1"] > rand["last_top1"], (pre, rand)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the mutation audit of eval_finetune.py found unpinned (each test fails with its line broken)
+# ----------------------------------------------------------------------------------------------
+def test_train_transform_is_the_recipes_pipeline():
+    """RandomResizedCrop(0.08-1, bicubic) + flip + RandAugment(2 ops, m 9, bicubic) -> normalised, then
+    RandomErasing(0.25, random values), drawn in that order from the seeded RNG (Views seeds it per image)."""
+    from PIL import Image
+    from torchvision import transforms as T
+    bic = T.InterpolationMode.BICUBIC
+    ref = T.Compose([T.RandomResizedCrop(16, scale=(0.08, 1.0), interpolation=bic), T.RandomHorizontalFlip(),
+                     T.RandAugment(2, 9, interpolation=bic), C.to_uint8, C.normalize, T.RandomErasing(0.25, value="random")])
+    ours = FT.train_transform(FT.Args(), 16)
+    img = Image.fromarray(torch.randint(0, 256, (30, 40, 3), dtype=torch.uint8).numpy())
+    for seed in range(12):
+        torch.manual_seed(seed)
+        a = ours(img)
+        torch.manual_seed(seed)
+        assert torch.equal(a, ref(img)), seed
+
+
+def test_each_process_evaluates_its_strided_share_of_val(monkeypatch):
+    """With 2 processes, rank r scores images r, r + 2, ...: the two shares' sums are the one-process sums."""
+    torch.manual_seed(0)
+    _, val, _ = E.splits("synthetic")
+    model = FT.Classifier(E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), len(val.classes))
+    sums = []
+    monkeypatch.setattr(C, "all_reduce_sum_", lambda h: (sums.append(h.clone()), h)[1])
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        run = C.argparse.Namespace(rank=rank, world=world, device=torch.device("cpu"), autocast=C.contextlib.nullcontext())
+        FT.evaluate(model, val, 16, FT.Args(data="synthetic", workers=0, eval_batch=300), run)
+    assert sums[1][2] == (len(val) + 1) // 2 and sums[2][2] == len(val) // 2
+    torch.testing.assert_close(sums[1] + sums[2], sums[0])
+
+
+@pytest.mark.parametrize("method,lr,blr,warmup,warmup_lr", [("conmim", 4e-3, None, 20, 1e-6), ("cmae", None, 5e-4, 5, 0.0),
+                                                            ("msn", None, 5e-4, 5, 0.0)])
+def test_the_recipe_fills_every_unset_field(method, lr, blr, warmup, warmup_lr, tmp_path, monkeypatch):
+    """BEiT-style (ConMIM): lr 4e-3 absolute, 20 warm-up epochs from 1e-6; MAE (others): blr 5e-4, 5 from 0."""
+    seen = []
+
+    def stop(args, name):
+        seen.append(args)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(C, "setup", stop)
+    with pytest.raises(KeyboardInterrupt):
+        FT.finetune(FT.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", method), data="synthetic"))
+    a = seen[0]
+    assert (a.lr, a.blr, a.warmup_epochs, a.warmup_lr) == (lr, blr, warmup, warmup_lr)
+
+
+def test_best_top1_is_the_best_epoch_and_a_resume_ignores_records_of_epochs_still_to_train(tmp_path, monkeypatch):
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
+    scores = iter([50.0, 40.0, 45.0, 20.0, 30.0])
+    monkeypatch.setattr(FT, "evaluate", lambda *a: (next(scores), 90.0, 1.0))
+
+    def args(**kw):
+        return FT.Args(**{**dict(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=3, steps_per_epoch=1,
+                                 batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, device="cpu"), **kw})
+    res = FT.finetune(args())
+    assert (res["best_top1"], res["last_top1"]) == (50.0, 45.0)
+    (tmp_path / "o").joinpath("log.jsonl").unlink()
+    os.remove(tmp_path / "o" / "checkpoint.pth")
+    FT.finetune(args(epochs=2, stop_epoch=1))                        # epoch 0: 20
+    with open(tmp_path / "o" / "log.jsonl", "a") as f:               # a stale record of epoch 1 (a lost run's)
+        f.write(json.dumps({"epoch": 1, "val_top1": 99.0, "val_top5": 99.0}) + "\n")
+    res = FT.finetune(args(epochs=2))                                # epoch 1 trained again: 30
+    assert (res["best_top1"], res["last_top1"]) == (30.0, 30.0)
+
+
+def test_fine_tuning_stops_at_the_epoch_end_when_too_many_images_are_unreadable(tmp_path):
+    """Below 1000 reads the threshold is judged at the epoch's end (as in pre-training): 2 bad files of 20."""
+    from test_eval_linear import tiny_folder
+    data = tiny_folder(tmp_path / "data")
+    for i in range(2):
+        (tmp_path / "data" / "train" / "c0" / f"bad{i}.png").write_bytes(b"not an image")
+    with pytest.raises(C.UserError, match="unreadable"):
+        FT.finetune(FT.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", "cmae"), data=data, output_dir=str(tmp_path / "o"),
+                            epochs=1, batch_size=4, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, device="cpu",
+                            crop_scale=(0.5, 1.0)))
