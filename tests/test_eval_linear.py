@@ -343,8 +343,9 @@ def test_linear_probe_scores_both_classes_of_val_standardised_like_train():
 
 
 def test_lowshot_preprocesses_val_as_train_and_draws_one_subset_per_seed(monkeypatch):
-    """Val rows go through the same per-row centring + L2 normalisation: a per-row shift and scale of
-    val changes nothing. --seeds N: the subsets of seeds 0 .. N-1."""
+    """A per-row shift and positive scale of val changes no prediction (MSN's per-row centring + L2
+    normalisation; W is orthogonal to the all-ones direction since the train rows are centred, so even
+    raw val rows would give the same argmax). --seeds N: the subsets of seeds 0 .. N-1."""
     g = torch.Generator().manual_seed(0)
     centres = torch.randn(3, 8, generator=g)
     ytr, yva = torch.arange(3).repeat(5), torch.arange(3).repeat(4)
