@@ -293,12 +293,11 @@ def test_best_top1_is_the_best_epoch_and_a_resume_ignores_records_of_epochs_stil
                                  batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, device="cpu"), **kw})
     res = FT.finetune(args())
     assert (res["best_top1"], res["last_top1"]) == (50.0, 45.0)
-    (tmp_path / "o").joinpath("log.jsonl").unlink()
-    os.remove(tmp_path / "o" / "checkpoint.pth")
-    FT.finetune(args(epochs=2, stop_epoch=1))                        # epoch 0: 20
-    with open(tmp_path / "o" / "log.jsonl", "a") as f:               # a stale record of epoch 1 (a lost run's)
+    out = str(tmp_path / "resumed")
+    FT.finetune(args(output_dir=out, epochs=2, stop_epoch=1))       # epoch 0: 20
+    with open(os.path.join(out, "log.jsonl"), "a") as f:            # a stale record of epoch 1 (a lost run's)
         f.write(json.dumps({"epoch": 1, "val_top1": 99.0, "val_top5": 99.0}) + "\n")
-    res = FT.finetune(args(epochs=2))                                # epoch 1 trained again: 30
+    res = FT.finetune(args(output_dir=out, epochs=2))                # epoch 1 trained again: 30
     assert (res["best_top1"], res["last_top1"]) == (30.0, 30.0)
 
 
