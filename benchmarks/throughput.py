@@ -10,9 +10,13 @@ FLOPs utilisation against --peak-tflops.
 
 FLOP count (analytic, multiply-add = 2 FLOPs). A transformer block of width D on N tokens costs
 2 * (12 N D^2 + 2 N^2 D) forward: qkv 3ND^2, output projection ND^2, MLP 8ND^2 (ratio 4), and
-QK^T + AV 2N^2D. Patch embedding: 2 N (3 p^2) D. A trained pass costs 3x its forward (backward
-= 2x); a no-grad (EMA target / teacher) pass 1x. Heads and projectors are counted as linear
-layers; the optimizer and EMA are not counted.
+QK^T + AV 2N^2D. Patch embedding of n patches: 2 n (3 p^2) D, every patch embedded (masked ones
+are dropped after it). A trained pass costs 3x its forward (backward = 2x), except the patch
+embedding: 2x, since the image needs no gradient; a no-grad (EMA target / teacher) pass 1x. Heads,
+projectors, decoder linears, MSN's prototypes, CAN's noise-level MLP and the losses' logits
+(ConMIM's patch-to-patch, the InfoNCE over the batch) are counted as matrix products on the rows
+they see (a decoder's input projection on the visible tokens); the optimizer and the EMA are not.
+tests/test_benchmarks.py checks the count against torch's FlopCounterMode running each step.
 """
 import argparse
 import copy
@@ -26,8 +30,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
 
 
-def vit_flops(D, depth, N, p, mlp=4):
-    return 2 * depth * ((4 + 2 * mlp) * N * D * D + 2 * N * N * D) + 2 * N * 3 * p * p * D
+def blocks(D, depth, N, mlp=4):
+    """Forward FLOPs of `depth` transformer blocks of width D on N tokens."""
+    return 2 * depth * ((4 + 2 * mlp) * N * D * D + 2 * N * N * D)
+
+
+def embed(D, n, p):
+    """Forward FLOPs of the patch embedding of n patches of p x p x 3 pixels."""
+    return 2 * n * 3 * p * p * D
 
 
 def lin(*dims):
@@ -57,9 +67,10 @@ def setup(method, a, dev):
         xt, xr, xf = x(B), x(R, B), x(F_, B, s=args.focal_size)
         nk = int(N * (1 - args.mask_ratio))
         nf = (args.focal_size // p) ** 2
-        head = lin(D, args.head_hidden, args.head_hidden, args.head_dim)
-        flops = 3 * (vit_flops(D, depth, nk + 1, p) * B * R + vit_flops(D, depth, nf + 1, p) * B * F_
-                     + head * B * (R + F_)) + (vit_flops(D, depth, N + 1, p) + head) * B
+        head = lin(D, args.head_hidden, args.head_hidden, args.head_dim) + lin(args.head_dim, args.num_prototypes)
+        flops = (B * R * (3 * (blocks(D, depth, nk + 1) + head) + 2 * embed(D, N, p))             # masked views
+                 + B * F_ * (3 * (blocks(D, depth, nf + 1) + head) + 2 * embed(D, nf, p))         # focal views
+                 + B * (blocks(D, depth, N + 1) + embed(D, N, p) + head))                         # target
         if a.gpu_aug:                                                # uint8 views, colour on the device
             u8 = [torch.randint(0, 256, v.shape, dtype=torch.uint8, device=dev) for v in (xt, xr, xf)]
 
@@ -78,9 +89,11 @@ def setup(method, a, dev):
         nk = int((g // args.mask_unit) ** 2 * (1 - args.mask_ratio)) * args.mask_unit ** 2
         dd = args.decoder_dim
         proj = lin(D, args.proj_hidden, args.proj_dim)
-        flops = 3 * B * (vit_flops(D, depth, nk + 1, p) + vit_flops(dd, args.decoder_depth + args.feature_decoder_depth, N + 1, 0)
-                         + (N + 1) * (2 * lin(D, dd) + lin(dd, p * p * 3) + lin(dd, D)) + proj + lin(args.proj_dim, args.proj_hidden, args.proj_dim)) \
-            + B * (vit_flops(D, depth, N + 1, p) + proj)
+        flops = (3 * B * (blocks(D, depth, nk + 1) + blocks(dd, args.decoder_depth + args.feature_decoder_depth, N + 1)
+                          + 2 * (nk + 1) * lin(D, dd) + (N + 1) * (lin(dd, p * p * 3) + lin(dd, D))
+                          + proj + lin(args.proj_dim, args.proj_hidden, args.proj_dim)) + 2 * B * embed(D, N, p)
+                 + B * (blocks(D, depth, N + 1) + embed(D, N, p) + proj)                           # target
+                 + 2 * 2 * B * B * args.proj_dim)               # InfoNCE logits (B, B): the target side has no grad
 
         def train_step():
             ids, rest, mask = mod.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
@@ -92,7 +105,9 @@ def setup(method, a, dev):
         fm, ft = comp(model), comp(teacher)
         xw, xs = x(B), x(B)
         proj = (N + 1) * lin(D, args.proj_hidden, args.proj_hidden, args.proj_dim)
-        flops = 3 * B * (vit_flops(D, depth, N + 1, p) + proj) + B * (vit_flops(D, depth, N + 1, p) + proj)
+        logits = 2 * N * N * args.proj_dim                      # each image's patch-to-patch similarities
+        flops = (3 * B * (blocks(D, depth, N + 1) + proj) + 2 * B * embed(D, N, p) + 2 * B * logits
+                 + B * (blocks(D, depth, N + 1) + embed(D, N, p) + proj))                          # teacher
 
         def train_step():
             mask = mod.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
@@ -104,8 +119,10 @@ def setup(method, a, dev):
         xx = x(2, B)
         nk = int(N * (1 - args.mask_ratio))
         dd = args.decoder_dim
-        flops = 3 * 2 * B * (vit_flops(D, depth, nk + 1, p) + vit_flops(dd, args.decoder_depth, N + 1, 0)
-                             + (N + 1) * (lin(D, dd) + lin(dd, p * p * 3)) + lin(D, args.proj_hidden, args.proj_dim))
+        flops = 2 * B * (3 * (blocks(D, depth, nk + 1) + blocks(dd, args.decoder_depth, N + 1)
+                              + (nk + 1) * lin(D, dd) + (N + 1) * lin(dd, p * p * 3) + lin(D, args.proj_hidden, args.proj_dim))
+                         + 2 * embed(D, N, p) + (2 + 3) * lin(dd, dd))    # two views; sigma's MLP (its input: no grad)
+        flops += 3 * 2 * (2 * B) ** 2 * args.proj_dim                                    # InfoNCE logits (2B, 2B)
 
         def train_step():
             sig = torch.rand(2, B, device=dev) * args.sigma_max
@@ -119,8 +136,9 @@ def setup(method, a, dev):
         nk = int(N * (1 - args.mask_ratio))
         dd, L = args.decoder_dim, args.decoder_depth
         cross = 2 * L * (N + 1) * (4 * dd * dd) + 2 * L * 2 * (N + 1) * (N + 1) * dd          # q, kv, proj + attention
-        flops = 3 * B * (vit_flops(D, depth, N + 1, p) + vit_flops(D, depth, nk + 1, p) + vit_flops(dd, L, N + 1, 0)
-                         + cross + 2 * (N + 1) * lin(D, dd) + (N + 1) * lin(dd, p * p * 3))
+        flops = (3 * B * (blocks(D, depth, N + 1) + blocks(D, depth, nk + 1) + blocks(dd, L, N + 1)
+                          + cross + (N + 1 + nk + 1) * lin(D, dd) + (N + 1) * lin(dd, p * p * 3))
+                 + 2 * B * 2 * embed(D, N, p))                                                     # both frames
 
         def train_step():
             ids, rest, mask = mod.random_masking(B, g, args.mask_ratio, device=dev)

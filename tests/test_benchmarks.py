@@ -1,5 +1,13 @@
-"""benchmarks/: the scripts run and print their tables (smoke only; speed is never asserted)."""
-from helpers import run_cli
+"""benchmarks/: the scripts run and print their tables (speed is never asserted), and the FLOP count behind
+the MFU column is the step's."""
+import argparse
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT, run_cli
 
 
 def test_throughput_and_data_scripts_run():
@@ -21,3 +29,20 @@ def test_end_to_end_benchmark_runs_the_real_loop():
     assert r.returncode == 0, r.stderr[-2000:]
     row = [c.strip() for c in [ln for ln in r.stdout.splitlines() if ln.startswith("| conmim |")][0].split("|")]
     assert row[2] == "4" and float(row[3]) > 0 and 0 <= float(row[5]) <= 1
+
+
+@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can", "siammae"])
+def test_the_flop_count_behind_mfu_is_what_the_step_computes(method):
+    """benchmarks/throughput.py's analytic FLOPs per step (the numerator of its MFU column) equal what torch's
+    FlopCounterMode counts while the method's own step runs, forward and backward (attention through the math
+    kernel, whose matmuls the counter sees). nano: the heads, decoders and patch embedding weigh most there."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import throughput
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    a = argparse.Namespace(model="nano", batch_size=2, micro_batch=0, grad_ckpt=False, precision="fp32",
+                           compile=False, gpu_aug=False)
+    step, _, analytic = throughput.setup(method, a, torch.device("cpu"))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        step()
+    assert analytic == counter.get_total_flops()                                   # integers: exactly
