@@ -11,7 +11,7 @@ Each method trains for --steps optimiser steps of --batch-size images (default: 
 --micro-batch, i.e. one forward/backward per step) with its own ImageNet defaults for every flag not
 given here; extra flags are passed to the method's parser unchanged (e.g. --compile, --no-gpu-aug,
 --precision, --focal-size). The log is read back: the first --log-every steps (worker start-up,
-the first prefetch, compile) are dropped, and the table gives the mean over the rest of
+the first prefetch, compile) are dropped, and the table gives, over the rest (time-weighted):
   img/s        images per second of the whole loop (SiamMAE: pairs per second),
   step ms      wall time per optimiser step,
   data wait    the share of that time the loop was blocked on the next batch (common.waited; near 0
@@ -58,11 +58,22 @@ def run(method, data, a, extra, out):
     finally:
         setattr(owner, name, load)
     recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
-    recs = [r for r in recs if "img_s" in r and r["step"] > a.log_every]
-    if not recs:
-        raise SystemExit(f"{method}: no log line after the first {a.log_every} steps; raise --steps")
-    ips = sum(r["img_s"] for r in recs) / len(recs)
-    return args.batch_size, ips, 1000 * args.batch_size / ips, sum(r["data_wait"] for r in recs) / len(recs)
+    ips, wait = summary([r for r in recs if "img_s" in r], args.batch_size, a.log_every, method)
+    return args.batch_size, ips, 1000 * args.batch_size / ips, wait
+
+
+def summary(recs, batch, warm, method=""):
+    """(img/s, data-wait share) over the log records after step `warm`, weighted by time: each
+    record covers the steps since the previous one, at its img_s, so it lasted steps x batch / img_s
+    seconds; img/s = all those images / all that time (not the mean of the rates, which overstates
+    it when the rate varies), the wait share likewise averaged over time."""
+    steps = {r["step"]: r["step"] - prev["step"] for prev, r in zip(recs, recs[1:])}
+    timed = [(steps[r["step"]] * batch / r["img_s"], r) for r in recs if r["step"] > warm and r["step"] in steps]
+    if not timed:
+        raise SystemExit(f"{method}: no log line after the first {warm} steps; raise --steps")
+    total = sum(dt for dt, _ in timed)
+    return (sum(steps[r["step"]] for _, r in timed) * batch / total,
+            sum(dt * r["data_wait"] for dt, r in timed) / total)
 
 
 def main():

@@ -46,3 +46,21 @@ def test_the_flop_count_behind_mfu_is_what_the_step_computes(method):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         step()
     assert analytic == counter.get_total_flops()                                   # integers: exactly
+
+
+def test_end_to_end_speed_is_images_over_time_not_the_mean_of_the_rates():
+    """benchmarks/e2e.py's summary of a log: 10 steps of 8 images at 100 img/s then 10 at 300 img/s take
+    0.8 + 0.267 s for 160 images: 150 img/s (the mean of the rates would say 200); the data-wait share is
+    time-weighted too; the records up to the warm-up step and the first record (start-up) never count."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import e2e
+    recs = [{"step": 10, "img_s": 5.0, "data_wait": 1.0}, {"step": 20, "img_s": 100.0, "data_wait": 0.5},
+            {"step": 30, "img_s": 300.0, "data_wait": 0.0}]
+    ips, wait = e2e.summary(recs, 8, warm=10)
+    assert ips == pytest.approx(150.0) and wait == pytest.approx(0.5 * 0.8 / (0.8 + 80 / 300))
+    recs.append({"step": 35, "img_s": 40.0, "data_wait": 0.0})         # a shorter last window (5 steps: 1 s)
+    assert e2e.summary(recs, 8, warm=10)[0] == pytest.approx(200 / (0.8 + 80 / 300 + 1.0))
+    assert e2e.summary(recs, 8, warm=0)[0] == e2e.summary(recs, 8, warm=10)[0]
+    assert e2e.summary(recs, 8, warm=20)[0] == pytest.approx(120 / (80 / 300 + 1.0))     # step 20 is warm-up
+    with pytest.raises(SystemExit, match="raise --steps"):
+        e2e.summary(recs[:1], 8, warm=0)
