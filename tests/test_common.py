@@ -116,6 +116,37 @@ def test_synthetic_dataset_deterministic_and_labelled():
     assert len(ds) == 8000 and len(S.SyntheticImages("val")) == 1000
 
 
+def test_synthetic_classes_are_ten_distinct_shapes_whatever_the_rotation():
+    """The README's synthetic results need 10 shapes that differ: each covers 5-50% of its box, and no two
+    overlap by more than 85% IoU at any relative rotation (the closest pair, disc and square, is at 0.81)."""
+    import numpy as np
+    yy, xx = np.mgrid[-1:1:64j, -1:1:64j]
+    masks = {n: [S.shape_mask(n, xx, yy, (0, 0), 0.65, r) for r in np.linspace(0, 2 * np.pi, 24, endpoint=False)]
+             for n in S.SHAPES}
+    assert len(masks) == 10 and all(0.05 < m[0].mean() < 0.5 for m in masks.values())
+    assert all((m[0] != m[3]).any() for n, m in masks.items() if n not in ("disc", "ring"))   # turned 45 degrees
+    for a, b in itertools.combinations(S.SHAPES, 2):
+        iou = max((masks[a][0] & m).sum() / (masks[a][0] | m).sum() for m in masks[b])
+        assert iou < 0.85, (a, b, iou)
+
+
+def test_synthetic_clip_masks_are_the_objects_drawn():
+    """eval_video's synthetic DAVIS: mask(t) marks exactly the pixels of each object in frame t (all at its grey
+    level, the later object on top), every object is in view, the objects move, and val's clips are not train's."""
+    import numpy as np
+    for i in range(4):
+        clip = S.SyntheticClip(i, "val")
+        for t in (0, 7, 31):
+            frame, ids = np.asarray(clip.load(t)), clip.mask(t)
+            assert frame.shape == (64, 64, 3) and ids.shape == (64, 64) and ids.max() == len(clip.objs)
+            for k, o in enumerate(clip.objs):
+                assert (frame[ids == k + 1] == int(o["level"] * 255)).all()
+        assert (clip.mask(0) != clip.mask(31)).any()
+    train, val = S.SyntheticVideos("train"), S.SyntheticVideos("val")                 # a held-out val split
+    assert len(train) == 2000 and len(val) == 20
+    assert val.load(0)[0].load(0).tobytes() != train.load(0)[0].load(0).tobytes()
+
+
 def test_views_seeded_by_epoch_and_index():
     from torchvision import transforms as T
     tf = T.Compose([T.RandomResizedCrop(16), C.to_uint8])
