@@ -280,14 +280,13 @@ def _gray(x):                                                        # (B, 3, H,
 
 def _hue(x, f):
     """Shift the hue of float RGB (B, 3, H, W) in [0, 1] by f (B, 1, 1, 1) turns, via HSV."""
-    v, _ = x.max(1, keepdim=True)
-    c = v - x.min(1, keepdim=True)[0]                                # chroma
-    s = c / v.clamp_min(1e-12)
-    r, g, b = (((v - x) / c.clamp_min(1e-12))[:, i:i + 1] for i in range(3))
+    v = x.amax(1, keepdim=True)                                      # value, (B, 1, H, W)
+    c = v - x.amin(1, keepdim=True)                                  # chroma = value x saturation
+    r, g, b = ((v - x) / c.clamp_min(1e-12)).split(1, dim=1)
     h = torch.where(v == x[:, :1], b - g, torch.where(v == x[:, 1:2], 2 + r - b, 4 + g - r))
     h = torch.remainder(h / 6 + f, 1.0) * 6                          # shifted hue in sextants [0, 6)
     k = torch.remainder(torch.tensor([5.0, 3.0, 1.0], device=x.device).view(1, 3, 1, 1) + h, 6)
-    return v - v * s * (torch.minimum(k, 4 - k).clamp(0, 1))          # HSV -> RGB, closed form
+    return v - c * torch.minimum(k, 4 - k).clamp_(0, 1)               # HSV -> RGB, closed form
 
 
 def color_jitter_batch(x, fb, fc, fs, fh, order):
@@ -299,12 +298,12 @@ def color_jitter_batch(x, fb, fc, fs, fh, order):
     its blends placed after it (the same ops in the same order, image by image; no host sync)."""
     hue_at = (order == 3).float().argmax(1).masked_fill(order[:, 0] < 0, 4).view(-1, 1, 1, 1)   # 4: no jitter
 
-    def blend(x, k, apply):                                          # the k-th op where it is a blend
+    def blend(x, k, apply):                          # the k-th op where it is a blend; elsewhere f = 1: x exactly
         op = order[:, k].view(-1, 1, 1, 1)
+        f = torch.where(apply & (op >= 0) & (op <= 2), torch.where(op == 0, fb, torch.where(op == 1, fc, fs)), 1.0)
         g = _gray(x)
-        ref = torch.where(op == 0, torch.zeros_like(g), torch.where(op == 1, g.mean((2, 3), keepdim=True), g))
-        f = torch.where(op == 0, fb, torch.where(op == 1, fc, fs))
-        return torch.where(apply & (op >= 0) & (op <= 2), (f * x + (1 - f) * ref).clamp(0, 1), x)
+        ref = torch.where(op == 2, g, g.mean((2, 3), keepdim=True) * (op == 1))   # grey image, its mean, or 0
+        return torch.addcmul((1 - f) * ref, f, x).clamp_(0, 1)                    # f x + (1 - f) ref
     for k in range(3):                                               # a permutation's last op never precedes its hue
         x = blend(x, k, k < hue_at)
     x = torch.where(hue_at < 4, _hue(x, fh), x)
