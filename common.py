@@ -608,7 +608,8 @@ class RunArgs:
     seed: int = 0
     resume: bool = dataclasses.field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
     precision: str = dataclasses.field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
-    compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the networks"})
+    compile: bool = dataclasses.field(default=None, metadata={"help": "torch.compile the networks (default: on "
+                                      "with CUDA, off on CPU)"})
     log_every: int = 50
     device: str = None
     micro_batch: int = dataclasses.field(default=0, metadata={"help": "samples per forward/backward in each "
@@ -688,19 +689,29 @@ def setup(args, method):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     out = args.output_dir or os.path.join("runs", method)
+    device_defaults(args, device)
     if is_main():
         check_writable(out, "--output-dir")
-        print(f"{method}: {world} process(es) on {device}, precision {precision}, output {out}")
+        aug = (f", colour augmentation {'batched on ' + device.type if args.gpu_aug else 'in the workers'}"
+               if hasattr(args, "gpu_aug") else "")
+        print(f"{method}: {world} process(es) on {device}, precision {precision}, torch.compile "
+              f"{'on' if args.compile else 'off'}{aug}, output {out}")
         print(json.dumps(dataclasses.asdict(args)))
-    if hasattr(args, "gpu_aug"):                         # --gpu-aug: default on with CUDA (workers only decode,
-        if args.gpu_aug is None:                          # crop and flip; colour ops batched on the device)
-            args.gpu_aug = device.type == "cuda"
-        print0(f"photometric augmentation: {'batched on ' + device.type if args.gpu_aug else 'CPU workers'}")
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     ckpt = os.path.join(out, "checkpoint.pth")
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
                               ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device))
+
+
+def device_defaults(args, device):
+    """Flags whose default (None) follows the device, on with CUDA: --compile (torch.compile of the
+    networks; the first steps compile) and, where the method has it, --gpu-aug (workers only decode,
+    crop and flip; the colour ops run batched on the device)."""
+    if args.compile is None:
+        args.compile = device.type == "cuda"
+    if getattr(args, "gpu_aug", False) is None:
+        args.gpu_aug = device.type == "cuda"
 
 
 def distribute(net, run):

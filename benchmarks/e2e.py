@@ -3,13 +3,13 @@ batched GPU augmentation where it is on, the step, the EMA update, logging) on a
 and the share of the time the loop waited for data.
 
   python benchmarks/e2e.py --method all --data /imagenet --workers 8             # recipe model, 1 GPU
-  python benchmarks/e2e.py --method msn --data /imagenet --batch-size 256 --compile
+  python benchmarks/e2e.py --method msn --data /imagenet --batch-size 256 --no-compile   # eager
   python benchmarks/e2e.py --method all --device cpu --model nano --img-size 32 --patch-size 4 \
       --batch-size 16 --workers 2                                                # CPU smoke run
 
 Each method trains for --steps optimiser steps of --batch-size images (default: the method's
 --micro-batch, i.e. one forward/backward per step) with its own ImageNet defaults for every flag not
-given here; extra flags are passed to the method's parser unchanged (e.g. --compile, --no-gpu-aug,
+given here; extra flags are passed to the method's parser unchanged (e.g. --no-compile, --no-gpu-aug,
 --precision, --focal-size). The log is read back: the first --log-every steps (worker start-up,
 the first prefetch, compile) are dropped, and the table gives, over the rest (time-weighted):
   img/s        images per second of the whole loop (SiamMAE: pairs per second),

@@ -116,6 +116,21 @@ def test_synthetic_dataset_deterministic_and_labelled():
     assert len(ds) == 8000 and len(S.SyntheticImages("val")) == 1000
 
 
+def test_compile_and_gpu_aug_are_on_by_default_with_cuda_only():
+    """--compile and --gpu-aug default to on with CUDA and off on CPU; given flags win (--no-compile)."""
+    for dev, on in (("cpu", False), ("cuda", True)):
+        a = msn.Args(data="synthetic")
+        assert a.compile is None and a.gpu_aug is None
+        C.device_defaults(a, torch.device(dev))
+        assert a.compile is on and a.gpu_aug is on
+    a = C.parse_args(msn.Args, ["--data", "synthetic", "--no-compile", "--no-gpu-aug"])
+    C.device_defaults(a, torch.device("cuda"))
+    assert a.compile is False and a.gpu_aug is False
+    a = C.parse_args(msn.Args, ["--data", "synthetic", "--compile"])
+    C.device_defaults(a, torch.device("cpu"))
+    assert a.compile is True and a.gpu_aug is False
+
+
 def test_synthetic_classes_are_ten_distinct_shapes_whatever_the_rotation():
     """The README's synthetic results need 10 shapes that differ: each covers 5-50% of its box, and no two
     overlap by more than 85% IoU at any relative rotation (the closest pair, disc and square, is at 0.81)."""

@@ -35,6 +35,7 @@ def test_bf16_step_matches_the_fp32_step(method):
     assert cos > 0.99, float(cos)
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("method", METHODS)
 def test_compiled_step_matches_the_eager_step(method):
     """torch.compile of the online network: same loss (rel 1e-4) and gradients (rel 1e-3, fp32)."""

@@ -180,6 +180,7 @@ def test_end_to_end_checkpoint_and_resume(tmp_path, gpu_aug):
     assert len(log) == 4 and '"ce"' in log[0] and '"lr"' in log[0]
 
 
+@pytest.mark.compiles
 @pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))), reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_run_equals_the_eager_run(tmp_path):
     """--compile through train() (online network and EMA target compiled, the EMA applied to the modules
