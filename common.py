@@ -707,9 +707,13 @@ def setup(args, method):
 def device_defaults(args, device):
     """Flags whose default (None) follows the device, on with CUDA: --compile (torch.compile of the
     networks; the first steps compile) and, where the method has it, --gpu-aug (workers only decode,
-    crop and flip; the colour ops run batched on the device)."""
+    crop and flip; the colour ops run batched on the device). A compile that is on by default and
+    fails (e.g. a graph torch cannot compile) falls back to eager with a warning, not an error."""
     if args.compile is None:
         args.compile = device.type == "cuda"
+        if args.compile:
+            import torch._dynamo
+            torch._dynamo.config.suppress_errors = True
     if getattr(args, "gpu_aug", False) is None:
         args.gpu_aug = device.type == "cuda"
 

@@ -117,18 +117,31 @@ def test_synthetic_dataset_deterministic_and_labelled():
 
 
 def test_compile_and_gpu_aug_are_on_by_default_with_cuda_only():
-    """--compile and --gpu-aug default to on with CUDA and off on CPU; given flags win (--no-compile)."""
-    for dev, on in (("cpu", False), ("cuda", True)):
-        a = msn.Args(data="synthetic")
-        assert a.compile is None and a.gpu_aug is None
-        C.device_defaults(a, torch.device(dev))
-        assert a.compile is on and a.gpu_aug is on
-    a = C.parse_args(msn.Args, ["--data", "synthetic", "--no-compile", "--no-gpu-aug"])
-    C.device_defaults(a, torch.device("cuda"))
-    assert a.compile is False and a.gpu_aug is False
-    a = C.parse_args(msn.Args, ["--data", "synthetic", "--compile"])
-    C.device_defaults(a, torch.device("cpu"))
-    assert a.compile is True and a.gpu_aug is False
+    """--compile and --gpu-aug default to on with CUDA and off on CPU; given flags win (--no-compile). Only a
+    compile that is on by default falls back to eager when torch cannot compile (a failing backend here)."""
+    import torch._dynamo
+    with torch._dynamo.config.patch(suppress_errors=False, disable=False):
+        for dev, on in (("cpu", False), ("cuda", True)):
+            a = msn.Args(data="synthetic")
+            assert a.compile is None and a.gpu_aug is None and not torch._dynamo.config.suppress_errors
+            C.device_defaults(a, torch.device(dev))
+            assert a.compile is on and a.gpu_aug is on and torch._dynamo.config.suppress_errors is on
+
+        def broken(gm, example_inputs):
+            raise RuntimeError("cannot compile")
+        torch._dynamo.reset()
+        assert torch.compile(lambda x: x * 2, backend=broken)(torch.ones(2)).tolist() == [2.0, 2.0]   # eager
+        torch._dynamo.config.suppress_errors = False
+        a = C.parse_args(msn.Args, ["--data", "synthetic", "--no-compile", "--no-gpu-aug"])
+        C.device_defaults(a, torch.device("cuda"))
+        assert a.compile is False and a.gpu_aug is False
+        a = C.parse_args(msn.Args, ["--data", "synthetic", "--compile"])
+        C.device_defaults(a, torch.device("cuda"))
+        assert a.compile is True and a.gpu_aug is True and not torch._dynamo.config.suppress_errors
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="cannot compile"):                # asked for: its error shows
+            torch.compile(lambda x: x * 3, backend=broken)(torch.ones(2))
+    torch._dynamo.reset()
 
 
 def test_synthetic_classes_are_ten_distinct_shapes_whatever_the_rotation():
