@@ -9,6 +9,8 @@ import torch
 
 from helpers import ROOT, run_cli
 
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))          # throughput, e2e, data: the scripts' functions
+
 
 def test_throughput_and_data_scripts_run():
     r = run_cli("benchmarks/throughput.py", "--method", "msn", "--model", "nano", "--batch-size", "2",
@@ -36,7 +38,6 @@ def test_the_flop_count_behind_mfu_is_what_the_step_computes(method):
     """benchmarks/throughput.py's analytic FLOPs per step (the numerator of its MFU column) equal what torch's
     FlopCounterMode counts while the method's own step runs, forward and backward (attention through the math
     kernel, whose matmuls the counter sees). nano: the heads, decoders and patch embedding weigh most there."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import throughput
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
@@ -52,7 +53,6 @@ def test_end_to_end_speed_is_images_over_time_not_the_mean_of_the_rates():
     """benchmarks/e2e.py's summary of a log: 10 steps of 8 images at 100 img/s then 10 at 300 img/s take
     0.8 + 0.267 s for 160 images: 150 img/s (the mean of the rates would say 200); the data-wait share is
     time-weighted too; the records up to the warm-up step and the first record (start-up) never count."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import e2e
     recs = [{"step": 10, "img_s": 5.0, "data_wait": 1.0}, {"step": 20, "img_s": 100.0, "data_wait": 0.5},
             {"step": 30, "img_s": 300.0, "data_wait": 0.0}]
@@ -70,7 +70,6 @@ def test_the_data_benchmark_times_the_same_views_for_ours_and_the_official_recip
     """benchmarks/data.py's ratio compares like with like: for each method with an official recipe, the
     reference pipeline written from it makes as many image views, of the same sizes, as ours (MSN: 2 at 224 +
     10 focal at 96; CMAE, ConMIM, CAN: 2 at 224)."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import data
     data.write_folder(str(tmp_path), 2, clips=False)
     shapes = lambda out: [tuple(t.shape) for t in out if getattr(t, "ndim", 0) == 3]   # noqa: E731 (not CMAE's shift)
