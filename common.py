@@ -375,6 +375,7 @@ class ImageFiles(torch.utils.data.Dataset):
         self.bad = multiprocessing.Value("l", 0)         # distinct unreadable files met so far
         self.is_bad = multiprocessing.Array("b", len(self.samples), lock=False)   # per file, 1 = counted
         self.reported = set()
+        self.reader = read_rgb                          # gpu_decode.encoded() swaps in its reader
 
     def __len__(self):
         return len(self.samples)
@@ -384,8 +385,7 @@ class ImageFiles(torch.utils.data.Dataset):
             j = (i + k) % len(self.samples)
             path, label = self.samples[j]
             try:
-                with Image.open(path) as img:
-                    return img.convert("RGB"), label
+                return self.reader(path), label
             except Exception as e:
                 if not self.skip:
                     raise UserError(f"cannot read image {path}: {e}; remove or replace the file") from None
@@ -398,6 +398,11 @@ class ImageFiles(torch.utils.data.Dataset):
                     print(f"warning: cannot read image {path} ({e}); using the next readable image",
                           file=sys.stderr, flush=True)
         raise UserError(f"100 consecutive unreadable images from {self.samples[i][0]}: is --data right?")
+
+
+def read_rgb(path):
+    with Image.open(path) as img:
+        return img.convert("RGB")
 
 
 def image_dataset(data, split="train", skip_unreadable=False):
@@ -491,7 +496,7 @@ def waited(batches):
         yield batch
 
 
-def make_loader(dataset, batch_size, workers, seed, train=True, drop_last=True):
+def make_loader(dataset, batch_size, workers, seed, train=True, drop_last=True, collate=None):
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     sampler = EpochSampler(dataset, world, rank, shuffle=train, seed=seed, drop_last=train)
     if train and len(sampler) < batch_size:
@@ -500,7 +505,7 @@ def make_loader(dataset, batch_size, workers, seed, train=True, drop_last=True):
     sampler.batch = batch_size
     return torch.utils.data.DataLoader(          # own generator: iterating never touches the global RNG
         dataset, batch_size, sampler=sampler, num_workers=workers, pin_memory=torch.cuda.is_available(),
-        drop_last=drop_last, persistent_workers=workers > 0, generator=torch.Generator(),
+        drop_last=drop_last, persistent_workers=workers > 0, generator=torch.Generator(), collate_fn=collate,
         worker_init_fn=ignore_stop_signals if workers > 0 else None)
 
 

@@ -57,6 +57,9 @@ differs from both, and why:
     CPU pipeline is otherwise the bottleneck.
     Blur: PIL's untruncated Gaussian blur, sigma U[0.1, 2] px, on every view (as official); the
     --gpu-aug path uses a 13-tap (+-3 sigma) kernel.
+  - --gpu-decode (off by default; gpu_decode.py): JPEGs decoded, cropped and flipped on the device,
+    the workers drawing the same boxes and flips; resampled with roi_align's box-averaged bilinear
+    instead of PIL's triangle filter (about 1 level of 255), in float (no uint8 rounding).
   - The official extra entropy term (weight 0 in every released config) is omitted.
 """
 import contextlib
@@ -103,6 +106,8 @@ class Args(C.RunArgs):
     mask_ratio: float = field(default=0.15, metadata={"help": "patch drop ratio of the random anchors"})
     gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
                           "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
+    gpu_decode: bool = field(default=False, metadata={"help": "decode JPEGs, crop and flip on the device (gpu_decode.py; "
+                             "needs --gpu-aug): the workers only read files, for hosts whose CPUs cannot feed the GPU"})
     # head, prototypes, loss
     head_hidden: int = 2048
     head_dim: int = 256
@@ -421,7 +426,15 @@ def train(args):
                               f"global batch; with {args.batch_size} images against {args.num_prototypes} "
                               "prototypes the targets flatten and the prototype marginal is noisier")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
-    loader = C.make_loader(C.Views(dataset, MultiView(args), args.seed), per, args.workers, args.seed)
+    sizes = [args.img_size] * (1 + R) + [args.focal_size] * args.focal_views
+    if args.gpu_decode:                                              # workers read files and draw the boxes
+        if not args.gpu_aug:
+            raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, colour runs on the device")
+        import gpu_decode as G
+        boxes = G.Boxes([(args.img_size, args.rand_scale, 1 + R), (args.focal_size, args.focal_scale, args.focal_views)])
+        loader = C.make_loader(C.Views(G.encoded(dataset), boxes, args.seed), per, args.workers, args.seed, collate=G.collate)
+    else:
+        loader = C.make_loader(C.Views(dataset, MultiView(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
     sched = int(args.ipe_scale * total)                              # schedules over 1.25x, stop at 80%
@@ -451,7 +464,8 @@ def train(args):
             m = linear_schedule(step, sched, *args.ema)
             C.set_hparams(opt, lr, wd)
 
-            views = [v.to(dev, non_blocking=True) for v in views]
+            views = (G.views(views, dev, sizes, dataset) if args.gpu_decode     # decoded, cropped, flipped here
+                     else [v.to(dev, non_blocking=True) for v in views])
             if args.gpu_aug:                                          # same distribution, batched
                 views = [C.color_augment_batch(v) for v in views]
             views = [C.normalize(v) for v in views]

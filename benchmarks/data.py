@@ -18,6 +18,10 @@ Per method, with its default ImageNet recipe (its own view class and `Args` defa
       processes (worker start-up, the first prefetch and epoch boundaries excluded);
   device aug: images/s of common.color_augment_batch + normalize over one step's views on
       --device (only with --device cuda, or --device-aug).
+For MSN, whose 12 views make the CPU workers the bottleneck, a second table times `--gpu-decode`
+(gpu_decode.py): its workers (read the file, parse the header, draw the boxes and flips) per core,
+interleaved with the gpu-aug workers above, and on --device one batch of --batch-size images
+decoded, cropped, flipped, colour-augmented and normalised (with --device cuda, or --device-aug).
 SiamMAE has no official code (no reference) and no colour augmentation.
 
 Without --data, a folder of --n-images JPEGs (500x375, quality 90, like ImageNet's typical image)
@@ -166,6 +170,14 @@ class Repeat(torch.utils.data.Dataset):
     def load(self, i):
         return self.ds.load(i % len(self.ds))
 
+    @property
+    def reader(self):                            # the files' reader (gpu_decode.encoded swaps it)
+        return self.ds.reader
+
+    @reader.setter
+    def reader(self, fn):
+        self.ds.reader = fn
+
 
 def loader_rate(views, batch, workers, batches):
     """Steady-state images/s out of the training DataLoader: one epoch long enough for every timed
@@ -201,6 +213,28 @@ def gpu_aug_rate(method, args, B, device, reps=5):
     return reps * B / (time.perf_counter() - t)
 
 
+def decode_pipeline(args, data):
+    """--gpu-decode's worker side (Views over the encoded files) and each view's size."""
+    import gpu_decode as G
+    R, F = 1 + args.rand_views, args.focal_views
+    boxes = G.Boxes([(args.img_size, args.rand_scale, R), (args.focal_size, args.focal_scale, F)])
+    return C.Views(G.encoded(C.image_dataset(data, "train")), boxes, seed=0), [args.img_size] * R + [args.focal_size] * F
+
+
+def decode_rate(dviews, sizes, B, device, reps=3):
+    """img/s of gpu_decode.views (decode + crops + flips) + colour + normalize on one batch of B images."""
+    import gpu_decode as G
+    batch = G.collate([dviews[(i % len(dviews), 0)] for i in range(B)])[0]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for r in range(reps + 1):
+        if r == 1:
+            sync()
+            t = time.perf_counter()
+        [C.normalize(C.color_augment_batch(v)) for v in G.views(batch, device, sizes)]
+    sync()
+    return reps * B / (time.perf_counter() - t)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--method", default="all", choices=METHODS + ("all",))
@@ -228,6 +262,7 @@ def main():
     print("| method | views per image | ours img/s per core | official recipe img/s per core | ratio | "
           "gpu-aug workers img/s per core | loader img/s | device aug img/s |")
     print("|---|---|---|---|---|---|---|---|")
+    decode_rows = []
     for m in METHODS if a.method == "all" else (a.method,):
         data = a.video_data if m == "siammae" else a.data
         args, views, per_item = pipeline(m, data, False)
@@ -239,7 +274,14 @@ def main():
         if ref is not None:
             fns += [lambda i: ref(views.dataset.load(i)[0]), lambda i: gviews[(i, 1)]]
             gviews = pipeline(m, data, True)[1]
+        if hasattr(args, "gpu_decode"):                                # --gpu-decode workers: read + boxes only
+            dviews, sizes = decode_pipeline(args, data)
+            fns.append(lambda i: dviews[(i, 1)])
         rates = interleaved(fns, views, a.images)
+        if hasattr(args, "gpu_decode"):
+            dev = (f"{decode_rate(dviews, sizes, a.batch_size, device):.0f} ({device})"
+                   if device.type == "cuda" or a.device_aug else "-")
+            decode_rows.append(f"| {m} | {rates[2]:.1f} | {rates[3]:.1f} | {rates[3] / rates[2]:.1f} | {dev} |")
         bs = max(1, a.batch_size // per_item) if m == "siammae" else a.batch_size
         ld = loader_rate(views, min(bs, len(views)), a.workers, a.batches)
         unit = " (pairs)" if m == "siammae" else ""
@@ -248,6 +290,9 @@ def main():
         g = (f"{gpu_aug_rate(m, args, a.batch_size, device):.0f} ({device})"
              if ref is not None and (device.type == "cuda" or a.device_aug) else "-")
         print(f"| {m}{unit} | {n_views} | {ours} | {off} | {ratio} | {gw} | {ld * per_item:.1f} | {g} |", flush=True)
+    if decode_rows:
+        print("\n| --gpu-decode | gpu-aug workers img/s per core | gpu-decode workers img/s per core | ratio | "
+              "device decode + crops + colour img/s |\n|---|---|---|---|---|\n" + "\n".join(decode_rows))
     if tmp:
         tmp.cleanup()
 

@@ -24,6 +24,15 @@ def test_throughput_and_data_scripts_run():
     assert row[2] == "2" and all(float(row[i]) > 0 for i in (3, 4, 5, 6, 7)) and ("(cpu)" in row[8] or "(cuda)" in row[8])
 
 
+def test_data_script_times_gpu_decode():
+    """MSN's --gpu-decode table: its workers next to the gpu-aug workers, and the device side, all > 0."""
+    r = run_cli("benchmarks/data.py", "--method", "msn", "--device-aug", "--n-images", "8", "--images", "1",
+                "--workers", "0", "--batch-size", "2", "--batches", "1")
+    assert r.returncode == 0, r.stderr
+    row = [c.strip() for c in [ln for ln in r.stdout.splitlines() if ln.startswith("| msn |")][1].split("|")]
+    assert all(float(row[i]) > 0 for i in (2, 3, 4)) and ("(cpu)" in row[5] or "(cuda)" in row[5])
+
+
 def test_end_to_end_benchmark_runs_the_real_loop():
     r = run_cli("benchmarks/e2e.py", "--method", "conmim", "--device", "cpu", "--model", "nano", "--img-size", "16",
                 "--patch-size", "4", "--batch-size", "4", "--workers", "0", "--steps", "3", "--log-every", "1",

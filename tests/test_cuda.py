@@ -87,3 +87,22 @@ def test_gpu_augmentation_ops_on_cuda_equal_the_cpu_ops():
     cpu = C.blur_batch(C.color_jitter_batch(x, fb, fc, fs, fh, order), sigma, 13)
     cuda = C.blur_batch(C.color_jitter_batch(*(t.cuda() for t in (x, fb, fc, fs, fh, order))), sigma.cuda(), 13)
     torch.testing.assert_close(cuda.cpu(), cpu, atol=1e-4, rtol=0)
+
+
+def test_gpu_decode_on_cuda_gives_the_cpu_views(tmp_path):
+    """--gpu-decode on CUDA (nvJPEG, roi_align's CUDA kernel) against the same code on CPU (libjpeg-turbo):
+    every view within 2 levels of 255 on average (nvJPEG's IDCT and upsampling may round differently; a
+    wrong box or flip is > 20 levels off, tests/test_gpu_decode.py), RGB and grey JPEGs and a PNG in one batch."""
+    import gpu_decode as G
+    from test_gpu_decode import photo, views_pair
+    rng = torch.Generator().manual_seed(0)
+    for k, (w, h) in enumerate([(500, 375), (375, 500), (131, 97)]):
+        photo(rng, w, h).save(tmp_path / f"{k}.jpg", quality=90)
+    photo(rng, 200, 150).convert("L").save(tmp_path / "grey.jpg")
+    photo(rng, 200, 150).save(tmp_path / "png.png")
+    _, dev, sizes = views_pair(str(tmp_path))
+    batch = G.collate([dev[(i, 0)] for i in range(len(dev))])[0]
+    on_cpu, on_gpu = G.views(batch, torch.device("cpu"), sizes), G.views(batch, torch.device("cuda"), sizes)
+    for c, g in zip(on_cpu, on_gpu):
+        assert g.device.type == "cuda" and g.shape == c.shape
+        assert (g.cpu() - c).abs().mean(dim=(1, 2, 3)).max() * 255 <= 2.0
