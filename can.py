@@ -461,7 +461,7 @@ def train(args):
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             v1, v2 = v1.to(dev, non_blocking=True), v2.to(dev, non_blocking=True)
             if args.gpu_aug:                                          # colour ops batched on the device
-                v1, v2 = C.color_augment_batch(v1), C.color_augment_batch(v2)
+                v1, v2 = run.color_augment(v1), run.color_augment(v2)
             x = C.normalize(torch.stack([v1, v2]))                            # (2, B, 3, H, W), clean
             B = x.shape[1]
             sigma = torch.rand(2 * B, device=dev).view(2, B) * args.sigma_max   # sigma_v ~ U[0, sigma_max]

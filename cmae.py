@@ -488,7 +488,7 @@ def train(args):
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             x_s, x_t = x_s.to(dev, non_blocking=True), x_t.to(dev, non_blocking=True)
             if args.gpu_aug:                                          # the target's colour augmentation
-                x_t = C.color_augment_batch(x_t)
+                x_t = run.color_augment(x_t)
             x_s, x_t = C.normalize(x_s), C.normalize(x_t)
             ids_keep, ids_restore, mask = random_masking(x_s.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)

@@ -385,7 +385,7 @@ def train(args):
             C.set_hparams(opt, lr)
             x_weak, x_strong = x_weak.to(dev, non_blocking=True), x_strong.to(dev, non_blocking=True)
             if args.gpu_aug:                                          # the strong view's photometric ops
-                x_strong = C.color_augment_batch(x_strong, **STRONG)
+                x_strong = run.color_augment(x_strong, **STRONG)
             x_weak, x_strong = C.normalize(x_weak), C.normalize(x_strong)
             mask = random_masking(x_weak.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)

@@ -467,7 +467,7 @@ def train(args):
             views = (G.views(views, dev, sizes, dataset) if args.gpu_decode     # decoded, cropped, flipped here
                      else [v.to(dev, non_blocking=True) for v in views])
             if args.gpu_aug:                                          # same distribution, batched
-                views = [C.color_augment_batch(v) for v in views]
+                views = [run.color_augment(v) for v in views]
             views = [C.normalize(v) for v in views]
             x_target, x_rand = views[0], torch.stack(views[1:1 + R])  # (B, ...), (R, B, ...)
             x_focal = torch.stack(views[1 + R:]) if args.focal_views else None

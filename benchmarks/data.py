@@ -17,7 +17,7 @@ Per method, with its default ImageNet recipe (its own view class and `Args` defa
   loader: steady-state images/s out of the training DataLoader (common.make_loader) with --workers
       processes (worker start-up, the first prefetch and epoch boundaries excluded);
   device aug: images/s of common.color_augment_batch + normalize over one step's views on
-      --device (only with --device cuda, or --device-aug).
+      --device (only with --device cuda, or --device-aug); --compile: compiled, as train() runs it.
 For MSN, whose 12 views make the CPU workers the bottleneck, a second table times `--gpu-decode`
 (gpu_decode.py): its workers (read the file, parse the header, draw the boxes and flips) per core,
 interleaved with the gpu-aug workers above, and on --device one batch of --batch-size images
@@ -196,8 +196,9 @@ def loader_rate(views, batch, workers, batches):
     return batches * batch / (time.perf_counter() - t)
 
 
-def gpu_aug_rate(method, args, B, device, reps=5):
-    """img/s of color_augment_batch + normalize over one step's views that the method augments."""
+def gpu_aug_rate(method, args, B, device, reps=5, aug=C.color_augment_batch):
+    """img/s of color_augment_batch (aug: or its compiled twin) + normalize over one step's views that
+    the method augments."""
     S = args.img_size
     shapes = ([S] * (1 + args.rand_views) + [args.focal_size] * args.focal_views if method == "msn"
               else [S] * (2 if method == "can" else 1))
@@ -208,7 +209,7 @@ def gpu_aug_rate(method, args, B, device, reps=5):
         if r == 1:
             sync()
             t = time.perf_counter()
-        [C.normalize(C.color_augment_batch(v, **kw)) for v in views]
+        [C.normalize(aug(v, **kw)) for v in views]
     sync()
     return reps * B / (time.perf_counter() - t)
 
@@ -221,7 +222,7 @@ def decode_pipeline(args, data):
     return C.Views(G.encoded(C.image_dataset(data, "train")), boxes, seed=0), [args.img_size] * R + [args.focal_size] * F
 
 
-def decode_rate(dviews, sizes, B, device, reps=3):
+def decode_rate(dviews, sizes, B, device, reps=3, aug=C.color_augment_batch):
     """img/s of gpu_decode.views (decode + crops + flips) + colour + normalize on one batch of B images."""
     import gpu_decode as G
     batch = G.collate([dviews[(i % len(dviews), 0)] for i in range(B)])[0]
@@ -230,7 +231,7 @@ def decode_rate(dviews, sizes, B, device, reps=3):
         if r == 1:
             sync()
             t = time.perf_counter()
-        [C.normalize(C.color_augment_batch(v)) for v in G.views(batch, device, sizes)]
+        [C.normalize(aug(v)) for v in G.views(batch, device, sizes)]
     sync()
     return reps * B / (time.perf_counter() - t)
 
@@ -247,7 +248,10 @@ def main():
     p.add_argument("--batches", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--device-aug", action="store_true", help="time the batched augmentation on --device also on CPU")
+    p.add_argument("--compile", action="store_true", help="time the compiled augmentation, as train() runs it under "
+                   "--compile (the default with CUDA); the first calls, which compile, are left out")
     a = p.parse_args()
+    aug = torch.compile(C.color_augment_batch, dynamic=False) if a.compile else C.color_augment_batch
     tmp = None
     if a.data is None:
         tmp = tempfile.TemporaryDirectory()
@@ -258,7 +262,8 @@ def main():
     a.video_data = a.video_data or a.data
     device = torch.device(a.device)
     print(f"device: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
-          f"workers {a.workers}, batch {a.batch_size}, data {a.data}, {a.images} images x 4 interleaved rounds")
+          f"workers {a.workers}, batch {a.batch_size}, data {a.data}, {a.images} images x 4 interleaved rounds, "
+          f"device aug {'compiled' if a.compile else 'eager'}")
     print("| method | views per image | ours img/s per core | official recipe img/s per core | ratio | "
           "gpu-aug workers img/s per core | loader img/s | device aug img/s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -279,7 +284,7 @@ def main():
             fns.append(lambda i: dviews[(i, 1)])
         rates = interleaved(fns, views, a.images)
         if hasattr(args, "gpu_decode"):
-            dev = (f"{decode_rate(dviews, sizes, a.batch_size, device):.0f} ({device})"
+            dev = (f"{decode_rate(dviews, sizes, a.batch_size, device, aug=aug):.0f} ({device})"
                    if device.type == "cuda" or a.device_aug else "-")
             decode_rows.append(f"| {m} | {rates[2]:.1f} | {rates[3]:.1f} | {rates[3] / rates[2]:.1f} | {dev} |")
         bs = max(1, a.batch_size // per_item) if m == "siammae" else a.batch_size
@@ -287,7 +292,7 @@ def main():
         unit = " (pairs)" if m == "siammae" else ""
         ours = f"{rates[0] * per_item:.1f}"
         off, ratio, gw = (f"{rates[1]:.1f}", f"{rates[0] / rates[1]:.2f}", f"{rates[2]:.1f}") if ref else ("-", "-", "-")
-        g = (f"{gpu_aug_rate(m, args, a.batch_size, device):.0f} ({device})"
+        g = (f"{gpu_aug_rate(m, args, a.batch_size, device, aug=aug):.0f} ({device})"
              if ref is not None and (device.type == "cuda" or a.device_aug) else "-")
         print(f"| {m}{unit} | {n_views} | {ours} | {off} | {ratio} | {gw} | {ld * per_item:.1f} | {g} |", flush=True)
     if decode_rows:

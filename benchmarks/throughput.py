@@ -58,6 +58,7 @@ def setup(method, a, dev):
     x = lambda *n, s=S: torch.randn(*n, 3, s, s, device=dev)                     # noqa: E731
     amp = torch.autocast(dev.type, torch.bfloat16) if a.precision == "bf16" else torch.autocast(dev.type, enabled=False)
     comp = (lambda m: torch.compile(m)) if a.compile else (lambda m: m)
+    aug = torch.compile(C.color_augment_batch, dynamic=False) if a.compile else C.color_augment_batch   # as train()
     ema = None
     if method == "msn":
         model = mod.MSN(args).to(dev)
@@ -77,7 +78,7 @@ def setup(method, a, dev):
         def train_step():
             nonlocal xt, xr, xf
             if a.gpu_aug:
-                xt, xr, xf = (C.normalize(C.color_augment_batch(v.flatten(0, -4)).view(v.shape)) for v in u8)
+                xt, xr, xf = (C.normalize(aug(v.flatten(0, -4)).view(v.shape)) for v in u8)
             ids = mod.random_masking(R * B, g, args.mask_ratio, device=dev)
             mod.train_step(fm, ft, xt, xr, xf, ids.view(R, B, -1), args, micro, amp)
         ema = lambda: mod.ema_update(target, model.net, 0.996)        # noqa: E731

@@ -4,6 +4,7 @@ import argparse
 import itertools
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -75,10 +76,12 @@ def _ks(a, b):
 
 @pytest.mark.parametrize("params", [{}, dict(jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)],
                          ids=["default", "conmim-strong"])
-def test_color_augment_batch_has_the_torchvision_distribution(params, device="cpu"):
+def test_color_augment_batch_has_the_torchvision_distribution(params, device="cpu", augment=None):
     """Per-image statistics of the GPU-side augmentation vs torchvision's transforms on the same image:
     two-sample KS below the p = 0.001 critical value (Bonferroni over the 5 statistics); a wrong grey or
-    blur probability or jitter strength is caught. The reference is the workers' path: PIL in, uint8 out."""
+    blur probability or jitter strength is caught. The reference is the workers' path: PIL in, uint8 out.
+    augment: the function under test (default C.color_augment_batch; compiled in the test below)."""
+    augment = augment or C.color_augment_batch
     import torchvision.transforms.functional as TF
     torch.manual_seed(0)
     img = torch.tensor([0.8, 0.3, 0.2]).view(3, 1, 1).repeat(1, 16, 16)
@@ -98,12 +101,22 @@ def test_color_augment_batch_has_the_torchvision_distribution(params, device="cp
     tv = C.color_augment(**params)
     ref = stats(torch.stack([C.to_uint8(tv(pil)) for _ in range(N)]).float() / 255)
     batch = img.expand(N, -1, -1, -1).to(device)
-    ks = [_ks(r, o) for r, o in zip(ref, stats(C.color_augment_batch(batch, **params).cpu()))]
+    ks = [_ks(r, o) for r, o in zip(ref, stats(augment(batch, **params).cpu()))]
     assert max(ks) < crit, (ks, crit)
     for wrong in (dict(p_gray=0.4), dict(jitter=(0.8, 0.4, 0.4, 0.1)), dict(p_solarize=0.5)) + \
             ((dict(p_blur=0.25),) if not params else ()):
-        ks = [_ks(r, o) for r, o in zip(ref, stats(C.color_augment_batch(batch, **{**params, **wrong}).cpu()))]
+        ks = [_ks(r, o) for r, o in zip(ref, stats(augment(batch, **{**params, **wrong}).cpu()))]
         assert max(ks) > crit, (wrong, ks)
+
+
+@pytest.mark.compiles
+@pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))), reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_color_augment_batch_has_the_torchvision_distribution():
+    """What train() runs under --compile (common.setup: torch.compile(color_augment_batch, dynamic=False)):
+    inductor draws its own random numbers, so the KS test above, not equality, says it is the same
+    augmentation (each parameter set a graph of its own: the wrong ones are caught too)."""
+    test_color_augment_batch_has_the_torchvision_distribution(
+        {}, augment=torch.compile(C.color_augment_batch, dynamic=False))
 
 
 def test_synthetic_dataset_deterministic_and_labelled():

@@ -42,6 +42,27 @@ def test_gpu_aug_reaches_the_right_views_with_the_method_parameters(method, tmp_
     assert not any(flat(steps[0][i]) for i in plain)
 
 
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_with_compile_the_loop_augments_through_the_compiled_function(method, tmp_path, monkeypatch):
+    """--compile also compiles the colour ops (common.setup), and every view the method augments goes
+    through that compiled function (torch.compile replaced by a marker; networks pass through)."""
+    mod, args, n_views = CASES[method][:3]
+    calls = []
+    monkeypatch.setattr(C, "color_augment_batch", lambda x, **kw: (calls.append("eager"), x.float() / 255)[1])
+
+    def fake_compile(fn, **kw):
+        if isinstance(fn, torch.nn.Module):
+            return fn
+
+        def compiled(*a, **k):
+            calls.append("compiled")
+            return fn(*a, **k)
+        return compiled
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    mod.train(args(tmp_path, gpu_aug=True, compile=True, epochs=1, steps_per_epoch=1, warmup_epochs=0))
+    assert calls == ["compiled", "eager"] * n_views
+
+
 def test_workers_skip_the_colour_ops_with_gpu_aug():
     img = S.SyntheticImages().load(3)[0]
     a = cmae_args("/tmp/u", gpu_aug=True, master_size=16)               # no shift: target = source crop
