@@ -8,6 +8,8 @@ RandomHorizontalFlip's draw, per view) under `common.Views`' seed: the same boxe
 without the flag, image by image (tests/test_gpu_decode.py). The device decodes the batch in one
 call (torchvision.io.decode_jpeg: nvJPEG on CUDA) and cuts all the views of one size from an
 image in one torchvision.ops.roi_align call. Colour augmentation then runs batched (--gpu-aug).
+The batched CUDA decode uses the GPU's hardware JPEG decoder where it has one (A100, H100):
+pytorch/vision#8496 reports over 8,000 images/s on one A100 (their number; not measured here).
 
 Differences from the CPU path (measured in tests/test_gpu_decode.py):
   - Resampling: roi_align averages ceil(box / output) x ceil(box / output) bilinear samples per
