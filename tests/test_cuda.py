@@ -1,5 +1,6 @@
 """What only a GPU exercises (skipped without CUDA): the bf16 step against the fp32 step, fused AdamW
-against the unfused one, a compiled step against the eager one, and the batched augmentation on CUDA.
+against the unfused one, a compiled step against the eager one, the batched augmentation (eager and
+compiled) and --gpu-decode on CUDA.
 Tolerances are stated per test; speed is never asserted here (benchmarks/)."""
 import pytest
 import torch
@@ -73,6 +74,12 @@ def test_fused_adamw_matches_unfused():
 def test_gpu_augmentation_on_cuda_has_the_torchvision_distribution(params):
     """The KS test of test_common, with the batched augmentation running on the GPU."""
     ks_test(params, device="cuda")
+
+
+@pytest.mark.compiles
+def test_compiled_gpu_augmentation_on_cuda_has_the_torchvision_distribution():
+    """What train() runs on CUDA by default (--compile): the compiled colour ops, on the GPU, KS-tested."""
+    ks_test({}, device="cuda", augment=torch.compile(C.color_augment_batch, dynamic=False))
 
 
 def test_gpu_augmentation_ops_on_cuda_equal_the_cpu_ops():
