@@ -14,6 +14,7 @@ on an 80 GB H100; README) and the step is exact: Sinkhorn and ME-MAX stay over t
   python msn.py --data /imagenet                       # ViT-S/16 official recipe on 1 GPU: 2 x 512
   torchrun --nproc_per_node=8 msn.py --data /imagenet  # the same objective on 8 GPUs: 8 x 128
   python msn.py --data /imagenet --grad-ckpt --micro-batch 1024   # 1 GPU, one micro-batch
+  python msn.py --data /imagenet --gpu-decode          # few CPU cores: JPEGs decoded and cropped on the GPU
 
 Paper -> code.
   Views x+ (target), x_1..x_M (anchors), Sec 3.1 .... MultiView (data section)
