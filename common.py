@@ -346,6 +346,13 @@ def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2
     return x
 
 
+def color_augmenter(compile=False):
+    """What the loops apply with --gpu-aug (run.color_augment; the benchmarks time the same): with --compile
+    color_augment_batch compiled, fused elementwise kernels (an H100 took 31.9 ms instead of 74.5 per MSN
+    step, issue #27), one graph per view shape; inductor draws its own random numbers (KS-tested)."""
+    return torch.compile(color_augment_batch, dynamic=False) if compile else color_augment_batch
+
+
 class ImageFiles(torch.utils.data.Dataset):
     """Images under a directory: class = first-level sub-folder (ImageFolder), or one class if flat.
 
@@ -704,13 +711,10 @@ def setup(args, method):
         print(json.dumps(dataclasses.asdict(args)))
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     ckpt = os.path.join(out, "checkpoint.pth")
-    # --gpu-aug's colour ops under --compile: fused elementwise kernels (an H100 took 31.9 ms instead of 74.5 per
-    # MSN step, issue #27); one graph per view shape; inductor draws its own random numbers (same distributions)
-    aug = torch.compile(color_augment_batch, dynamic=False) if args.compile else color_augment_batch
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
                               ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device),
-                              color_augment=aug)
+                              color_augment=color_augmenter(args.compile))
 
 
 def device_defaults(args, device):

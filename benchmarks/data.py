@@ -251,7 +251,7 @@ def main():
     p.add_argument("--compile", action="store_true", help="time the compiled augmentation, as train() runs it under "
                    "--compile (the default with CUDA); the first calls, which compile, are left out")
     a = p.parse_args()
-    aug = torch.compile(C.color_augment_batch, dynamic=False) if a.compile else C.color_augment_batch
+    aug = C.color_augmenter(a.compile)                               # as train() applies it
     tmp = None
     if a.data is None:
         tmp = tempfile.TemporaryDirectory()

@@ -58,7 +58,7 @@ def setup(method, a, dev):
     x = lambda *n, s=S: torch.randn(*n, 3, s, s, device=dev)                     # noqa: E731
     amp = torch.autocast(dev.type, torch.bfloat16) if a.precision == "bf16" else torch.autocast(dev.type, enabled=False)
     comp = (lambda m: torch.compile(m)) if a.compile else (lambda m: m)
-    aug = torch.compile(C.color_augment_batch, dynamic=False) if a.compile else C.color_augment_batch   # as train()
+    aug = C.color_augmenter(a.compile)                               # as train() applies it
     ema = None
     if method == "msn":
         model = mod.MSN(args).to(dev)

@@ -112,11 +112,12 @@ def test_color_augment_batch_has_the_torchvision_distribution(params, device="cp
 @pytest.mark.compiles
 @pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))), reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_color_augment_batch_has_the_torchvision_distribution():
-    """What train() runs under --compile (common.setup: torch.compile(color_augment_batch, dynamic=False)):
+    """What train() runs under --compile (common.color_augmenter(True), compiled color_augment_batch):
     inductor draws its own random numbers, so the KS test above, not equality, says it is the same
     augmentation (each parameter set a graph of its own: the wrong ones are caught too)."""
-    test_color_augment_batch_has_the_torchvision_distribution(
-        {}, augment=torch.compile(C.color_augment_batch, dynamic=False))
+    augment = C.color_augmenter(True)
+    assert augment is not C.color_augment_batch
+    test_color_augment_batch_has_the_torchvision_distribution({}, augment=augment)
 
 
 def test_synthetic_dataset_deterministic_and_labelled():

@@ -79,7 +79,7 @@ def test_gpu_augmentation_on_cuda_has_the_torchvision_distribution(params):
 @pytest.mark.compiles
 def test_compiled_gpu_augmentation_on_cuda_has_the_torchvision_distribution():
     """What train() runs on CUDA by default (--compile): the compiled colour ops, on the GPU, KS-tested."""
-    ks_test({}, device="cuda", augment=torch.compile(C.color_augment_batch, dynamic=False))
+    ks_test({}, device="cuda", augment=C.color_augmenter(True))
 
 
 def test_gpu_augmentation_ops_on_cuda_equal_the_cpu_ops():
