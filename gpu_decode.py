@@ -69,6 +69,7 @@ class Boxes:
     def __init__(self, views):
         from torchvision import transforms as T
         self.crops = [T.RandomResizedCrop(size, scale=scale) for size, scale, n in views for _ in range(n)]
+        self.sizes = [size for size, _, n in views for _ in range(n)]     # each view's, for views()
 
     def __call__(self, item):
         data, img = item if isinstance(item, tuple) else (None, item)

@@ -360,6 +360,11 @@ def msn_loss(anchor, target, prototypes, tau=0.1, tau_plus=0.025, me_max_weight=
 # ----------------------------------------------------------------------------------------------
 # Data: 1 target + R random anchors at img_size, F focal anchors at focal_size
 # ----------------------------------------------------------------------------------------------
+def view_specs(a):
+    """(size, crop scale, count) of each view group, in view order: target + R random anchors, F focal."""
+    return [(a.img_size, a.rand_scale, 1 + a.rand_views), (a.focal_size, a.focal_scale, a.focal_views)]
+
+
 class MultiView:
     """PIL image -> [target, rand_1..rand_R, focal_1..focal_F] uint8 tensors (official transforms)."""
 
@@ -368,11 +373,12 @@ class MultiView:
         def view(size, scale):                                       # --gpu-aug: colour in the loop
             color = [] if a.gpu_aug else [C.color_augment()]
             return T.Compose([T.RandomResizedCrop(size, scale=scale), T.RandomHorizontalFlip(), *color, C.to_uint8])
-        self.rand, self.focal = view(a.img_size, a.rand_scale), view(a.focal_size, a.focal_scale)
-        self.n_rand, self.n_focal = 1 + a.rand_views, a.focal_views
+        self.views = []
+        for size, scale, n in view_specs(a):
+            self.views += [view(size, scale)] * n                    # one transform per group, applied n times
 
     def __call__(self, img):
-        return [self.rand(img) for _ in range(self.n_rand)] + [self.focal(img) for _ in range(self.n_focal)]
+        return [t(img) for t in self.views]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,12 +433,11 @@ def train(args):
                               f"global batch; with {args.batch_size} images against {args.num_prototypes} "
                               "prototypes the targets flatten and the prototype marginal is noisier")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
-    sizes = [args.img_size] * (1 + R) + [args.focal_size] * args.focal_views
     if args.gpu_decode:                                              # workers read files and draw the boxes
         if not args.gpu_aug:
             raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, colour runs on the device")
         import gpu_decode as G
-        boxes = G.Boxes([(args.img_size, args.rand_scale, 1 + R), (args.focal_size, args.focal_scale, args.focal_views)])
+        boxes = G.Boxes(view_specs(args))                            # MultiView's crops and flips
         loader = C.make_loader(C.Views(G.encoded(dataset), boxes, args.seed), per, args.workers, args.seed, collate=G.collate)
     else:
         loader = C.make_loader(C.Views(dataset, MultiView(args), args.seed), per, args.workers, args.seed)
@@ -465,7 +470,7 @@ def train(args):
             m = linear_schedule(step, sched, *args.ema)
             C.set_hparams(opt, lr, wd)
 
-            views = (G.views(views, dev, sizes, dataset) if args.gpu_decode     # decoded, cropped, flipped here
+            views = (G.views(views, dev, boxes.sizes, dataset) if args.gpu_decode   # decoded, cropped, flipped here
                      else [v.to(dev, non_blocking=True) for v in views])
             if args.gpu_aug:                                          # same distribution, batched
                 views = [run.color_augment(v) for v in views]

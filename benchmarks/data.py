@@ -214,17 +214,17 @@ def gpu_aug_rate(method, args, B, device, reps=5, aug=C.color_augment_batch):
     return reps * B / (time.perf_counter() - t)
 
 
-def decode_pipeline(args, data):
-    """--gpu-decode's worker side (Views over the encoded files) and each view's size."""
+def decode_pipeline(method, args, data):
+    """--gpu-decode's worker side: Views over the encoded files, drawing the method's boxes and flips."""
     import gpu_decode as G
-    R, F = 1 + args.rand_views, args.focal_views
-    boxes = G.Boxes([(args.img_size, args.rand_scale, R), (args.focal_size, args.focal_scale, F)])
-    return C.Views(G.encoded(C.image_dataset(data, "train")), boxes, seed=0), [args.img_size] * R + [args.focal_size] * F
+    boxes = G.Boxes(importlib.import_module(method).view_specs(args))
+    return C.Views(G.encoded(C.image_dataset(data, "train")), boxes, seed=0)
 
 
-def decode_rate(dviews, sizes, B, device, reps=3, aug=C.color_augment_batch):
+def decode_rate(dviews, B, device, reps=3, aug=C.color_augment_batch):
     """img/s of gpu_decode.views (decode + crops + flips) + colour + normalize on one batch of B images."""
     import gpu_decode as G
+    sizes = dviews.transform.sizes
     batch = G.collate([dviews[(i % len(dviews), 0)] for i in range(B)])[0]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for r in range(reps + 1):
@@ -280,11 +280,11 @@ def main():
             fns += [lambda i: ref(views.dataset.load(i)[0]), lambda i: gviews[(i, 1)]]
             gviews = pipeline(m, data, True)[1]
         if hasattr(args, "gpu_decode"):                                # --gpu-decode workers: read + boxes only
-            dviews, sizes = decode_pipeline(args, data)
+            dviews = decode_pipeline(m, args, data)
             fns.append(lambda i: dviews[(i, 1)])
         rates = interleaved(fns, views, a.images)
         if hasattr(args, "gpu_decode"):
-            dev = (f"{decode_rate(dviews, sizes, a.batch_size, device, aug=aug):.0f} ({device})"
+            dev = (f"{decode_rate(dviews, a.batch_size, device, aug=aug):.0f} ({device})"
                    if device.type == "cuda" or a.device_aug else "-")
             decode_rows.append(f"| {m} | {rates[2]:.1f} | {rates[3]:.1f} | {rates[3] / rates[2]:.1f} | {dev} |")
         bs = max(1, a.batch_size // per_item) if m == "siammae" else a.batch_size

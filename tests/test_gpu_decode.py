@@ -48,10 +48,9 @@ def views_pair(data, seed=3, **kw):
     """(CPU path views, --gpu-decode views) datasets over the same files, with msn's default views."""
     a = msn.Args(data=data, gpu_aug=True, **kw)
     cpu = C.Views(C.image_dataset(data, "train", skip_unreadable=True), msn.MultiView(a), seed)
-    boxes = G.Boxes([(a.img_size, a.rand_scale, 1 + a.rand_views), (a.focal_size, a.focal_scale, a.focal_views)])
+    boxes = G.Boxes(msn.view_specs(a))
     dev = C.Views(G.encoded(C.image_dataset(data, "train", skip_unreadable=True)), boxes, seed)
-    sizes = [a.img_size] * (1 + a.rand_views) + [a.focal_size] * a.focal_views
-    return cpu, dev, sizes
+    return cpu, dev, boxes.sizes
 
 
 def test_every_view_is_the_cpu_paths_view_of_the_same_box_and_flip(folder):
