@@ -78,13 +78,20 @@ def test_msn_loss_is_msn_loss_of_the_view_major_anchors_and_the_target_embedding
     torch.testing.assert_close(loss, ref)
 
 
-def test_targets_and_teachers_are_deterministic_in_train_mode():
+def test_targets_and_teachers_are_deterministic_frozen_copies():
+    """The EMA target / teacher: outputs deterministic in train mode (drop path off), no parameter
+    that autograd would track, and its own storage (an update of the online net must not move it)."""
     a, model, target, xt, *_ = msn_setup()
-    for net, x in ((msn.make_target(msn.MSN(msn_args("/tmp/u", drop_path=0.5)).net), xt),
-                   (cmae.Target(cmae.CMAE(cmae_args("/tmp/u", drop_path=0.5))), xt),
-                   (conmim.make_teacher(conmim.Net(conmim_args("/tmp/u", drop_path=0.5))), xt)):
+    msn_net = msn.MSN(msn_args("/tmp/u", drop_path=0.5)).net
+    cmae_net = cmae.CMAE(cmae_args("/tmp/u", drop_path=0.5))
+    conmim_net = conmim.Net(conmim_args("/tmp/u", drop_path=0.5))
+    for online, net in ((msn_net, msn.make_target(msn_net)), (cmae_net, cmae.Target(cmae_net)),
+                        (conmim_net, conmim.make_teacher(conmim_net))):
         net.train()
-        torch.testing.assert_close(net(x), net(x), rtol=0, atol=0)
+        torch.testing.assert_close(net(xt), net(xt), rtol=0, atol=0)
+        assert not any(p.requires_grad for p in net.parameters())
+        mine = {p.data_ptr() for p in online.parameters()}
+        assert not any(p.data_ptr() in mine for p in net.parameters())
 
 
 # ---------------------------------------------------------------------------------------------
