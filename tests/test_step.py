@@ -34,14 +34,16 @@ def bn_eval(*modules):
                 m.eval()
 
 
-def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None):
+def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None, scale=None):
     """(online model, step(net, rows, micro, ddp) -> (loss, parts)) on fixed random inputs of B samples;
     rows: which samples this process holds. device / autocast: where the step runs and in which precision
-    (the CUDA tests); inputs are drawn on the CPU, so they are the same on every device."""
+    (the CUDA tests); inputs are drawn on the CPU, so they are the same on every device. scale: the
+    step's loss scaling (GradScaler.scale under fp16)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = lambda *s: torch.randn(*s, generator=g).to(device)                     # noqa: E731
     ac = {} if autocast is None else {"autocast": autocast}
+    ac.update({} if scale is None else {"scale": scale})
     if method == "msn":
         a = msn_args("/tmp/unused", drop_path=drop_path)
         model = msn.MSN(a).to(device)
@@ -116,6 +118,21 @@ def test_k_micro_batches_equal_one_step(method):
     assert set(g1) == set(g2) and len(g1) > 0
     for n in g1:
         close(g2[n], g1[n], 1e-4, n)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_step_backpropagates_the_scaled_loss_and_returns_it_unscaled(method):
+    """fp16's GradScaler seam: every term's backward goes through scale (one pass, and both passes of the
+    gradient cache), the returned loss and parts are not scaled. Scale 8 -> gradients x 8 exactly."""
+    for micro in (B, B // 2):
+        loss1, parts1, g1 = run(method, micro)
+        loss8, parts8, g8 = run(method, micro, scale=lambda t: 8 * t)
+        torch.testing.assert_close(loss8, loss1, rtol=0, atol=0)
+        for k in parts1:
+            torch.testing.assert_close(torch.as_tensor(parts8[k]), torch.as_tensor(parts1[k]), rtol=0, atol=0)
+        assert set(g8) == set(g1)
+        for n in g1:
+            close(g8[n], 8 * g1[n], 1e-5, n)
 
 
 @pytest.mark.parametrize("method", METHODS)

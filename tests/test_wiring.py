@@ -161,6 +161,15 @@ def test_conmim_teacher_sees_the_strong_view_without_mask_and_student_the_masked
     assert torch.equal(s_enc.arg(0), xw) and torch.equal(s_enc.arg(0, 2, "mask"), mask)
 
 
+def test_conmim_loss_is_eq2_of_the_masked_student_and_the_whole_teacher_view():
+    a, model, teacher, xw, xs, mask = conmim_setup()
+    loss, parts = conmim.train_step(model, teacher, xw, xs, mask, a, micro=4)     # 2 micro-batches, 6 masked each
+    with torch.no_grad():
+        ref = conmim.conmim_loss(model(xw, mask), teacher(xs), mask, a.tau)      # one Eq. (2) over the batch
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(parts["loss"], ref)
+
+
 def test_conmim_loss_reads_the_student_at_masked_positions_only():
     a, model, teacher, xw, xs, mask = conmim_setup()
     base, _ = conmim.train_step(model, teacher, xw, xs, mask, a)
