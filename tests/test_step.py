@@ -136,6 +136,22 @@ def test_the_step_backpropagates_the_scaled_loss_and_returns_it_unscaled(method)
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_the_online_network_sees_micro_batches_of_the_given_size(method):
+    """--micro-batch exists to bound memory: no online forward may take more than micro samples per
+    view (CAN stacks its 2 views, MSN its focal views, 2 in case(): 2 micro), and without it the whole
+    batch goes in at once."""
+    views = 2 if method in ("can", "msn") else 1
+    for micro in (B, B // 4):
+        model, step = case(method)
+        sizes = []
+        for m in model.modules():
+            if type(m).__name__ == "PatchEmbed":
+                m.register_forward_pre_hook(lambda mod, inp: sizes.append(inp[0].shape[0]))
+        step(model, slice(None), micro, None)
+        assert sizes and max(sizes) == views * micro, (micro, sizes)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_activation_checkpointing_changes_nothing_with_drop_path(method):
     for micro in (B, B // 2):                                # also inside the gradient cache's replay
         loss1, _, g1 = run(method, micro, drop_path=0.3)
