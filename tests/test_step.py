@@ -136,6 +136,18 @@ def test_the_step_backpropagates_the_scaled_loss_and_returns_it_unscaled(method)
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_the_step_returns_detached_fp32_losses_under_bf16_autocast(method):
+    """Each loss is computed in fp32 from the networks' bf16 outputs (CPU autocast here; tests/test_cuda.py
+    compares bf16 with fp32 on a GPU), and what the step returns is detached: the parts stay on the
+    device until a log step and the non-finite guard keeps them, so a graph left attached would be kept."""
+    for micro in (B, B // 2):
+        loss, parts, _ = run(method, micro, autocast=torch.autocast("cpu", torch.bfloat16))
+        for name, v in {"loss": loss, **parts}.items():
+            v = torch.as_tensor(v)
+            assert v.dtype == torch.float32 and not v.requires_grad, (name, v.dtype, v.requires_grad)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_the_online_network_sees_micro_batches_of_the_given_size(method):
     """--micro-batch exists to bound memory: no online forward may take more than micro samples per
     view (CAN stacks its 2 views, MSN its focal views, 2 in case(): 2 micro), and without it the whole
