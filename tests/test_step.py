@@ -34,18 +34,18 @@ def bn_eval(*modules):
                 m.eval()
 
 
-def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None, scale=None):
+def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None, scale=None, hp=None):
     """(online model, step(net, rows, micro, ddp) -> (loss, parts)) on fixed random inputs of B samples;
     rows: which samples this process holds. device / autocast: where the step runs and in which precision
     (the CUDA tests); inputs are drawn on the CPU, so they are the same on every device. scale: the
-    step's loss scaling (GradScaler.scale under fp16)."""
+    step's loss scaling (GradScaler.scale under fp16). hp: other Args values (flags) for the step."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = lambda *s: torch.randn(*s, generator=g).to(device)                     # noqa: E731
     ac = {} if autocast is None else {"autocast": autocast}
     ac.update({} if scale is None else {"scale": scale})
     if method == "msn":
-        a = msn_args("/tmp/unused", drop_path=drop_path)
+        a = msn_args("/tmp/unused", drop_path=drop_path, **(hp or {}))
         model = msn.MSN(a).to(device)
         target = copy.deepcopy(model.net).requires_grad_(False)
         bn_eval(model, target)
@@ -54,7 +54,7 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None, sc
         step = lambda net, r, micro, ddp: msn.train_step(net, target, xt[r], xr[:, r], xf[:, r], ids[:, r], a,  # noqa: E731
                                                          micro, ddp=ddp, **ac)
     elif method == "cmae":
-        a = cmae_args("/tmp/unused", drop_path=drop_path)
+        a = cmae_args("/tmp/unused", drop_path=drop_path, **(hp or {}))
         model = cmae.CMAE(a).to(device)
         target = cmae.Target(model)
         bn_eval(model, target)
@@ -63,7 +63,7 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None, sc
         step = lambda net, r, micro, ddp: cmae.train_step(net, target, xs[r], xt[r], ids[r], rest[r], mask[r], a,  # noqa: E731
                                                           micro, ddp=ddp, **ac)
     elif method == "conmim":
-        a = conmim_args("/tmp/unused", drop_path=drop_path)
+        a = conmim_args("/tmp/unused", drop_path=drop_path, **(hp or {}))
         model = conmim.Net(a).to(device)
         teacher = conmim.make_teacher(model)
         bn_eval(model, teacher)
@@ -71,7 +71,7 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None, sc
         mask = conmim.random_masking(B, 4, 0.75, 2).to(device)
         step = lambda net, r, micro, ddp: conmim.train_step(net, teacher, xw[r], xs[r], mask[r], a, micro, ddp=ddp, **ac)  # noqa: E731
     elif method == "can":
-        a = can_args("/tmp/unused", drop_path=drop_path)
+        a = can_args("/tmp/unused", drop_path=drop_path, **(hp or {}))
         model = can.CAN(a).to(device)
         bn_eval(model)
         xx, sigma = x(2, B, 3, 16, 16), (0.05 * torch.rand(2, B, generator=g)).to(device)
@@ -80,7 +80,7 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None, sc
         step = lambda net, r, micro, ddp: can.train_step(net, xx[:, r], sigma[:, r], noise[:, r], ids[:, r],  # noqa: E731
                                                          rest[:, r], mask[:, r], a, micro, ddp=ddp, **ac)
     else:
-        a = siammae_args(drop_path=drop_path)
+        a = siammae_args(drop_path=drop_path, **(hp or {}))
         model = siammae.SiamMAE(a).to(device)
         f1, f2 = x(B, 3, 16, 16), x(B, 3, 16, 16)
         ids, rest, mask = (t.to(device) for t in siammae.random_masking(B, 4, 0.95))
@@ -161,6 +161,22 @@ def test_the_online_network_sees_micro_batches_of_the_given_size(method):
                 m.register_forward_pre_hook(lambda mod, inp: sizes.append(inp[0].shape[0]))
         step(model, slice(None), micro, None)
         assert sizes and max(sizes) == views * micro, (micro, sizes)
+
+
+LOSS_FLAGS = {"msn": {"tau": 0.2, "tau_plus": 0.05, "me_max_weight": 0.5, "sinkhorn_iters": 0},
+              "cmae": {"tau": 0.2, "lambda_c": 0.5}, "conmim": {"tau": 0.2},
+              "can": {"tau": 0.2, "weights": (0.1, 0.5, 0.4), "norm_pix": True}}
+
+
+@pytest.mark.parametrize("method,flag", [(m, f) for m, flags in LOSS_FLAGS.items() for f in flags])
+def test_each_loss_flag_reaches_the_loss(method, flag):
+    """A step that passed the loss its default instead of the flag would pass every test run at the
+    defaults and silently ignore the user's --tau / --me-max-weight / ...: each flag moves the loss (one
+    pass and micro-batches)."""
+    for micro in (B, B // 2):
+        base = run(method, micro)[0]
+        moved = run(method, micro, hp={flag: LOSS_FLAGS[method][flag]})[0]
+        assert not torch.allclose(moved, base), (flag, float(moved), float(base))
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -140,6 +140,15 @@ def test_cmae_contrastive_term_uses_the_feature_branch_and_the_target_embeddings
     torch.testing.assert_close(parts["l_c"], ref)
 
 
+def test_cmae_total_is_l_r_plus_lambda_c_l_c_in_both_step_paths():
+    a, model, target, xs, xt, ids, rest, mask = cmae_setup()
+    a.lambda_c = 0.25                                                    # the default 1.0 would hide a lost weight
+    for micro in (8, 4):                                                 # one pass; the gradient cache
+        loss, parts = cmae.train_step(model, target, xs, xt, ids, rest, mask, a, micro)
+        torch.testing.assert_close(loss, parts["l_r"] + 0.25 * parts["l_c"])
+        torch.testing.assert_close(parts["loss"], loss)
+
+
 # ---------------------------------------------------------------------------------------------
 # ConMIM
 # ---------------------------------------------------------------------------------------------
