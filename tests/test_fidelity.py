@@ -133,6 +133,37 @@ def test_mae_family_uses_xavier_init(build):
     assert abs(model.encoder.cls_token.std() - 0.02) < 0.01
 
 
+@pytest.mark.parametrize("build,parts", [
+    (lambda: cmae.CMAE(cmae_args("/tmp/unused", model="micro")), ("pixel_decoder", "feature_decoder")),
+    (lambda: can.CAN(can_args("/tmp/unused", model="micro")), ("",)),              # MAE: the whole model
+    (lambda: siammae.SiamMAE(siammae_args(model="micro")), ("",))], ids=["cmae", "can", "siammae"])
+def test_mae_family_decoders_are_xavier_initialised(build, parts):
+    """The decoders (and, where the official code applies it to the whole model, every other Linear):
+    xavier-uniform weights, zero biases; their [M] tokens normal(0.02)."""
+    model = build()
+    for part in parts:
+        sub = model.get_submodule(part)
+        linears = [m for m in sub.modules() if isinstance(m, nn.Linear)]
+        assert len(linears) >= 4
+        for m in linears:
+            bound = _xavier_bound(m.weight)
+            assert m.weight.abs().max() <= bound and m.weight.std() > 0.5 * bound
+            assert m.bias is None or not m.bias.any()
+        token = sub.mask_token
+        assert abs(token.std() - 0.02) < 0.01
+
+
+@pytest.mark.parametrize("build", [lambda: msn.MSN(msn_args("/tmp/unused")),
+                                   lambda: cmae.CMAE(cmae_args("/tmp/unused")),
+                                   lambda: conmim.Net(conmim_args("/tmp/unused")),
+                                   lambda: can.CAN(can_args("/tmp/unused")),
+                                   lambda: siammae.SiamMAE(siammae_args())], ids=["msn", "cmae", "conmim", "can", "siammae"])
+def test_every_layernorm_has_eps_1e_6(build):
+    """partial(nn.LayerNorm, eps=1e-6) in every official encoder and decoder (timm's ViT default too)."""
+    norms = [m for m in build().modules() if isinstance(m, nn.LayerNorm)]
+    assert norms and all(m.eps == 1e-6 for m in norms)
+
+
 def test_cmae_heads_keep_pytorch_default_init_and_bn_eps():
     model = cmae.CMAE(cmae_args("/tmp/unused", model="micro", proj_hidden=256))
     w = model.projector[0].weight                            # kaiming_uniform(a=sqrt 5): bound 1/sqrt(fan_in)
