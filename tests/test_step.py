@@ -142,7 +142,7 @@ def test_the_step_returns_detached_fp32_losses_under_bf16_autocast(method):
     device until a log step and the non-finite guard keeps them, so a graph left attached would be kept."""
     for micro in (B, B // 2):
         loss, parts, _ = run(method, micro, autocast=torch.autocast("cpu", torch.bfloat16))
-        for name, v in {"loss": loss, **parts}.items():
+        for name, v in [("returned loss", loss), *parts.items()]:
             v = torch.as_tensor(v)
             assert v.dtype == torch.float32 and not v.requires_grad, (name, v.dtype, v.requires_grad)
 
