@@ -129,11 +129,12 @@ def test_resume_is_exact_and_the_run_reports_top1(tmp_path):
 
 
 def test_evaluate_reports_top1_top5_and_cross_entropy_over_every_val_image():
-    """evaluate() against the same numbers computed here image by image (a head scaled up so the logits,
-    and the loss, are far from uniform)."""
+    """evaluate() against the same numbers computed here image by image in eval mode (a head scaled up so
+    the logits, and the loss, are far from uniform; drop path on, as fine-tuning's recipe, which evaluate
+    must switch off)."""
     torch.manual_seed(0)
     _, val, _ = E.splits("synthetic")
-    model = FT.Classifier(E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), len(val.classes))
+    model = FT.Classifier(E.ViT(img_size=16, patch_size=4, dim=32, depth=2, heads=2, drop_path=0.5), len(val.classes))
     torch.nn.init.normal_(model.head.weight, std=0.5)
     run = C.argparse.Namespace(rank=0, world=1, device=torch.device("cpu"), autocast=C.contextlib.nullcontext())
     top1, top5, loss = FT.evaluate(model, val, 16, FT.Args(data="synthetic", workers=0, eval_batch=300), run)
