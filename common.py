@@ -829,10 +829,10 @@ class Guard:
 
     def update(self, step, parts, scaler=None):
         """parts: the step's 0-d loss terms and grad_norm; scaler: the GradScaler, after update()."""
-        if self.fp16:
+        if self.fp16:                                   # the scale drops when a step is skipped (halved in place)
             scale = scaler._scale.detach().clone()
-            if self.scale is not None:                                  # the scale drops when a step is skipped
-                self.skipped = torch.where(scale < self.scale, self.skipped + 1, 0)
+            prev = self.scale if self.scale is not None else torch.full_like(scale, scaler._init_scale)  # or resumed
+            self.skipped = torch.where(scale < prev, self.skipped + 1, 0)
             self.scale = scale
             return
         vals = torch.stack([torch.as_tensor(v, device=self.bad_step.device).float().reshape(()) for v in parts.values()])

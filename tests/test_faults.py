@@ -57,13 +57,31 @@ def test_guard_reports_the_first_non_finite_step_of_any_part(bad):
 
 def test_guard_ignores_isolated_fp16_skips_but_not_a_long_run(tmp_path):
     g = C.Guard(torch.device("cpu"), "fp16", "ck.pth", max_skipped=3)
-    scaler = argparse.Namespace(_scale=torch.tensor(1024.0))
+    scaler = argparse.Namespace(_scale=torch.tensor(1024.0), _init_scale=1024.0)
     for step, scale in enumerate([1024.0, 512.0, 512.0, 256.0, 128.0, 64.0], 1):   # a skip, a recovery...
         scaler._scale = torch.tensor(scale)
         g.update(step, {"loss": torch.tensor(float("nan"))}, scaler)
         if step < 6:
             g.check()
     with pytest.raises(C.UserError, match="3 fp16 steps in a row skipped"):   # ...then 3 skips in a row
+        g.check()
+
+
+def test_guard_counts_the_skips_of_a_real_grad_scaler():
+    """torch's GradScaler halves its scale in place (the fake scaler above swaps in a new tensor): the
+    guard must keep its own copy to see the drop. Steps with non-finite gradients, as fp16 overflows give."""
+    lin = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    g = C.Guard(torch.device("cpu"), "fp16", "ck.pth", max_skipped=3)
+    for step in range(1, 4):
+        opt.zero_grad()
+        scaler.scale(lin(torch.ones(1, 3)).sum() * float("inf")).backward()   # inf gradients: step skipped
+        scaler.step(opt)
+        scaler.update()
+        g.update(step, {"loss": torch.tensor(1.0)}, scaler)
+    assert scaler.get_scale() == 128.0                                       # 3 halvings
+    with pytest.raises(C.UserError, match="3 fp16 steps in a row skipped"):
         g.check()
 
 
