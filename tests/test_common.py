@@ -338,6 +338,17 @@ def test_control_saves_after_save_every_minutes():
     assert ctl.poll(3) == (False, False)                                            # the clock restarts
 
 
+def test_control_stops_on_a_signal_of_its_own_run_only():
+    """A preemption signal stops the run that got it (save, then stop); a new run in the same process
+    (a sweep calling train() again, a notebook after Ctrl-C) starts without it."""
+    args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0)
+    ctl = C.Control(args, torch.device("cpu"))
+    C._SIGNAL.append(("SIGTERM", 0.0))                                              # what the handler does
+    assert ctl.poll(1) == (True, True) and ctl.signal == "SIGTERM"
+    assert C.Control(args, torch.device("cpu")).poll(2) == (False, False)
+    assert not C._SIGNAL
+
+
 def _run(tmp_path):
     ckpt = str(tmp_path / "checkpoint.pth")
     return argparse.Namespace(ckpt=ckpt, out=str(tmp_path), scaler=torch.amp.GradScaler("cpu", enabled=False),
