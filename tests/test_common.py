@@ -349,6 +349,38 @@ def test_control_stops_on_a_signal_of_its_own_run_only():
     assert not C._SIGNAL
 
 
+def test_a_second_ctrl_c_a_second_after_the_first_stops_at_once(monkeypatch):
+    """Signals are remembered (the run finishes its step and writes), except a second Ctrl-C more than a
+    second after an earlier one, which interrupts at once; not under torchrun, whose agent forwards
+    its own copy of the signal to every rank."""
+    import signal
+
+    def remembered(name):
+        try:
+            signal.raise_signal(getattr(signal, name))
+        except KeyboardInterrupt:
+            pytest.fail(f"{name} interrupted at once")
+        assert C._SIGNAL[-1][0] == name
+
+    old = {n: signal.getsignal(getattr(signal, n)) for n in C.STOP_SIGNALS}
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    try:
+        C.catch_preemption()
+        C._SIGNAL.clear()
+        remembered("SIGINT")
+        remembered("SIGINT")                                        # a bounce within the second
+        C._SIGNAL[:] = [(n, t - 2) for n, t in C._SIGNAL]          # two seconds ago
+        remembered("SIGTERM")                                       # another signal
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        remembered("SIGINT")                                        # torchrun's forwarded copy
+    finally:
+        for n, h in old.items():
+            signal.signal(getattr(signal, n), h)
+        C._SIGNAL.clear()
+
+
 def _run(tmp_path):
     ckpt = str(tmp_path / "checkpoint.pth")
     return argparse.Namespace(ckpt=ckpt, out=str(tmp_path), scaler=torch.amp.GradScaler("cpu", enabled=False),
