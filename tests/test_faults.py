@@ -14,11 +14,15 @@ import pytest
 import torch
 
 import can
+import cmae
 import common as C
+import conmim
 import synthetic as S
 import msn
 from helpers import ROOT, exact_resume, one_line_error, run_cli, torchrun
 from test_can import tiny_args as can_args
+from test_cmae import tiny_args as cmae_args
+from test_conmim import tiny_args as conmim_args
 from test_msn import tiny_args as msn_args
 
 CAN_CLI = ["can.py", "--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "8",
@@ -111,6 +115,18 @@ def test_unreadable_images_are_skipped_deterministically_and_resume_stays_exact(
     full, _ = exact_resume(can.train, make, tmp_path, "can", ("model", "encoder"))
     recs = [json.loads(line) for line in open(tmp_path / "full" / "log.jsonl") if '"step"' in line]
     assert sum(r.get("bad_images", 0) > 0 for r in recs) >= 1                # the count is logged
+
+
+@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can"])
+def test_each_loop_stops_at_the_epoch_end_when_too_many_images_are_unreadable(method, tmp_path):
+    """2 unreadable files of 24, below the 1000 reads from which the share is judged mid-epoch: each
+    image-folder loop judges it at the epoch's end (1 epoch of 3 steps, --max-unreadable 0.05)."""
+    data = _image_folder(tmp_path / "data")
+    mod, args = {"msn": (msn, msn_args), "cmae": (cmae, cmae_args), "conmim": (conmim, conmim_args),
+                 "can": (can, can_args)}[method]
+    with pytest.raises(C.UserError, match=r"2 of 24 images read in this epoch were unreadable \(> --max-unreadable 0.05\)"):
+        mod.train(args(tmp_path / "out", data=data, batch_size=8, epochs=1, steps_per_epoch=0, warmup_epochs=0,
+                       max_unreadable=0.05))
 
 
 def _train_mid_epoch(train, make, tmp_path, stop_step):

@@ -261,6 +261,23 @@ def _rank_mask(rank, world, method, out):
     return got[0]
 
 
+@pytest.mark.parametrize("method,how", [("msn", "cls"), ("cmae", "mean"), ("conmim", "mean"), ("can", "mean")])
+def test_the_knn_monitor_reads_the_encoder_the_checkpoint_exports(method, how, tmp_path, monkeypatch):
+    """The end-of-run k-NN report (--knn) scores the encoder saved as the checkpoint's "encoder" (MSN's
+    target, ConMIM's teacher, the online one otherwise), with the pooling the README states, against
+    a fresh one of the same architecture."""
+    mod, args, _ = CASES[method]
+    calls = []
+    monkeypatch.setattr(C, "knn_report", lambda a, run, log, enc, build, h, what: calls.append(
+        (a.knn, {k: v.clone() for k, v in C.unwrap(enc).state_dict().items()}, build(), h)))
+    mod.train(args(tmp_path, knn=True, epochs=1))
+    (knn, sd, fresh, h), = calls
+    saved = C.load_checkpoint(str(tmp_path / "checkpoint.pth"))["encoder"]
+    assert knn and h == how and sd.keys() == saved.keys() and fresh.state_dict().keys() == saved.keys()
+    assert all(torch.equal(sd[k], saved[k]) for k in saved)
+    assert not all(torch.equal(fresh.state_dict()[k], saved[k]) for k in saved)
+
+
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_each_process_draws_its_own_masks(method, tmp_path):
     """The per-epoch reseed includes the rank: two processes must not mask their images alike."""
