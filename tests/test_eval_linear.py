@@ -3,6 +3,7 @@ every image method's checkpoint evaluates, feature cache, bad checkpoints."""
 import importlib
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -171,6 +172,29 @@ def test_knn_predict_matches_naive():
         top = sorted(sims, reverse=True)[:4]
         naive = [sum(math.exp(s / 0.5) for s, j in top if ytr[j] == c) for c in range(3)]
         assert torch.allclose(scores[i], torch.tensor(naive), rtol=1e-4)
+    torch.testing.assert_close(E.knn_predict(tr, ytr, te, 3, k=4, T=0.5, chunk=3), scores)   # queries in chunks of 3
+
+
+@pytest.mark.parametrize("how", ["cls", "mean"])
+def test_knn_monitor_is_the_evaluations_knn_on_the_folder(how, tmp_path):
+    """knn_accuracy (the training scripts' end-of-run monitor) against the same k-NN computed here image
+    by image: eval transform, pooled features, val classes matched to train BY NAME (val lacks c0, so
+    positions differ)."""
+    from PIL import Image
+    data = tiny_folder(tmp_path / "d")
+    shutil.rmtree(tmp_path / "d" / "val" / "c0")
+    torch.manual_seed(0)
+    enc = E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2).eval()
+    tf = E.eval_transform(16)
+
+    def feats(split):
+        rows = [(p, int(p.parent.name[1])) for p in sorted((tmp_path / "d" / split).glob("*/*.png"))]
+        with torch.no_grad():
+            f = torch.cat([E.features_of(enc, C.normalize(tf(Image.open(p).convert("RGB"))[None]), how) for p, _ in rows])
+        return f, torch.tensor([c for _, c in rows])
+    (ftr, ytr), (fva, yva) = feats("train"), feats("val")
+    ref = E.knn(ftr, ytr, fva, yva, 3, k=4)["knn_top1"]
+    assert E.knn_accuracy(enc, data, 16, torch.device("cpu"), how, k=4) == pytest.approx(ref)
 
 
 def test_linear_probe_standardises_val_with_the_train_statistics():
