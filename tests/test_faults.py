@@ -238,11 +238,11 @@ def test_one_loader_iterator_serves_every_epoch(tmp_path, monkeypatch):
     calls = []
     real = torch.utils.data.DataLoader.__iter__
     monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", lambda self: (calls.append(1), real(self))[1])
-    can.train(can_args(tmp_path, epochs=3, steps_per_epoch=2, workers=2, stop_epoch=2))
+    can.train(can_args(tmp_path, epochs=4, steps_per_epoch=2, workers=2, stop_epoch=3))   # 3 epochs, 2 boundaries
     assert len(calls) == 1
-    can.train(can_args(tmp_path, epochs=3, steps_per_epoch=2, workers=2))           # resumes at epoch 2
+    can.train(can_args(tmp_path, epochs=4, steps_per_epoch=2, workers=2))           # resumes at epoch 3
     assert len(calls) == 2
-    assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 6
+    assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 8
 
 
 def test_a_run_that_stops_early_logs_its_last_step(tmp_path):
