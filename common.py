@@ -503,16 +503,17 @@ def waited(batches):
         yield batch
 
 
-def make_loader(dataset, batch_size, workers, seed, train=True, drop_last=True, collate=None):
+def make_loader(dataset, batch_size, workers, seed, collate=None):
+    """The training loader: shuffled, full batches only (the last partial one is dropped)."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    sampler = EpochSampler(dataset, world, rank, shuffle=train, seed=seed, drop_last=train)
-    if train and len(sampler) < batch_size:
+    sampler = EpochSampler(dataset, world, rank, shuffle=True, seed=seed, drop_last=True)
+    if len(sampler) < batch_size:
         raise UserError(f"dataset has {len(dataset)} images: too few for --batch-size {batch_size} "
                         f"x {world} process(es); lower --batch-size")
     sampler.batch = batch_size
     return torch.utils.data.DataLoader(          # own generator: iterating never touches the global RNG
         dataset, batch_size, sampler=sampler, num_workers=workers, pin_memory=torch.cuda.is_available(),
-        drop_last=drop_last, persistent_workers=workers > 0, generator=torch.Generator(), collate_fn=collate,
+        drop_last=True, persistent_workers=workers > 0, generator=torch.Generator(), collate_fn=collate,
         worker_init_fn=ignore_stop_signals if workers > 0 else None)
 
 

@@ -291,6 +291,25 @@ def test_epoch_sampler_reshuffles_every_epoch_and_skips_only_the_resumed_one():
     assert got[:7] == [(i, 1) for i in epochs[1][5:]] and [i for i, _ in got[7:]] == epochs[2]
 
 
+
+def test_the_training_loader_needs_one_full_batch_per_process():
+    """A dataset of exactly one batch trains (one batch an epoch, shuffled, labelled with its epoch);
+    one image fewer is a one-line error naming the sizes, not an epoch of zero steps."""
+    class Keys(torch.utils.data.Dataset):
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, key):
+            return torch.tensor(key)
+    loader = C.make_loader(Keys(8), 8, workers=0, seed=0)
+    batches = list(loader)
+    assert len(batches) == 1 and sorted(batches[0][:, 0].tolist()) == list(range(8)) and (batches[0][:, 1] == 0).all()
+    with pytest.raises(C.UserError, match="dataset has 7 images: too few for --batch-size 8 x 1 process"):
+        C.make_loader(Keys(7), 8, workers=0, seed=0)
+
 # ---------------------------------------------------------------------------------------------
 # Run plumbing, one rule at a time (each broken on purpose once: every test below failed then)
 # ---------------------------------------------------------------------------------------------
