@@ -349,12 +349,14 @@ def test_unreadable_images_stop_the_run_above_max_unreadable(monkeypatch):
 
 
 def test_control_saves_after_save_every_minutes():
-    args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=1.0)
+    """Half a minute: not due at 29 s, due at 31 s (minutes, not seconds), then the clock restarts."""
+    args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0.5)
     ctl = C.Control(args, torch.device("cpu"))
+    ctl.t -= 29
     assert ctl.poll(1) == (False, False)
-    ctl.t -= 61
+    ctl.t -= 2
     assert ctl.poll(2) == (True, False)
-    assert ctl.poll(3) == (False, False)                                            # the clock restarts
+    assert ctl.poll(3) == (False, False)
 
 
 def test_control_stops_on_a_signal_of_its_own_run_only():
