@@ -353,12 +353,17 @@ def splits(data, skip_unreadable=False):
 
 
 def features(a, enc, ckpt, split, ds, device):
-    """(N, D) float features and (N,) labels (ds's own class indices) of a split, cached on disk."""
+    """(N, D) float features and (N,) labels (ds's own class indices) of a split, cached on disk. The
+    cache key holds everything they depend on: the checkpoint file (path, size, mtime), how it is read
+    (pooling, size, --random-init, --model, --patch-size) and the split's images (class names and
+    file list), so a dataset changed in place is never served another's features and labels."""
     pool = a.pool or DEFAULT_POOL.get(ckpt["method"], "cls")
     size = a.img_size or ckpt["vit"]["img_size"]
     st = os.stat(a.ckpt)
+    files = [p for p, _ in getattr(ds, "samples", [])]
     key = hashlib.sha1(json.dumps([os.path.abspath(a.ckpt), st.st_size, st.st_mtime_ns, pool, size, a.data,
-                                   a.random_init]).encode()).hexdigest()[:16]
+                                   a.random_init, a.model, a.patch_size, len(ds), list(ds.classes),
+                                   files]).encode()).hexdigest()[:16]
     path = os.path.join(os.path.dirname(os.path.abspath(a.ckpt)), "features", f"{key}_{split}.pt")
     if a.cache and os.path.isfile(path):
         return torch.load(path, weights_only=True)

@@ -336,6 +336,24 @@ def test_a_rewritten_checkpoint_of_the_same_size_gets_fresh_features(tmp_path):
     assert not torch.allclose(f1, f2)
 
 
+
+def test_a_dataset_changed_in_place_gets_fresh_features_and_labels(tmp_path):
+    """The cache key holds the split's class names and files: an image added to a class, or a class
+    renamed, under the same --data path must not be served the old split's features and labels."""
+    data = tiny_folder(tmp_path / "data")
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "can")
+    a = E.Args(ckpt=ckpt, data=data, workers=0)
+    enc, ck = E.load_encoder(ckpt)
+    feats = lambda: E.features(a, enc, ck, "val", C.image_dataset(data, "val"), torch.device("cpu"))
+    f1, y1 = feats()
+    shutil.copy(os.path.join(data, "val", "c0", "0.png"), os.path.join(data, "val", "c1", "9.png"))
+    f2, y2 = feats()
+    assert len(f2) == len(y2) == len(f1) + 1 and y2.tolist() == sorted(y1.tolist() + [1])
+    os.rename(os.path.join(data, "val", "c2"), os.path.join(data, "val", "b2"))      # now sorts first: label 0
+    f3, y3 = feats()
+    assert y3.tolist() == [0] * 3 + [1] * 3 + [2] * 4
+    assert len(os.listdir(tmp_path / "features")) == 3
+
 def test_linear_head_is_sgd_momentum_with_a_per_step_cosine_from_zeros():
     """The probe's head against a plain re-implementation of its protocol: W, b from 0, mean CE,
     v <- 0.9 v + g, p <- p - lr_t v, lr_t = lr (1 + cos(pi t / steps)) / 2, reshuffled each epoch."""
