@@ -148,18 +148,37 @@ def f_measure(pred, gt, bound_th=0.008):
 # Data
 # ----------------------------------------------------------------------------------------------
 def davis_videos(root, split):
+    """(name, frames, masks) of each video listed in ImageSets/2017/<split>.txt; masks[t] is None where
+    frame t has no annotation. Anything missing or unreadable is a one-line error naming the file."""
     img_root, ann_root = os.path.join(root, "JPEGImages", "480p"), os.path.join(root, "Annotations", "480p")
     if not os.path.isdir(img_root) or not os.path.isdir(ann_root):
         raise C.UserError(f"--data {root}: expected DAVIS layout JPEGImages/480p/ and Annotations/480p/")
     lst = os.path.join(root, "ImageSets", "2017", f"{split}.txt")
-    names = open(lst).read().split() if os.path.isfile(lst) else sorted(os.listdir(ann_root))
+    if not os.path.isfile(lst):                 # all of Annotations/ would mix the train and val videos
+        raise C.UserError(f"--data {root}: no {os.path.relpath(lst, root)}, the list of the --split {split} videos")
+    names = open(lst).read().split()
+    if not names:
+        raise C.UserError(f"{lst} lists no video")
+
+    def read(path, convert=None):
+        try:
+            with Image.open(path) as im:
+                return im.convert(convert) if convert else np.array(im)
+        except Exception as e:
+            raise C.UserError(f"cannot read {path} ({type(e).__name__}: {e})") from None
     for v in names:
+        if not os.path.isdir(os.path.join(img_root, v)):
+            raise C.UserError(f"video {v} listed in {lst} has no folder {os.path.join(img_root, v)}")
         frames = sorted(f for f in os.listdir(os.path.join(img_root, v)) if f.lower().endswith(C.IMG_EXTS))
-        masks = [np.array(Image.open(os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png")))
-                 if os.path.isfile(os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png")) else None for f in frames]
-        if masks[0] is None:
-            raise C.UserError(f"{v}: no first-frame annotation {os.path.splitext(frames[0])[0]}.png")
-        yield v, [Image.open(os.path.join(img_root, v, f)).convert("RGB") for f in frames], masks
+        if not frames:
+            raise C.UserError(f"video {v}: no frames in {os.path.join(img_root, v)}")
+        ann = [os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png") for f in frames]
+        if not os.path.isfile(ann[0]):
+            raise C.UserError(f"video {v}: no first-frame annotation {ann[0]}")
+        masks = [read(a) if os.path.isfile(a) else None for a in ann]
+        if not any(i not in (0, 255) for i in np.unique(masks[0])):
+            raise C.UserError(f"video {v}: its first-frame annotation {ann[0]} has no object to propagate")
+        yield v, [read(os.path.join(img_root, v, f), "RGB") for f in frames], masks
 
 
 def synthetic_videos():

@@ -115,22 +115,51 @@ def test_static_clip_at_davis_geometry_keeps_labels_in_place():
     assert pred.shape == (3, H, W)
 
 
+def davis_folder(root, frames=5):
+    """A DAVIS-2017 layout holding one synthetic clip, video "v", listed in ImageSets/2017/val.txt."""
+    clip = S.SyntheticClip(3, "val", n_frames=frames, size=32)
+    for sub in ("JPEGImages/480p/v", "Annotations/480p/v", "ImageSets/2017"):
+        os.makedirs(root / sub)
+    for t in range(frames):
+        clip.load(t).save(root / "JPEGImages/480p/v" / f"{t:05d}.jpg")
+        m = Image.fromarray(clip.mask(t), mode="P")
+        m.putpalette(V.PALETTE)
+        m.save(root / "Annotations/480p/v" / f"{t:05d}.png")
+    (root / "ImageSets/2017/val.txt").write_text("v\n")
+    return clip, root
+
+
+def test_a_broken_davis_folder_is_a_one_line_error_naming_what_is_missing(tmp_path):
+    """Without the split's list (all of Annotations/ would mix train and val videos), a listed video
+    without frames, an unreadable frame or mask, a first frame with no object: UserError, no traceback,
+    no NaN score."""
+    def broken(name, edit, match):
+        _, root = davis_folder(tmp_path / name, frames=3)
+        edit(root)
+        with pytest.raises(C.UserError, match=match):
+            list(V.davis_videos(str(root), "val"))
+    broken("list", lambda r: os.remove(r / "ImageSets/2017/val.txt"), "no ImageSets/2017/val.txt, the list of the --split val")
+    broken("empty", lambda r: (r / "ImageSets/2017/val.txt").write_text("\n"), "lists no video")
+    broken("listed", lambda r: (r / "ImageSets/2017/val.txt").write_text("v\nw\n"), "video w listed in .*val.txt has no folder")
+    broken("noframes", lambda r: [os.remove(f) for f in (r / "JPEGImages/480p/v").iterdir()], "video v: no frames")
+    broken("first", lambda r: os.remove(r / "Annotations/480p/v/00000.png"), "no first-frame annotation")
+    broken("frame", lambda r: (r / "JPEGImages/480p/v/00001.jpg").write_bytes(b"not a jpeg"), "cannot read .*00001.jpg")
+    broken("mask", lambda r: (r / "Annotations/480p/v/00002.png").write_bytes(b"not a png"), "cannot read .*00002.png")
+    broken("object", lambda r: Image.fromarray(np.zeros((32, 32), np.uint8), mode="P").save(r / "Annotations/480p/v/00000.png"),
+           "has no object to propagate")
+    _, root = davis_folder(tmp_path / "ok", frames=3)
+    os.remove(root / "Annotations/480p/v/00001.png")                    # unannotated frames are allowed
+    [(name, frames, masks)] = list(V.davis_videos(str(root), "val"))
+    assert name == "v" and len(frames) == 3 and masks[1] is None and masks[2] is not None
+
+
 def test_davis_layout_end_to_end_and_palette_output(tmp_path):
     from PIL import Image
     import siammae
     siammae.train(siammae.Args(data="synthetic", output_dir=str(tmp_path / "run"), model="nano", patch_size=4,
                                img_size=16, epochs=2, steps_per_epoch=1, batch_size=2, decoder_dim=16, warmup_epochs=0,
                                decoder_depth=1, decoder_heads=2, workers=0, gap=(1, 2)))
-    root = tmp_path / "davis"
-    clip = S.SyntheticClip(3, "val", n_frames=5, size=32)
-    for sub in ("JPEGImages/480p/v", "Annotations/480p/v", "ImageSets/2017"):
-        os.makedirs(root / sub)
-    for t in range(5):
-        clip.load(t).save(root / "JPEGImages/480p/v" / f"{t:05d}.jpg")
-        m = Image.fromarray(clip.mask(t), mode="P")
-        m.putpalette(V.PALETTE)
-        m.save(root / "Annotations/480p/v" / f"{t:05d}.png")
-    (root / "ImageSets/2017/val.txt").write_text("v\n")
+    clip, root = davis_folder(tmp_path / "davis")
     ck = str(tmp_path / "run" / "checkpoint.pth")
     res = V.evaluate(V.Args(ckpt=ck, data=str(root), short_side=0, output=str(tmp_path / "out")))
     assert res["videos"] == 1 and 0 <= res["JF_mean"] <= 100
