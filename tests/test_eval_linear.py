@@ -176,7 +176,7 @@ def test_knn_predict_matches_naive():
 
 
 @pytest.mark.parametrize("how", ["cls", "mean"])
-def test_knn_monitor_is_the_evaluations_knn_on_the_folder(how, tmp_path):
+def test_knn_monitor_is_the_evaluations_knn_on_the_folder(how, tmp_path, monkeypatch):
     """knn_accuracy (the training scripts' end-of-run monitor) against the same k-NN computed here image
     by image: eval transform, pooled features, val classes matched to train BY NAME (val lacks c0, so
     positions differ)."""
@@ -194,7 +194,13 @@ def test_knn_monitor_is_the_evaluations_knn_on_the_folder(how, tmp_path):
         return f, torch.tensor([c for _, c in rows])
     (ftr, ytr), (fva, yva) = feats("train"), feats("val")
     ref = E.knn(ftr, ytr, fva, yva, 3, k=4)["knn_top1"]
+    seen = []
+    real = E.knn
+    monkeypatch.setattr(E, "knn", lambda *a, **kw: (seen.append(a), real(*a, **kw))[1])
     assert E.knn_accuracy(enc, data, 16, torch.device("cpu"), how, k=4) == pytest.approx(ref)
+    [(gtr, gytr, gva, gyva, nc, k)] = seen                          # the very features, not only the top-1
+    torch.testing.assert_close((gtr, gva), (ftr, fva))
+    assert gytr.tolist() == ytr.tolist() and gyva.tolist() == yva.tolist() and (nc, k) == (3, 4)
 
 
 def test_linear_probe_standardises_val_with_the_train_statistics():
