@@ -218,11 +218,15 @@ def test_global_batch_must_divide_over_processes():
 
 
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    """The disk fills up in the middle of the second write: the half-written temporary file is
+    removed and the first checkpoint is intact."""
     real, calls = torch.save, []
 
     def failing_save(obj, f, *a, **kw):
         calls.append(f)
         if len(calls) == 2:
+            with open(f, "wb") as out:
+                out.write(b"PK\x03\x04 half a checkpoint")
             raise OSError(28, "No space left on device")
         return real(obj, f, *a, **kw)
     monkeypatch.setattr(torch, "save", failing_save)
