@@ -353,7 +353,28 @@ def color_augmenter(compile=False):
     return torch.compile(color_augment_batch, dynamic=False) if compile else color_augment_batch
 
 
-class ImageFiles(torch.utils.data.Dataset):
+class CountsUnreadable:
+    """For a training dataset that replaces what it cannot read: `bad`, the count of distinct unreadable
+    items (files, or SiamMAE's videos) met by this process and its forked DataLoader workers, which
+    train() compares with --max-unreadable (check_unreadable); each bad path is reported once per process."""
+
+    def count_unreadable_of(self, n):
+        import multiprocessing                          # shared with forked DataLoader workers:
+        self.bad = multiprocessing.Value("l", 0)         # distinct unreadable items met so far
+        self.is_bad = multiprocessing.Array("b", n, lock=False)   # per item, 1 = counted
+        self.reported = set()
+
+    def unreadable(self, i, path, e, what, instead):
+        with self.bad.get_lock():                        # each item counts once, however often it is met
+            if not self.is_bad[i]:
+                self.is_bad[i] = 1
+                self.bad.value += 1
+        if path not in self.reported:
+            self.reported.add(path)
+            print(f"warning: cannot read {what} {path} ({e}); {instead}", file=sys.stderr, flush=True)
+
+
+class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
     """Images under a directory: class = first-level sub-folder (ImageFolder), or one class if flat.
 
     skip_unreadable: an image that cannot be decoded is replaced by the next readable one (index
@@ -378,10 +399,7 @@ class ImageFiles(torch.utils.data.Dataset):
                             "sub-folders")
         self.classes = classes or ["all"]
         self.skip = skip_unreadable
-        import multiprocessing                          # shared with forked DataLoader workers:
-        self.bad = multiprocessing.Value("l", 0)         # distinct unreadable files met so far
-        self.is_bad = multiprocessing.Array("b", len(self.samples), lock=False)   # per file, 1 = counted
-        self.reported = set()
+        self.count_unreadable_of(len(self.samples))
         self.reader = read_rgb                          # gpu_decode.encoded() swaps in its reader
 
     def __len__(self):
@@ -396,14 +414,7 @@ class ImageFiles(torch.utils.data.Dataset):
             except Exception as e:
                 if not self.skip:
                     raise UserError(f"cannot read image {path}: {e}; remove or replace the file") from None
-                with self.bad.get_lock():                  # each file counts once, however often it is met
-                    if not self.is_bad[j]:
-                        self.is_bad[j] = 1
-                        self.bad.value += 1
-                if path not in self.reported:
-                    self.reported.add(path)
-                    print(f"warning: cannot read image {path} ({e}); using the next readable image",
-                          file=sys.stderr, flush=True)
+                self.unreadable(j, path, e, "image", "using the next readable image")
         raise UserError(f"100 consecutive unreadable images from {self.samples[i][0]}: is --data right?")
 
 
@@ -636,7 +647,8 @@ class RunArgs:
     save_every_minutes: float = dataclasses.field(default=30.0, metadata={"help": "also write it when this many minutes "
                                                   "passed since the last one (0 = off)"})
     max_unreadable: float = dataclasses.field(default=0.01, metadata={"help": "stop if more than this fraction of the "
-                                              "images read in an epoch is unreadable (they are skipped otherwise)"})
+                                              "images (SiamMAE: videos) read in an epoch is unreadable (they are "
+                                              "skipped otherwise)"})
     allow_batch_change: bool = dataclasses.field(default=False, metadata={"help": "resume a checkpoint trained with "
                                                  "another --batch-size (continues from the same number of images seen)"})
 
@@ -935,8 +947,9 @@ def end_step(run, log, args, step, epoch, parts, save, dataset=None, reads=0, ba
 
 
 def bad_reads(dataset):
-    """Distinct unreadable files met so far by this process and its workers (0 for other datasets)."""
-    return dataset.bad.value if isinstance(dataset, ImageFiles) else 0
+    """Distinct unreadable files (SiamMAE: videos) met so far by this process and its workers (0 for
+    datasets that do not count them, e.g. synthetic)."""
+    return dataset.bad.value if hasattr(dataset, "bad") else 0
 
 
 def check_unreadable(dataset, reads, bad0, max_frac, final=False):
@@ -944,9 +957,9 @@ def check_unreadable(dataset, reads, bad0, max_frac, final=False):
     the count at the epoch start; each file counts once per run, however often it is met); judged
     from 1000 reads on, and at the epoch's end whatever the count. Returns the epoch's count of
     newly met unreadable files, or None when there is none (for the log)."""
-    bad = bad_reads(dataset) - bad0
+    bad, unit = bad_reads(dataset) - bad0, getattr(dataset, "unit", "images")
     if (final or reads >= 1000) and bad > max_frac * reads:
-        raise UserError(f"{bad} of {reads} images read in this epoch were unreadable (> --max-unreadable "
+        raise UserError(f"{bad} of {reads} {unit} read in this epoch were unreadable (> --max-unreadable "
                         f"{max_frac:g}); fix the dataset (the warnings above name the files)")
     return bad or None
 

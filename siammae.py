@@ -95,25 +95,35 @@ class Args(C.RunArgs):
 # Video data: folders of frames (the synthetic clips are in synthetic.py)
 # ----------------------------------------------------------------------------------------------
 class FrameFolder:
-    """One video: sorted frame files. len() = number of frames, load(t) -> PIL RGB."""
+    """One video: sorted frame files. len() = number of frames, load(t) -> PIL RGB. In training (owner:
+    the VideoFolders) an unreadable frame is replaced by the nearest readable one (t+1, t-1, t+2, ...:
+    deterministic, so resume stays exact) and the video is counted as unreadable once per run."""
 
-    def __init__(self, paths):
-        self.paths = paths
+    def __init__(self, paths, owner=None, index=0):
+        self.paths, self.owner, self.index = paths, owner, index
 
     def __len__(self):
         return len(self.paths)
 
     def load(self, t):
-        try:
-            with Image.open(self.paths[t]) as im:
-                return im.convert("RGB")
-        except Exception as e:
-            raise C.UserError(f"cannot read frame {self.paths[t]}: {e}; remove or replace the file") from None
+        n = len(self.paths)
+        for u in [t] + [u for d in range(1, n) for u in (t + d, t - d) if 0 <= u < n]:
+            try:
+                with Image.open(self.paths[u]) as im:
+                    return im.convert("RGB")
+            except Exception as e:
+                if self.owner is None:
+                    raise C.UserError(f"cannot read frame {self.paths[u]}: {e}; remove or replace the file") from None
+                self.owner.unreadable(self.index, self.paths[u], e, "frame", "using the nearest readable frame")
+        raise C.UserError(f"no frame of {os.path.dirname(self.paths[0])} can be read: is --data right?")
 
 
-class VideoFolders(torch.utils.data.Dataset):
+class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
     """Every directory under root holding >= 2 image files is a video (any nesting depth).
-    Videos with < 2 frames or an unreadable first frame are skipped with a counted warning."""
+    Videos with < 2 frames or an unreadable first frame are skipped with a counted warning. A frame
+    found unreadable later is replaced (FrameFolder.load), reported once, and its video counted in
+    `bad` (shared with forked DataLoader workers; train() stops above --max-unreadable)."""
+    unit = "videos"                                      # what --max-unreadable's share counts
 
     def __init__(self, root, min_frames=2):
         if not os.path.isdir(root):
@@ -133,11 +143,12 @@ class VideoFolders(torch.utils.data.Dataset):
             except Exception:
                 bad += 1
                 continue
-            self.videos.append(FrameFolder([os.path.join(dirpath, f) for f in frames]))
+            self.videos.append(FrameFolder([os.path.join(dirpath, f) for f in frames], self, len(self.videos)))
         if short or bad:
             C.print0(f"warning: skipped {short} video(s) with < {min_frames} frames and {bad} with an unreadable first frame")
         if not self.videos:
             raise C.UserError(f"--data {root}: no usable videos (folders with >= {min_frames} JPEG/PNG frames)")
+        self.count_unreadable_of(len(self.videos))                  # distinct videos with an unreadable frame
 
     def __len__(self):
         return len(self.videos)
@@ -495,6 +506,7 @@ def train(args):
 
     for epoch in range(start // ipe, args.stop_epoch or passes):         # epoch = one pass over the videos
         model.train()
+        bad0 = C.bad_reads(dataset)
         for it, (clips, _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, warmup))
@@ -505,9 +517,10 @@ def train(args):
             loss, parts = train_step(net, f1, f2, ids_keep, ids_restore, mask, args, micro * R, run.autocast,
                                      run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # MAE recipe: no clipping
-            if C.end_step(run, log, args, step + 1, epoch, parts, save,
+            if C.end_step(run, log, args, step + 1, epoch, parts, save, dataset, (it + 1) * per, bad0,
                           lr=opt.param_groups[0]["lr"]):                 # log, NaN watch; preempted: stop
                 return
+        C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
         n, m = min(8, f2.shape[0]), mask[:min(8, f2.shape[0]), :, None]      # f1 / masked f2 / predicted f2
         with torch.no_grad(), run.autocast:

@@ -111,6 +111,36 @@ def test_video_folders_nested_layout_skips_and_errors(tmp_path, capsys):
         siammae.VideoFolders(str(root / "single"))
 
 
+def test_an_unreadable_frame_is_replaced_by_its_nearest_and_its_video_counted(tmp_path, capsys):
+    """A frame that cannot be read mid-run is replaced by the nearest readable frame of its video (t+1
+    first), warned once, and its video counted once however often it is met; train() stops at the
+    epoch's end when more than --max-unreadable of the videos read had one (one line, checkpoint kept)."""
+    from PIL import Image
+
+    def videos(root, bad):
+        for v in range(4):
+            os.makedirs(root / f"v{v}")
+            for t in range(6):
+                Image.new("RGB", (20, 20), (10 * t, 20 * v, 0)).save(root / f"v{v}" / f"{t:05d}.png")
+        for v, t in bad:
+            (root / f"v{v}" / f"{t:05d}.png").write_bytes(b"cut off")
+        return str(root)
+    ds = siammae.VideoFolders(videos(tmp_path / "d", ((1, 2), (1, 4), (2, 5))))
+    assert [ds.videos[1].load(t).getpixel((0, 0))[0] for t in range(6)] == [0, 10, 30, 30, 50, 50]
+    assert ds.videos[2].load(5).getpixel((0, 0))[0] == 40                   # the last frame: t - 1
+    assert C.bad_reads(ds) == 2 and capsys.readouterr().err.count("cannot read frame") == 3
+    ds.videos[1].load(2)
+    assert C.bad_reads(ds) == 2 and "cannot read frame" not in capsys.readouterr().err
+    with pytest.raises(C.UserError, match="cannot read frame"):
+        siammae.FrameFolder(ds.videos[1].paths).load(2)                     # outside training: an error
+    every_pair_hits_one = [(1, t) for t in range(1, 5)] + [(2, t) for t in range(1, 6)]   # any gap 1-3
+    kw = dict(data=videos(tmp_path / "t", every_pair_hits_one), batch_size=4, epochs=4, steps_per_epoch=0, repeated_sampling=2, gap=(1, 3))
+    siammae.train(tiny_args(tmp_path / "ok", max_unreadable=0.5, **kw))    # 2 of 4 videos: runs on
+    with pytest.raises(C.UserError, match=r"2 of 4 videos read in this epoch were unreadable \(> --max-unreadable 0.25\)"):
+        siammae.train(tiny_args(tmp_path / "stop", max_unreadable=0.25, **kw))
+    assert not (tmp_path / "stop" / "checkpoint.pth").exists()
+
+
 def test_frame_pair_gap_and_shared_crop():
     a = tiny_args(img_size=16, gap=(2, 5))
 
