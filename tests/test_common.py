@@ -408,6 +408,24 @@ def _run(tmp_path):
                               guard=C.Guard(torch.device("cpu"), "fp32", ckpt))
 
 
+class _Payload:
+    """Unpickling this calls a function: what a malicious or just foreign pickle can do."""
+    calls = []
+
+    def __reduce__(self):
+        return (_Payload.calls.append, ("code ran",))
+
+
+def test_checkpoints_are_read_without_running_pickled_code(tmp_path):
+    """torch.load(weights_only=True): a file that would call a function when unpickled (a downloaded
+    "checkpoint") is a one-line error, and the function never runs."""
+    path = str(tmp_path / "checkpoint.pth")
+    torch.save({"method": "can", "encoder": {}, "extra": _Payload()}, path)
+    with pytest.raises(C.UserError, match="is not a readable checkpoint"):
+        C.load_checkpoint(path, "can")
+    assert _Payload.calls == []
+
+
 def test_save_run_never_writes_non_finite_weights(tmp_path):
     run, model = _run(tmp_path), torch.nn.Linear(2, 2)
     args = C.RunArgs()
