@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import glob
 import itertools
 import json
 import math
@@ -715,15 +716,18 @@ def setup(args, method):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     out = args.output_dir or os.path.join("runs", method)
     device_defaults(args, device)
+    ckpt = os.path.join(out, "checkpoint.pth")
     if is_main():
         check_writable(out, "--output-dir")
+        for tmp in glob.glob(glob.escape(ckpt) + ".tmp.*"):         # a run killed while writing (SIGKILL, node loss)
+            os.remove(tmp)
+            print(f"removed {tmp}: the unfinished checkpoint write of a run killed while saving")
         aug = (f", colour augmentation {'batched on ' + device.type if args.gpu_aug else 'in the workers'}"
                if hasattr(args, "gpu_aug") else "")
         print(f"{method}: {world} process(es) on {device}, precision {precision}, torch.compile "
               f"{'on' if args.compile else 'off'}{aug}, output {out}")
         print(json.dumps(dataclasses.asdict(args)))
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
-    ckpt = os.path.join(out, "checkpoint.pth")
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
                               ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device),

@@ -236,6 +236,19 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     assert ck["step"] == 2 and not [f for f in os.listdir(tmp_path) if ".tmp." in f]
 
 
+def test_a_run_killed_while_saving_leaves_no_lasting_temporary_file(tmp_path, capsys):
+    """SIGKILL or a lost node during a checkpoint write leaves checkpoint.pth.tmp.<pid> (GBs for a
+    ViT-L); the next run in that directory removes it and resumes from the intact checkpoint."""
+    can.train(can_args(tmp_path, epochs=2, steps_per_epoch=2, stop_epoch=1))
+    stale = tmp_path / "checkpoint.pth.tmp.4242"
+    stale.write_bytes(b"PK half written")
+    (tmp_path / "other.tmp.4242").write_bytes(b"not ours")
+    can.train(can_args(tmp_path, epochs=2, steps_per_epoch=2))
+    assert not stale.exists() and (tmp_path / "other.tmp.4242").exists()
+    assert f"removed {stale}" in capsys.readouterr().out
+    assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 4
+
+
 def test_one_loader_iterator_serves_every_epoch(tmp_path, monkeypatch):
     """The training DataLoader is iterated once per run (its workers prefetch across epoch boundaries,
     no restart at an epoch's first step); a resumed run starts one new iterator."""
