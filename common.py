@@ -1099,9 +1099,19 @@ def resume_run(run, method, args, model, optimizer, target=None):
 # ----------------------------------------------------------------------------------------------
 # Logging and the end-of-run k-NN report
 # ----------------------------------------------------------------------------------------------
+def _logged_step(line):
+    """The step of a log.jsonl record (0 for records without one; inf for a line cut off by a kill)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return math.inf
+
+
 class Logger:
     """Every `every` steps and at the run's last step (the schedule's end, --stop-epoch's end `stop`,
-    or a stop that end_step forces): one host sync, a console line and a JSONL record (rank 0 only)."""
+    or a stop that end_step forces): one host sync, a console line and a JSONL record (rank 0 only).
+    A resumed run first drops the records of steps after its checkpoint (a run killed between two
+    checkpoints logged steps it now trains again), so each step is in log.jsonl once."""
 
     def __init__(self, run, total_steps, batch_size, every, start_step=0, stop=0):
         self.total, self.batch, self.every, self.guard = total_steps, batch_size, every, run.guard
@@ -1109,6 +1119,13 @@ class Logger:
         self.path = os.path.join(run.out, "log.jsonl")
         self.t, self.last = time.time(), start_step
         DATA_WAIT[0] = 0.0
+        if start_step and is_main() and os.path.isfile(self.path):
+            lines = open(self.path).readlines()
+            keep = [ln for ln in lines if _logged_step(ln) <= start_step]
+            if len(keep) < len(lines):
+                with open(self.path + ".tmp", "w") as f:
+                    f.writelines(keep)
+                os.replace(self.path + ".tmp", self.path)
 
     def step(self, step, epoch, parts, force=False, **scalars):
         """parts: dict of 0-d tensors (loss terms), kept on device until logged."""

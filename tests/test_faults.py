@@ -249,6 +249,20 @@ def test_a_run_killed_while_saving_leaves_no_lasting_temporary_file(tmp_path, ca
     assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 4
 
 
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    """A run killed after its checkpoint at step 3 had logged steps 4 and 5 (the last line cut off);
+    the resumed run trains them again and the log holds every step once, in order, with the records
+    that have no step (end-of-run reports) kept."""
+    can.train(can_args(tmp_path, epochs=2, steps_per_epoch=3, stop_epoch=1, log_every=1))
+    with open(tmp_path / "log.jsonl", "a") as f:
+        f.write(json.dumps({"note": "kept"}) + "\n" + json.dumps({"epoch": 1, "step": 4, "loss": 9.0}) + "\n")
+        f.write('{"epoch": 1, "step": 5, "lo')
+    can.train(can_args(tmp_path, epochs=2, steps_per_epoch=3, log_every=1))
+    recs = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    assert [r["step"] for r in recs if "step" in r] == [1, 2, 3, 4, 5, 6]
+    assert {"note": "kept"} in recs and all(r.get("loss") != 9.0 for r in recs)
+
+
 def test_one_loader_iterator_serves_every_epoch(tmp_path, monkeypatch):
     """The training DataLoader is iterated once per run (its workers prefetch across epoch boundaries,
     no restart at an epoch's first step); a resumed run starts one new iterator."""
