@@ -209,6 +209,22 @@ def test_two_processes_with_micro_batches_equal_one_process(method):
         close(res[1][1][n], g1[n], 1e-4, n)
 
 
+def test_gradient_cache_computes_the_coupled_term_on_fp32_embeddings():
+    """Under bf16 autocast the embeddings come out in bf16; the batch-coupled term (Sinkhorn, ME-MAX,
+    InfoNCE over the whole batch) and its gradient G are computed on an fp32 copy, as the one-pass
+    steps compute their losses in fp32."""
+    lin, x, seen = nn.Linear(4, 3), torch.randn(6, 4), []
+
+    def forward(sl, local):
+        return None, lin(x[sl]).bfloat16(), {}
+
+    def coupled(E):
+        seen.append(E.dtype)
+        return (E.sum(0) ** 2).sum(), {}
+    loss, _ = C.gradient_cache(forward, coupled, 6, 2)
+    assert seen == [torch.float32] and loss.dtype == torch.float32 and lin.weight.grad is not None
+
+
 def test_gradient_cache_replays_each_micro_batch_random_draws():
     """A random draw inside forward (like drop path): the replayed micro-batches must see the draws of
     the embedding pass, so loss and gradient equal one pass over the same draws."""
