@@ -788,7 +788,7 @@ def validate(args):
             raise bad(f"{flag} must be positive, got {v}")
         if k in ("tau", "tau_plus", "lr", "blr", "start_lr", "sigma_max") and v <= 0:
             raise bad(f"{flag} must be positive, got {v}")
-        if k in ("steps_per_epoch", "stop_epoch", "stop_step", "save_every", "save_every_minutes", "workers",
+        if k in ("seed", "warmup_lr", "steps_per_epoch", "stop_epoch", "stop_step", "save_every", "save_every_minutes", "workers",
                  "micro_batch", "warmup_epochs", "min_lr", "weight_decay", "final_weight_decay", "clip_grad",
                  "drop_path", "me_max_weight", "lambda_c", "sinkhorn_iters", "rand_views", "focal_views",
                  "feature_decoder_depth", "decoder_depth") and v < 0:
@@ -799,6 +799,12 @@ def validate(args):
             raise bad(f"{flag} momentum must be in [0, 1], got {v}")
         if k.endswith("scale") and isinstance(v, tuple) and not 0 < v[0] <= v[1] <= 1:
             raise bad(f"{flag} must be 0 < min <= max <= 1, got {v}")
+        if k == "betas" and not all(0 <= b < 1 for b in v):
+            raise bad(f"{flag} must be two numbers in [0, 1) (AdamW's beta1 beta2), got {v}")
+        if k == "weights" and not (min(v) >= 0 < sum(v)):
+            raise bad(f"{flag} (loss weights) must be >= 0 and not all 0, got {v}")
+        if k == "gap" and not 1 <= v[0] <= v[1]:
+            raise bad(f"{flag} must be 1 <= min <= max frames (0 pairs a frame with itself), got {v}")
     if d.get("stop_epoch", 0) > d.get("epochs", 1):
         raise bad(f"stop-epoch {d['stop_epoch']} is after the last epoch (--epochs {d['epochs']})")
     if d.get("warmup_epochs", 0) > d.get("epochs", 1):

@@ -219,6 +219,8 @@ def finetune(args):
             raise C.UserError(f"--{k.replace('_', '-')} must be in [0, 1], got {getattr(args, k)}")
     if args.mixup < 0 or args.cutmix < 0 or args.eval_batch <= 0:
         raise C.UserError("--mixup and --cutmix must be >= 0 and --eval-batch positive")
+    if not -1 <= args.randaug_magnitude <= 30:
+        raise C.UserError(f"--randaug-magnitude must be in 0..30 (RandAugment's 31 bins) or -1 (off), got {args.randaug_magnitude}")
     enc, ckpt = E.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size, args.drop_path)
     recipe = args.recipe or METHOD_RECIPE.get(ckpt["method"], "mae")
     if recipe not in RECIPES:

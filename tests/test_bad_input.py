@@ -1,6 +1,8 @@
 """Bad input as a new user gives it: every case is a one-line error at start, or handled right, never a
 traceback and never silently wrong training or evaluation."""
+import importlib
 import os
+import re
 import shutil
 
 import pytest
@@ -95,6 +97,24 @@ def test_resuming_with_another_batch_size_is_refused_unless_asked(tmp_path):
 def test_train_flags_are_one_line_errors_at_start(kw, msg, tmp_path):
     with pytest.raises(C.UserError, match=msg.replace("(", r"\(")):
         can.train(tiny_args(tmp_path, **kw))
+
+
+@pytest.mark.parametrize("method,kw,msg", [
+    ("can", dict(betas=(1.5, 0.9)), "--betas must be two numbers in [0, 1) (AdamW's beta1 beta2), got (1.5, 0.9)"),
+    ("can", dict(seed=-1), "--seed must be >= 0, got -1"),
+    ("can", dict(weights=(-1.0, 0.5, 0.5)), "--weights (loss weights) must be >= 0 and not all 0"),
+    ("can", dict(weights=(0.0, 0.0, 0.0)), "--weights (loss weights) must be >= 0 and not all 0"),
+    ("siammae", dict(gap=(0, 3)), "--gap must be 1 <= min <= max frames (0 pairs a frame with itself), got (0, 3)"),
+    ("siammae", dict(gap=(5, 3)), "--gap must be 1 <= min <= max frames"),
+])
+def test_flags_torch_or_numpy_would_reject_late_or_never(method, kw, msg):
+    """Found by passing each Args field a bad value: AdamW's ValueError and numpy's for a negative seed
+    were tracebacks, negative CAN loss weights and a SiamMAE gap of 0 (a frame paired with itself)
+    trained silently, a reversed gap failed in a DataLoader worker."""
+    args = importlib.import_module(method).Args(data="synthetic", **kw)
+    with pytest.raises(C.UserError, match=re.escape(msg)):
+        C.validate(args)
+    C.validate(importlib.import_module(method).Args(data="synthetic"))        # the defaults pass
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")

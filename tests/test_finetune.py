@@ -171,6 +171,10 @@ def test_bad_input_is_one_line(tmp_path):
         FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", recipe="deit", output_dir=str(tmp_path / "o")))
     with pytest.raises(C.UserError, match="--layer-decay must be in"):
         FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", layer_decay=1.5, output_dir=str(tmp_path / "o")))
+    with pytest.raises(C.UserError, match="--randaug-magnitude must be in 0..30"):      # was an IndexError in a worker
+        FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", randaug_magnitude=31, output_dir=str(tmp_path / "o")))
+    with pytest.raises(C.UserError, match="--warmup-lr must be >= 0, got -0.1"):          # trained with a negative lr
+        FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", warmup_lr=-0.1, output_dir=str(tmp_path / "o")))
 
 
 def test_the_network_sees_the_mixed_images_and_the_loss_the_mixed_targets(tmp_path, monkeypatch):
