@@ -104,13 +104,14 @@ def test_train_flags_are_one_line_errors_at_start(kw, msg, tmp_path):
     ("can", dict(seed=-1), "--seed must be >= 0, got -1"),
     ("can", dict(weights=(-1.0, 0.5, 0.5)), "--weights (loss weights) must be >= 0 and not all 0"),
     ("can", dict(weights=(0.0, 0.0, 0.0)), "--weights (loss weights) must be >= 0 and not all 0"),
+    ("msn", dict(rand_views=0), "--rand-views must be positive, got 0"),
     ("siammae", dict(gap=(0, 3)), "--gap must be 1 <= min <= max frames (0 pairs a frame with itself), got (0, 3)"),
     ("siammae", dict(gap=(5, 3)), "--gap must be 1 <= min <= max frames"),
 ])
 def test_flags_torch_or_numpy_would_reject_late_or_never(method, kw, msg):
     """Found by passing each Args field a bad value: AdamW's ValueError and numpy's for a negative seed
     were tracebacks, negative CAN loss weights and a SiamMAE gap of 0 (a frame paired with itself)
-    trained silently, a reversed gap failed in a DataLoader worker."""
+    trained silently, a reversed gap failed in a DataLoader worker, MSN without a random view failed in its step."""
     args = importlib.import_module(method).Args(data="synthetic", **kw)
     with pytest.raises(C.UserError, match=re.escape(msg)):
         C.validate(args)
