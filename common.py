@@ -1031,8 +1031,6 @@ def load_checkpoint(path, method=None):
         if isinstance(ckpt.get(key), dict):
             ckpt[key] = _legacy_keys(ckpt[key])
     ckpt["encoder"].pop("mask_token", None)
-    if "vit" in ckpt:
-        ckpt["vit"].pop("mask_token", None)
     return ckpt
 
 

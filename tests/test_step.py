@@ -191,6 +191,23 @@ def test_activation_checkpointing_changes_nothing_with_drop_path(method):
     assert not torch.allclose(loss3, loss1)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_activation_checkpointing_runs_only_with_grad_ckpt_and_then_on_every_block(method, monkeypatch):
+    """Without --grad-ckpt no block is recomputed (checkpointing always on gives the same gradients,
+    so only a third more compute would show it); with it, every block of every network that runs
+    blocks (encoders and decoders) is checkpointed."""
+    seen = []
+    real = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda blk, *a, **kw: (seen.append(blk), real(blk, *a, **kw))[1])
+    run(method, B)
+    assert seen == []
+    model, step = case(method, grad_ckpt=True)
+    step(model, slice(None), B, None)
+    blocks = {id(b) for m in model.modules() if hasattr(m, "grad_ckpt")
+              for lst in (getattr(m, "blocks", None), getattr(m, "decoder", None)) if isinstance(lst, nn.ModuleList) for b in lst}
+    assert blocks and {id(b) for b in seen} == blocks
+
+
 def _ddp_worker(rank, world, method):
     model, step = case(method)
     ddp = nn.parallel.DistributedDataParallel(model)
