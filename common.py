@@ -812,6 +812,11 @@ def validate(args):
     for k in ("img_size", "focal_size"):
         if d.get(k) is not None and d.get("patch_size") and d[k] % d["patch_size"]:
             raise bad(f"{k.replace('_', '-')} {d[k]} is not a multiple of --patch-size {d['patch_size']}")
+    if d.get("decoder_dim", 0) % d.get("decoder_heads", 1):
+        raise bad(f"decoder-dim {d['decoder_dim']} is not divisible by --decoder-heads {d['decoder_heads']}")
+    if d.get("num_prototypes", 2) < 2:
+        raise bad(f"num-prototypes must be >= 2 (a softmax over one prototype is constant: nothing to learn), "
+                  f"got {d['num_prototypes']}")
     if "master_size" in d and d["master_size"] < d["img_size"]:
         raise bad(f"master-size {d['master_size']} is smaller than --img-size {d['img_size']}")
 

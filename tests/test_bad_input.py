@@ -105,13 +105,18 @@ def test_train_flags_are_one_line_errors_at_start(kw, msg, tmp_path):
     ("can", dict(weights=(-1.0, 0.5, 0.5)), "--weights (loss weights) must be >= 0 and not all 0"),
     ("can", dict(weights=(0.0, 0.0, 0.0)), "--weights (loss weights) must be >= 0 and not all 0"),
     ("msn", dict(rand_views=0), "--rand-views must be positive, got 0"),
+    ("msn", dict(num_prototypes=1), "--num-prototypes must be >= 2 (a softmax over one prototype is constant"),
+    ("cmae", dict(decoder_dim=16, decoder_heads=3), "--decoder-dim 16 is not divisible by --decoder-heads 3"),
+    ("can", dict(decoder_dim=16, decoder_heads=3), "--decoder-dim 16 is not divisible by --decoder-heads 3"),
+    ("siammae", dict(decoder_dim=16, decoder_heads=3), "--decoder-dim 16 is not divisible by --decoder-heads 3"),
     ("siammae", dict(gap=(0, 3)), "--gap must be 1 <= min <= max frames (0 pairs a frame with itself), got (0, 3)"),
     ("siammae", dict(gap=(5, 3)), "--gap must be 1 <= min <= max frames"),
 ])
 def test_flags_torch_or_numpy_would_reject_late_or_never(method, kw, msg):
     """Found by passing each Args field a bad value: AdamW's ValueError and numpy's for a negative seed
     were tracebacks, negative CAN loss weights and a SiamMAE gap of 0 (a frame paired with itself)
-    trained silently, a reversed gap failed in a DataLoader worker, MSN without a random view failed in its step."""
+    trained silently, a reversed gap failed in a DataLoader worker, MSN without a random view and decoder widths
+    that the heads do not divide failed in the step, MSN with one prototype trained on a constant loss."""
     args = importlib.import_module(method).Args(data="synthetic", **kw)
     with pytest.raises(C.UserError, match=re.escape(msg)):
         C.validate(args)
