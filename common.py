@@ -786,9 +786,9 @@ def validate(args):
                  "head_hidden", "head_dim", "proj_hidden", "proj_dim", "decoder_dim", "decoder_heads",
                  "repeated_sampling", "mask_unit", "log_every", "rand_views") and v <= 0:
             raise bad(f"{flag} must be positive, got {v}")
-        if k in ("tau", "tau_plus", "lr", "blr", "start_lr", "sigma_max") and v <= 0:
+        if k in ("tau", "tau_plus", "lr", "blr", "sigma_max") and v <= 0:
             raise bad(f"{flag} must be positive, got {v}")
-        if k in ("seed", "warmup_lr", "steps_per_epoch", "stop_epoch", "stop_step", "save_every", "save_every_minutes", "workers",
+        if k in ("seed", "warmup_lr", "start_lr", "steps_per_epoch", "stop_epoch", "stop_step", "save_every", "save_every_minutes", "workers",
                  "micro_batch", "warmup_epochs", "min_lr", "weight_decay", "final_weight_decay", "clip_grad",
                  "drop_path", "me_max_weight", "lambda_c", "sinkhorn_iters", "focal_views",
                  "feature_decoder_depth", "decoder_depth") and v < 0:

@@ -123,6 +123,14 @@ def test_flags_torch_or_numpy_would_reject_late_or_never(method, kw, msg):
     C.validate(importlib.import_module(method).Args(data="synthetic"))        # the defaults pass
 
 
+def test_a_warm_up_may_start_from_zero():
+    """MSN's --start-lr 0 (a warm-up from 0, as MAE's) is valid; a negative one is not."""
+    import msn
+    C.validate(msn.Args(data="synthetic", start_lr=0.0))
+    with pytest.raises(C.UserError, match="--start-lr must be >= 0, got -0.1"):
+        C.validate(msn.Args(data="synthetic", start_lr=-0.1))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
     one_line_error(run_cli(*CAN_CLI, "--data", "synthetic", "--device", "cuda", "--output-dir", str(tmp_path)),
