@@ -6,6 +6,7 @@ import math
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -424,6 +425,23 @@ def test_checkpoints_are_read_without_running_pickled_code(tmp_path):
     with pytest.raises(C.UserError, match="is not a readable checkpoint"):
         C.load_checkpoint(path, "can")
     assert _Payload.calls == []
+
+
+def test_save_image_grid_writes_each_row_unnormalised(tmp_path):
+    """The reconstruction pictures: one row per tensor, its images side by side (1 px padding),
+    pixels = the ImageNet-normalised input mapped back to [0, 1] (clamped), written by rank 0."""
+    from PIL import Image
+    g = torch.Generator().manual_seed(0)
+    imgs = [torch.rand(3, 3, 4, 4, generator=g) for _ in range(2)]              # 2 rows of 3 images
+    imgs[1][0, 0, 0, 0] = 1.5                                                   # out of range: clamped
+    rows = [C.normalize(x).requires_grad_() for x in imgs]
+    C.save_image_grid(str(tmp_path / "grid.png"), rows)
+    png = torch.from_numpy(np.array(Image.open(tmp_path / "grid.png").convert("RGB"))).permute(2, 0, 1).float() / 255
+    assert png.shape == (3, 2 * 5 + 1, 3 * 5 + 1)
+    for r in range(2):
+        for c in range(3):
+            cell = png[:, 1 + 5 * r:5 + 5 * r, 1 + 5 * c:5 + 5 * c]
+            torch.testing.assert_close(cell, imgs[r][c].clamp(0, 1), atol=1 / 255, rtol=0)
 
 
 def test_save_run_never_writes_non_finite_weights(tmp_path):

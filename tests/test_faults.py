@@ -45,6 +45,25 @@ def test_non_finite_loss_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
     assert ck["step"] == 3 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
 
 
+def test_no_checkpoint_is_written_after_a_non_finite_step_even_with_finite_weights(tmp_path, monkeypatch):
+    """A non-finite loss term whose weights stay finite (a term that feeds no gradient, a skipped update)
+    at step 3 of a run that saves every step and logs every 10: the save at step 3 checks the guard
+    first, so the checkpoint stays at step 2."""
+    real = can.train_step
+
+    def step_3_logs_nan(*a, **kw):
+        loss, parts = real(*a, **kw)
+        step_3_logs_nan.calls += 1
+        if step_3_logs_nan.calls == 3:
+            parts = {**parts, "rec": torch.tensor(float("nan"))}
+        return loss, parts
+    step_3_logs_nan.calls = 0
+    monkeypatch.setattr(can, "train_step", step_3_logs_nan)
+    with pytest.raises(C.UserError, match="non-finite loss or gradient at step 3 .*last finite checkpoint \\(step 2\\)"):
+        can.train(can_args(tmp_path, epochs=2, steps_per_epoch=3, save_every=1, log_every=10))
+    assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 2
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_guard_reports_the_first_non_finite_step_of_any_part(bad):
     """bf16 / fp32: NaN and +-Inf in any part (a loss term or the gradient norm) stop at check() with the
