@@ -80,11 +80,15 @@ def test_max_unreadable_counts_distinct_files_not_retries(tmp_path):
     C.check_unreadable(ds, 20, 0, 0.3, final=True)               # 4 / 20 <= 0.3: no stop
 
 
-def test_resuming_with_another_batch_size_is_refused_unless_asked(tmp_path):
+def test_resuming_with_another_batch_size_is_refused_unless_asked(tmp_path, capsys):
     can.train(tiny_args(tmp_path, epochs=2, steps_per_epoch=2, stop_epoch=1))
     with pytest.raises(C.UserError, match="trained with --batch-size 8, this run asks for 4.*--allow-batch-change"):
         can.train(tiny_args(tmp_path, batch_size=4, epochs=2, steps_per_epoch=4))
+    capsys.readouterr()
     can.train(tiny_args(tmp_path, batch_size=4, epochs=2, steps_per_epoch=4, allow_batch_change=True))
+    said = capsys.readouterr().out                                  # what changes, and where it resumes
+    assert "warning: " in said and "steps per epoch, the lr (if scaled with the batch)" in said
+    assert "step 2 at batch 8 = step 4 at batch 4" in said
     ck = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")
     assert ck["step"] == 8 and ck["args"]["batch_size"] == 4     # resumed at step 2 x 8 / 4 = 4, ran to 8
 
