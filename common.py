@@ -33,6 +33,16 @@ class UserError(Exception):
     """Bad input (data dir, checkpoint, flags): printed as one line by `main`, no traceback."""
 
 
+def check_mask_ratio(ratio, n_masked, n, need_masked=True, need_kept=True):
+    """--mask-ratio after the masking's int() rounding: masking all n patches of the only view the encoder
+    reads leaves it none of the image (CAN's pooled feature was NaN, CMAE / ConMIM / MSN trained on
+    position alone); masking none leaves nothing for a loss averaged over masked patches (NaN at step 1)."""
+    if need_kept and n_masked == n:
+        raise UserError(f"--mask-ratio {ratio} masks all {n} patches: the encoder would see none of the image")
+    if need_masked and n_masked == 0:
+        raise UserError(f"--mask-ratio {ratio} masks no patch: nothing for the loss over masked patches")
+
+
 # ----------------------------------------------------------------------------------------------
 # Activation checkpointing (every method's blocks), pictures of reconstructions
 # ----------------------------------------------------------------------------------------------

@@ -127,6 +127,20 @@ def test_flags_torch_or_numpy_would_reject_late_or_never(method, kw, msg):
     C.validate(importlib.import_module(method).Args(data="synthetic"))        # the defaults pass
 
 
+@pytest.mark.parametrize("method, ratio, msg", [(m, 0.0, "masks no patch") for m in ("cmae", "can", "conmim", "siammae")]
+                         + [(m, 0.999, "masks all") for m in ("msn", "cmae", "can", "conmim")])
+def test_a_mask_ratio_that_masks_no_patch_or_every_patch_is_a_one_line_error(method, ratio, msg, tmp_path):
+    """The reconstruction / masked-patch losses average over masked patches: with none (--mask-ratio 0)
+    the first step's loss was NaN, reported as 'lower --lr'. A ratio below 1 whose int() rounding keeps
+    no patch (0.999 of a small grid, or of 196) left the encoder none of the image: CAN's pooled feature
+    was NaN, the others trained silently on position embeddings alone. MSN's --mask-ratio 0 (no patch
+    drop) stays valid, and so does SiamMAE's f2 masked whole (the decoder still reads f1 through its
+    cross-attention: predicting the next frame from the last)."""
+    tiny = importlib.import_module(f"test_{method}").tiny_args
+    with pytest.raises(C.UserError, match=f"--mask-ratio {ratio} {msg}"):
+        importlib.import_module(method).train(tiny(tmp_path, mask_ratio=ratio))
+
+
 def test_a_warm_up_may_start_from_zero():
     """MSN's --start-lr 0 (a warm-up from 0, as MAE's) is valid; a negative one is not."""
     import msn
