@@ -67,8 +67,8 @@ class Args(C.RunArgs):
     output_dir: str = field(default=None, metadata={"help": "default runs/finetune"})
     recipe: str = field(default=None, metadata={"help": "mae | beit (default: from the checkpoint's method)"})
     random_init: bool = field(default=False, metadata={"help": "the same run from the ViT's initialisation"})
-    model: str = field(default=None, metadata={"help": "for a checkpoint of another code base: ViT size"})
-    patch_size: int = field(default=None, metadata={"help": "for a checkpoint of another code base: checked"})
+    model: str = field(default=None, metadata={"help": "ViT size, checked (eval_linear.py)"})
+    patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's"})
     img_size: int = field(default=None, metadata={"help": "default: the checkpoint's training size"})
     epochs: int = 100
     batch_size: int = field(default=1024, metadata={"help": "GLOBAL batch, all processes (official 1024)"})

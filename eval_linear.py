@@ -62,10 +62,10 @@ class Args:
     mode: str = field(default="knn", metadata={"help": "knn | linear | lowshot | all"})
     pool: str = field(default=None, metadata={"help": "cls | cls-prenorm | mean (default: per method)"})
     img_size: int = field(default=None, metadata={"help": "default: the checkpoint's training size"})
-    model: str = field(default=None, metadata={"help": "for a checkpoint of another code base: ViT size "
-                       "(tiny|small|base|large); default: inferred from the width"})
-    patch_size: int = field(default=None, metadata={"help": "for a checkpoint of another code base: checked "
-                            "against its patch embedding"})
+    model: str = field(default=None, metadata={"help": "ViT size (tiny|small|base|large): picks the "
+                       "heads of a foreign checkpoint of non-standard width; checked against any checkpoint"})
+    patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's patch "
+                            "size"})
     random_init: bool = field(default=False, metadata={"help": "evaluate the same ViT at its default random "
                               "initialisation (run's seed; may differ from the run's exact initial weights)"})
     k: int = 20
@@ -265,6 +265,11 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
     obj = C.read_checkpoint_file(path)
     if isinstance(obj, dict) and "method" in obj and "encoder" in obj:
         ckpt = C.load_checkpoint(path)
+        v = ckpt["vit"]                                              # --model / --patch-size: checked here too
+        if model is not None and SIZES.get(model, ())[:3] != (v["dim"], v["depth"], v["heads"]):
+            raise C.UserError(f"--model {model} does not match {path} (width {v['dim']}, depth {v['depth']})")
+        if patch_size is not None and patch_size != v["patch_size"]:
+            raise C.UserError(f"--patch-size {patch_size} does not match {path} (patch {v['patch_size']})")
     else:
         method, config, sd = foreign_encoder(obj, path, model, patch_size)
         ckpt = {"method": method, "vit": config, "encoder": sd, "args": {"seed": 0}}

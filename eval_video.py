@@ -55,10 +55,10 @@ class Args:
     topk: int = 7
     radius: float = 20.0
     temperature: float = 0.7
-    model: str = field(default=None, metadata={"help": "for a checkpoint of another code base: ViT size "
-                       "(tiny|small|base|large); default: inferred from the width"})
-    patch_size: int = field(default=None, metadata={"help": "for a checkpoint of another code base: checked "
-                            "against its patch embedding"})
+    model: str = field(default=None, metadata={"help": "ViT size (tiny|small|base|large): picks the "
+                       "heads of a foreign checkpoint of non-standard width; checked against any checkpoint"})
+    patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's patch "
+                            "size"})
     random_init: bool = False
     output: str = field(default=None, metadata={"help": "write predicted masks as DAVIS palette PNGs here"})
     device: str = None
@@ -82,7 +82,7 @@ def propagate(feats, labels0, n_context=20, topk=7, radius=20.0, temperature=0.7
     T, h, w, D = feats.shape
     near = radius_mask(h, w, radius)                                           # (hw, hw)
     f0, l0 = feats[0].reshape(h * w, D), labels0.reshape(h * w, -1)
-    mem_f, mem_l = [f0], [l0]                                                  # short-term memory
+    mem_f, mem_l = ([f0], [l0]) if n_context else ([], [])                     # short-term memory
     out = [labels0]
     for t in range(1, T):
         f = feats[t].reshape(h * w, D)
@@ -96,8 +96,7 @@ def propagate(feats, labels0, n_context=20, topk=7, radius=20.0, temperature=0.7
         out.append(lab.reshape(h, w, -1))
         mem_f.append(f)
         mem_l.append(lab)
-        if len(mem_f) > n_context:
-            del mem_f[0], mem_l[0]
+        del mem_f[:len(mem_f) - n_context], mem_l[:len(mem_l) - n_context]      # the last n_context
     return torch.stack(out)
 
 

@@ -161,6 +161,16 @@ def test_bad_checkpoints(tmp_path):
     one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "foreign.pth"), "--data", "synthetic"), "unknown checkpoint layout")
 
 
+def test_model_and_patch_size_flags_are_checked_against_this_projects_checkpoints_too(tmp_path):
+    """--model / --patch-size were checked for foreign checkpoints only and silently ignored for ours."""
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae", dim=64, depth=2, heads=2)     # the 'nano' size
+    assert E.load_encoder(ckpt, model="nano", patch_size=4)[1]["vit"]["dim"] == 64
+    with pytest.raises(C.UserError, match="--model tiny does not match"):
+        E.load_encoder(ckpt, model="tiny")
+    with pytest.raises(C.UserError, match="--patch-size 8 does not match"):
+        E.load_encoder(ckpt, patch_size=8)
+
+
 def test_knn_predict_matches_naive():
     g = torch.Generator().manual_seed(0)
     tr = torch.nn.functional.normalize(torch.randn(30, 5, generator=g), dim=1)

@@ -77,7 +77,7 @@ def test_propagation_follows_a_shift_through_the_unrestricted_first_frame():
 
 def test_short_term_memory_respects_radius_and_length():
     """Frame 2 copies frame 1's labels 3 cells away (short-term memory) only if 3 < radius, and only if
-    frame 1 is still in the memory (n_context)."""
+    frame 1 is still in the memory (n_context; 0 = the first frame only)."""
     g = torch.Generator().manual_seed(2)
     f0, f1 = (F.normalize(torch.randn(6, 8, 16, generator=g), dim=-1) for _ in range(2))
     feats = torch.stack([f0, f1, torch.roll(f1, 3, dims=1)])
@@ -94,6 +94,11 @@ def test_short_term_memory_respects_radius_and_length():
     out4 = V.propagate(feats4, lab, topk=1, radius=20, n_context=1)   # frame 1 has left the memory at t = 3
     assert not torch.equal(out4[3], torch.roll(out4[1], 3, dims=1))
     assert torch.equal(V.propagate(feats4, lab, topk=1, radius=20, n_context=2)[3], torch.roll(out4[1], 3, dims=1))
+    # --n-context 0: the first frame alone is the context (it acted as 1: the memory kept the last frame)
+    rep = torch.stack([f0, f1, f1])                                      # frame 2 = frame 1: top-2 reads it if held
+    alone = V.propagate(rep[[0, 2]], lab, topk=2, radius=20, n_context=0)[1]
+    assert torch.equal(V.propagate(rep, lab, topk=2, radius=20, n_context=0)[2], alone)
+    assert not torch.allclose(V.propagate(rep, lab, topk=2, radius=20, n_context=1)[2], alone)
 
 
 def test_static_clip_at_davis_geometry_keeps_labels_in_place():
