@@ -817,6 +817,10 @@ def validate(args):
             raise bad(f"{flag} must be 1 <= min <= max frames (0 pairs a frame with itself), got {v}")
     if d.get("stop_epoch", 0) > d.get("epochs", 1):
         raise bad(f"stop-epoch {d['stop_epoch']} is after the last epoch (--epochs {d['epochs']})")
+    peak = d.get("lr") or (d["blr"] * d["batch_size"] / 256 if d.get("blr") else None)    # each loop's rule
+    for k in ("start_lr", "warmup_lr", "min_lr"):
+        if peak and d.get(k) is not None and d[k] > peak:
+            raise bad(f"{k.replace('_', '-')} {d[k]:g} is above the peak lr {peak:g}: the schedule would rise")
     if d.get("warmup_epochs", 0) > d.get("epochs", 1):
         raise bad(f"warmup-epochs {d['warmup_epochs']} is longer than --epochs {d['epochs']}")
     for k in ("img_size", "focal_size"):

@@ -149,6 +149,19 @@ def test_a_warm_up_may_start_from_zero():
         C.validate(msn.Args(data="synthetic", start_lr=-0.1))
 
 
+def test_a_schedule_end_or_start_above_the_peak_lr_is_a_one_line_error():
+    """--min-lr / --start-lr / --warmup-lr above the peak lr (absolute, or blr x batch / 256) made the
+    'cosine decay' rise or the 'warm-up' fall, silently."""
+    import cmae, msn, eval_finetune
+    with pytest.raises(C.UserError, match="--min-lr 0.001 is above the peak lr 0.0006"):
+        C.validate(cmae.Args(data="synthetic", blr=1.5e-4, batch_size=1024, min_lr=1e-3))
+    C.validate(cmae.Args(data="synthetic", blr=1.5e-4, batch_size=1024, min_lr=6e-4))       # equal: flat
+    with pytest.raises(C.UserError, match="--start-lr 0.01 is above the peak lr 0.001"):
+        C.validate(msn.Args(data="synthetic", lr=1e-3, start_lr=1e-2))
+    with pytest.raises(C.UserError, match="--warmup-lr 0.1 is above the peak lr 0.004"):
+        C.validate(eval_finetune.Args(data="synthetic", lr=4e-3, warmup_lr=0.1))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_device_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
     one_line_error(run_cli(*CAN_CLI, "--data", "synthetic", "--device", "cuda", "--output-dir", str(tmp_path)),
