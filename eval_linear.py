@@ -518,7 +518,10 @@ def evaluate(a):
     enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
     if a.img_size is not None and (a.img_size <= 0 or a.img_size % enc.patch_size):
         raise C.UserError(f"--img-size {a.img_size} is not a positive multiple of the checkpoint's patch size {enc.patch_size}")
+    if a.subset_file and a.mode not in ("lowshot", "all"):
+        raise C.UserError(f"--subset-file is read by --mode lowshot or all, not {a.mode}")
     train, val, val_to_train = splits(a.data)                     # layout checked before any extraction
+    subset = subset_from_file(a.subset_file, a.data) if a.subset_file else None           # so is the subset
     C.print0(f"train: {len(train)} images in {len(train.classes)} classes; val: {len(val)} images in "
              f"{len(val.classes)} classes (labels matched by class name)")
     enc = enc.to(device)
@@ -534,7 +537,6 @@ def evaluate(a):
     if a.mode in ("linear", "all"):
         res.update(linear_probe(ftr, ytr, fva, yva, nc, a.linear_epochs, a.linear_lr, a.linear_batch))
     if a.mode in ("lowshot", "all"):
-        subset = subset_from_file(a.subset_file, a.data) if a.subset_file else None
         res.update(lowshot(ftr, ytr, fva, yva, nc, a.shots, a.percent, a.seeds, a.lambd, subset))
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}))
     return res

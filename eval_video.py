@@ -274,6 +274,8 @@ def evaluate(a):
     if a.n_context < 0 or a.short_side < 0:
         raise C.UserError("--n-context and --short-side must be >= 0")
     device = C.resolve_device(a.device)
+    if a.output:
+        C.check_writable(a.output, "--output")
     enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
     enc = enc.to(device)
     synthetic = a.data == "synthetic"

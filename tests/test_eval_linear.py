@@ -97,6 +97,19 @@ def test_subset_file_selects_the_listed_images(tmp_path):
         E.subset_from_file(str(tmp_path / "subset.txt"), data)
 
 
+def test_a_bad_subset_file_stops_before_any_feature_is_extracted(tmp_path, monkeypatch):
+    """--mode all read the subset file after the k-NN and the linear probe (hours of features on
+    ImageNet) and --mode knn ignored it: both are now one-line errors at start."""
+    data = tiny_folder(tmp_path / "data")
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
+    (tmp_path / "subset.txt").write_text("c0/1.png\nnope.png\n")
+    monkeypatch.setattr(E, "features", lambda *a, **k: pytest.fail("features extracted before the subset was read"))
+    with pytest.raises(C.UserError, match="1 of 2 images not found"):
+        E.evaluate(E.Args(ckpt=ckpt, data=data, mode="all", workers=0, subset_file=str(tmp_path / "subset.txt")))
+    with pytest.raises(C.UserError, match="--subset-file is read by --mode lowshot or all, not knn"):
+        E.evaluate(E.Args(ckpt=ckpt, data=data, mode="knn", workers=0, subset_file=str(tmp_path / "subset.txt")))
+
+
 def test_msn_features_are_the_cls_token_before_the_final_norm():
     enc = E.ViT(16, 4, 32, 2, 2).eval()
     x = torch.randn(3, 3, 16, 16)
