@@ -512,7 +512,7 @@ def evaluate(a):
     for k in ("k", "temperature", "linear_epochs", "linear_lr", "linear_batch", "shots", "seeds", "batch_size"):
         if not getattr(a, k) > 0:
             raise C.UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(a, k)}")
-    if not 0 <= a.percent <= 100 or a.lambd < 0 or a.workers < 0:
+    if not (0 <= a.percent <= 100 and a.lambd >= 0 and a.workers >= 0):        # NaN fails each
         raise C.UserError("--percent must be in [0, 100], --lambd and --workers >= 0")
     device = C.resolve_device(a.device)
     enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)

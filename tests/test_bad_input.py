@@ -60,8 +60,10 @@ def test_eval_checks_the_layout_before_extracting_features(tmp_path):
 
 
 @pytest.mark.parametrize("kw,msg", [(dict(k=0), "--k must be positive"), (dict(img_size=30), "--img-size 30 is not"),
-                                    (dict(temperature=-1.0), "--temperature must be positive")])
+                                    (dict(temperature=-1.0), "--temperature must be positive"),
+                                    (dict(lambd=float("nan")), "--lambd"), (dict(percent=float("nan")), "--percent")])
 def test_eval_flags_are_validated(kw, msg, tmp_path):
+    """(--lambd nan passed and every low-shot score came out 0.0.)"""
     with pytest.raises(C.UserError, match=msg):
         _eval(tmp_path, "synthetic", **kw)
 
