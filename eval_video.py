@@ -277,6 +277,9 @@ def evaluate(a):
     if a.output:
         C.check_writable(a.output, "--output")
     enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
+    if 0 < a.short_side < enc.patch_size:
+        raise C.UserError(f"--short-side {a.short_side} is below the patch size {enc.patch_size}: a frame would "
+                          "have no patch")
     enc = enc.to(device)
     synthetic = a.data == "synthetic"
     short_side = 0 if synthetic else a.short_side                  # synthetic clips: native 64 px

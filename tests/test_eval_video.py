@@ -172,6 +172,8 @@ def test_davis_layout_end_to_end_and_palette_output(tmp_path):
     assert out.mode == "P" and np.array_equal(np.array(out), clip.mask(0))      # frame 0 = given mask
     assert out.getpalette()[:6] == [0, 0, 0, 128, 0, 0]                          # DAVIS palette
     one_line_error(run_cli("eval_video.py", "--ckpt", ck, "--data", str(tmp_path / "nope")), "DAVIS layout")
+    one_line_error(run_cli("eval_video.py", "--ckpt", ck, "--data", str(root), "--short-side", "3"),
+                   "--short-side 3 is below the patch size 4")                 # it was a traceback in F.interpolate
     (tmp_path / "file").write_text("")                                   # --output: checked before any video
     one_line_error(run_cli("eval_video.py", "--ckpt", ck, "--data", str(root), "--output", str(tmp_path / "file" / "o")),
                    "is not a writable directory (Not a directory)")
