@@ -1082,6 +1082,11 @@ def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=N
     run.guard.saved = step
 
 
+RUN_ONLY = {"workers", "resume", "compile", "log_every", "device", "micro_batch", "grad_ckpt", "stop_epoch",
+            "stop_step", "save_every", "save_every_minutes", "max_unreadable", "allow_batch_change", "batch_size",
+            "output_dir", "knn"}                       # flags a resumed run may change without a word
+
+
 def resume_run(run, method, args, model, optimizer, target=None):
     """Continue from <output-dir>/checkpoint.pth when it exists and --resume; returns the global step
     to start from (0 for a new run). The RNG state is this rank's at the checkpoint."""
@@ -1096,6 +1101,12 @@ def resume_run(run, method, args, model, optimizer, target=None):
             raise UserError(f"{changes}; rerun with --batch-size {old_batch}, or add --allow-batch-change to "
                             "continue from the same number of images seen, or use another --output-dir")
         print0(f"warning: {changes}; continuing from the same number of images seen (--allow-batch-change)")
+    old = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["args"].items()}
+    changed = [f"--{k.replace('_', '-')} {old[k]} -> {v}" for k, v in vars(args).items()
+               if k in old and old[k] != v and k not in RUN_ONLY]
+    if changed:                                                          # allowed (MAE, MSN do), but said
+        print0(f"warning: resuming with flags that differ from the checkpoint's: {', '.join(changed)}; "
+               "the run goes on with the new values (schedules follow them from this step)")
     try:
         unwrap(model).load_state_dict(ckpt["model"])
         if target is not None:
@@ -1142,6 +1153,10 @@ class Logger:
         self.path = os.path.join(run.out, "log.jsonl")
         self.t, self.last = time.time(), start_step
         DATA_WAIT[0] = 0.0
+        end = min(total_steps, stop or total_steps)
+        if start_step >= end:
+            print0(f"the checkpoint is at step {start_step}; this run ends at step {end} (--epochs, --stop-epoch): "
+                   "nothing to train")
         if start_step and is_main() and os.path.isfile(self.path):
             lines = open(self.path).readlines()
             keep = [ln for ln in lines if _logged_step(ln) <= start_step]

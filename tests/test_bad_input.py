@@ -95,6 +95,22 @@ def test_resuming_with_another_batch_size_is_refused_unless_asked(tmp_path, caps
     assert ck["step"] == 8 and ck["args"]["batch_size"] == 4     # resumed at step 2 x 8 / 4 = 4, ran to 8
 
 
+def test_a_resume_says_which_flags_changed_and_when_nothing_is_left_to_train(tmp_path, capsys):
+    """Changing --epochs or a hyper-parameter on resume is allowed (as MAE's and MSN's code allow it) but
+    was silent; a rerun past the end trained nothing and said nothing."""
+    can.train(tiny_args(tmp_path, epochs=2, steps_per_epoch=2, stop_epoch=1))
+    capsys.readouterr()
+    wd = can.Args.weight_decay
+    can.train(tiny_args(tmp_path, epochs=3, steps_per_epoch=2, weight_decay=2 * wd, log_every=5, workers=1))
+    said = capsys.readouterr().out
+    assert f"flags that differ from the checkpoint's: --epochs 2 -> 3, --weight-decay {wd} -> {2 * wd}; " in said
+    assert "--log-every" not in said and "--workers" not in said     # run-only flags change without a word
+    assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 6
+    can.train(tiny_args(tmp_path, epochs=3, steps_per_epoch=2, weight_decay=2 * wd))
+    said = capsys.readouterr().out
+    assert "differ" not in said and "the checkpoint is at step 6; this run ends at step 6" in said
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(device="tpu"), "--device must be cpu, cuda or cuda:N, got 'tpu'"),
     (dict(lr=float("nan")), "--lr must be a finite number, got nan"),
