@@ -801,7 +801,7 @@ def validate(args):
         if k in ("seed", "warmup_lr", "start_lr", "steps_per_epoch", "stop_epoch", "stop_step", "save_every", "save_every_minutes", "workers",
                  "micro_batch", "warmup_epochs", "min_lr", "weight_decay", "final_weight_decay", "clip_grad",
                  "drop_path", "me_max_weight", "lambda_c", "sinkhorn_iters", "focal_views",
-                 "feature_decoder_depth", "decoder_depth") and v < 0:
+                 "feature_decoder_depth") and v < 0:
             raise bad(f"{flag} must be >= 0, got {v}")
         if k in ("mask_ratio", "drop_path", "max_unreadable") and not 0 <= v < 1:
             raise bad(f"{flag} must be in [0, 1), got {v}")
@@ -828,6 +828,9 @@ def validate(args):
             raise bad(f"{k.replace('_', '-')} {d[k]} is not a multiple of --patch-size {d['patch_size']}")
     if d.get("decoder_dim", 0) % d.get("decoder_heads", 1):
         raise bad(f"decoder-dim {d['decoder_dim']} is not divisible by --decoder-heads {d['decoder_heads']}")
+    if d.get("decoder_depth", 1) < 1:
+        raise bad(f"decoder-depth must be >= 1 (with no decoder block a masked patch's prediction cannot see the "
+                  f"visible patches: the encoder would get no gradient from it), got {d['decoder_depth']}")
     if d.get("num_prototypes", 2) < 2:
         raise bad(f"num-prototypes must be >= 2 (a softmax over one prototype is constant: nothing to learn), "
                   f"got {d['num_prototypes']}")

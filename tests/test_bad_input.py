@@ -133,6 +133,9 @@ def test_train_flags_are_one_line_errors_at_start(kw, msg, tmp_path):
     ("siammae", dict(decoder_dim=16, decoder_heads=3), "--decoder-dim 16 is not divisible by --decoder-heads 3"),
     ("siammae", dict(gap=(0, 3)), "--gap must be 1 <= min <= max frames (0 pairs a frame with itself), got (0, 3)"),
     ("siammae", dict(gap=(5, 3)), "--gap must be 1 <= min <= max frames"),
+    ("cmae", dict(decoder_depth=0), "--decoder-depth must be >= 1 (with no decoder block a masked patch's"),
+    ("can", dict(decoder_depth=0), "--decoder-depth must be >= 1"),
+    ("siammae", dict(decoder_depth=-1), "--decoder-depth must be >= 1"),
 ])
 def test_flags_torch_or_numpy_would_reject_late_or_never(method, kw, msg):
     """Found by passing each Args field a bad value: AdamW's ValueError and numpy's for a negative seed
