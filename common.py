@@ -828,6 +828,9 @@ def validate(args):
             raise bad(f"{k.replace('_', '-')} {d[k]} is not a multiple of --patch-size {d['patch_size']}")
     if d.get("decoder_dim", 0) % d.get("decoder_heads", 1):
         raise bad(f"decoder-dim {d['decoder_dim']} is not divisible by --decoder-heads {d['decoder_heads']}")
+    if d.get("ipe_scale", 1) < 1:
+        raise bad(f"ipe-scale must be >= 1 (the schedules span ipe-scale x the run: below 1 they would end "
+                  f"before it), got {d['ipe_scale']}")
     if d.get("decoder_depth", 1) < 1:
         raise bad(f"decoder-depth must be >= 1 (with no decoder block a masked patch's prediction cannot see the "
                   f"visible patches: the encoder would get no gradient from it), got {d['decoder_depth']}")

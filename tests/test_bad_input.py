@@ -136,6 +136,7 @@ def test_train_flags_are_one_line_errors_at_start(kw, msg, tmp_path):
     ("cmae", dict(decoder_depth=0), "--decoder-depth must be >= 1 (with no decoder block a masked patch's"),
     ("can", dict(decoder_depth=0), "--decoder-depth must be >= 1"),
     ("siammae", dict(decoder_depth=-1), "--decoder-depth must be >= 1"),
+    ("msn", dict(ipe_scale=0.5), "--ipe-scale must be >= 1 (the schedules span ipe-scale x the run"),
 ])
 def test_flags_torch_or_numpy_would_reject_late_or_never(method, kw, msg):
     """Found by passing each Args field a bad value: AdamW's ValueError and numpy's for a negative seed
