@@ -433,8 +433,7 @@ def train(args):
     run = C.setup(args, "can")
     dev = run.device
     grid = args.img_size // args.patch_size
-    with torch.random.fork_rng(devices=[]):                            # a draw that leaves the seeded RNG alone
-        C.check_mask_ratio(args.mask_ratio, int(random_masking(1, grid, args.mask_ratio)[2].sum()), grid * grid)
+    C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio)[2].sum(), grid * grid)
     per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {2 * args.batch_size - 2} negatives per view "
                               "instead of 8190")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)

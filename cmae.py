@@ -457,9 +457,8 @@ def train(args):
     run = C.setup(args, "cmae")
     dev = run.device
     grid = args.img_size // args.patch_size
-    with torch.random.fork_rng(devices=[]):                            # a draw that leaves the seeded RNG alone
-        masked = int(random_masking(1, grid, args.mask_ratio, args.mask_unit)[2].sum())
-        C.check_mask_ratio(args.mask_ratio, masked, grid * grid)
+    C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit)[2].sum(),
+                       grid * grid)
     per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {args.batch_size - 1} negatives per image instead "
                               "of 4095")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)

@@ -33,10 +33,14 @@ class UserError(Exception):
     """Bad input (data dir, checkpoint, flags): printed as one line by `main`, no traceback."""
 
 
-def check_mask_ratio(ratio, n_masked, n, need_masked=True, need_kept=True):
-    """--mask-ratio after the masking's int() rounding: masking all n patches of the only view the encoder
-    reads leaves it none of the image (CAN's pooled feature was NaN, CMAE / ConMIM / MSN trained on
-    position alone); masking none leaves nothing for a loss averaged over masked patches (NaN at step 1)."""
+def check_mask_ratio(ratio, count_masked, n, need_masked=True, need_kept=True):
+    """--mask-ratio after the masking's int() rounding, counted on one draw of the method's own masking
+    (count_masked() -> patches masked of n; drawn under fork_rng, so the seeded stream is untouched):
+    masking all n patches of the only view the encoder reads leaves it none of the image (CAN's pooled
+    feature was NaN, CMAE / ConMIM / MSN trained on position alone); masking none leaves nothing for a
+    loss averaged over masked patches (NaN at step 1)."""
+    with torch.random.fork_rng(devices=[]):
+        n_masked = int(count_masked())
     if need_kept and n_masked == n:
         raise UserError(f"--mask-ratio {ratio} masks all {n} patches: the encoder would see none of the image")
     if need_masked and n_masked == 0:

@@ -356,9 +356,8 @@ def train(args):
     run = C.setup(args, "conmim")
     dev = run.device
     grid = args.img_size // args.patch_size
-    with torch.random.fork_rng(devices=[]):                            # a draw that leaves the seeded RNG alone
-        masked = int(random_masking(1, grid, args.mask_ratio, args.mask_unit).sum())
-        C.check_mask_ratio(args.mask_ratio, masked, grid * grid)
+    C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit).sum(),
+                       grid * grid)
     per, micro = C.batch_plan(args, run, 2048, "the loss is per image, so only the gradient noise and the "
                               "lr / batch pairing of the recipe change")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)

@@ -228,7 +228,7 @@ VIT_KEY = re.compile(r"cls_token|pos_embed|patch_embed\.proj\.(weight|bias)|norm
                      r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)")
 
 
-def foreign_encoder(obj, path, model=None, patch_size=None):
+def foreign_encoder(obj, path, model=None):
     """(layout, ViT config, ViT state dict) of a checkpoint not written here: the official MSN file
     (`target_encoder`, `module.` prefix), an MAE-style file (`model`: MAE, CAN, DeiT and many MAE
     derivatives) or a plain timm / DeiT state dict. The architecture comes from the tensor shapes;
@@ -247,8 +247,6 @@ def foreign_encoder(obj, path, model=None, patch_size=None):
     if model is not None:
         if model not in SIZES or SIZES[model][0] != dim:
             raise C.UserError(f"--model {model} does not match {path} (width {dim})")
-    if patch_size is not None and patch_size != p:
-        raise C.UserError(f"--patch-size {patch_size} does not match {path} (patch {p})")
     heads = SIZES[model][2] if model else HEADS.get(dim)
     if heads is None:
         raise C.UserError(f"{path}: width {dim} is not a standard ViT size; give --model")
@@ -265,14 +263,14 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
     obj = C.read_checkpoint_file(path)
     if isinstance(obj, dict) and "method" in obj and "encoder" in obj:
         ckpt = C.load_checkpoint(path)
-        v = ckpt["vit"]                                              # --model / --patch-size: checked here too
+        v = ckpt["vit"]                                              # --model: checked here too
         if model is not None and SIZES.get(model, ())[:3] != (v["dim"], v["depth"], v["heads"]):
             raise C.UserError(f"--model {model} does not match {path} (width {v['dim']}, depth {v['depth']})")
-        if patch_size is not None and patch_size != v["patch_size"]:
-            raise C.UserError(f"--patch-size {patch_size} does not match {path} (patch {v['patch_size']})")
     else:
-        method, config, sd = foreign_encoder(obj, path, model, patch_size)
+        method, config, sd = foreign_encoder(obj, path, model)
         ckpt = {"method": method, "vit": config, "encoder": sd, "args": {"seed": 0}}
+    if patch_size is not None and patch_size != ckpt["vit"]["patch_size"]:      # any checkpoint
+        raise C.UserError(f"--patch-size {patch_size} does not match {path} (patch {ckpt['vit']['patch_size']})")
     torch.manual_seed(ckpt["args"].get("seed", 0))
     enc = ViT(**ckpt["vit"], drop_path=drop_path)
     if not random_init:

@@ -430,9 +430,8 @@ def train(args):
     run = C.setup(args, "msn")
     dev, R = run.device, args.rand_views
     grid = args.img_size // args.patch_size                            # of a random anchor
-    with torch.random.fork_rng(devices=[]):                            # a draw that leaves the seeded RNG alone
-        C.check_mask_ratio(args.mask_ratio, grid * grid - random_masking(1, grid, args.mask_ratio).shape[1],
-                           grid * grid, need_masked=False)
+    C.check_mask_ratio(args.mask_ratio, lambda: grid * grid - random_masking(1, grid, args.mask_ratio).shape[1],
+                       grid * grid, need_masked=False)                 # no patch drop (0) is valid
     per, micro = C.batch_plan(args, run, 1024, f"Sinkhorn targets and the ME-MAX mean are statistics of the "
                               f"global batch; with {args.batch_size} images against {args.num_prototypes} "
                               "prototypes the targets flatten and the prototype marginal is noisier")

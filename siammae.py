@@ -475,9 +475,8 @@ def train(args):
     run = C.setup(args, "siammae")
     dev = run.device
     grid = args.img_size // args.patch_size
-    with torch.random.fork_rng(devices=[]):                            # a draw that leaves the seeded RNG alone
-        masked = int(random_masking(1, grid, args.mask_ratio)[2].sum())
-        C.check_mask_ratio(args.mask_ratio, masked, grid * grid, need_kept=False)  # all of f2 masked: f1 is seen
+    C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio)[2].sum(), grid * grid,
+                       need_kept=False)                                # all of f2 masked is valid: f1 is seen
     per, micro = C.batch_plan(args, run, 1024, "the loss is per pair, so only the gradient noise and the "
                               "lr / batch pairing of the recipe change", unit="videos")
     dataset = video_dataset(args.data)
