@@ -163,6 +163,15 @@ def test_a_mask_ratio_that_masks_no_patch_or_every_patch_is_a_one_line_error(met
         importlib.import_module(method).train(tiny(tmp_path, mask_ratio=ratio))
 
 
+def test_the_mask_ratio_check_leaves_the_seeded_random_stream_alone():
+    """The check draws the method's masking once, right after setup seeded the run: without fork_rng the
+    initial weights (and the README's synthetic results) would move."""
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    C.check_mask_ratio(0.75, lambda: can.random_masking(1, 4, 0.75)[2].sum(), 16)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_a_warm_up_may_start_from_zero():
     """MSN's --start-lr 0 (a warm-up from 0, as MAE's) is valid; a negative one is not."""
     import msn
