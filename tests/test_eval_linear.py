@@ -40,6 +40,28 @@ def test_logistic_regression_separates_separable_data():
     assert res["linear_top1"] == 100.0
 
 
+def test_knn_normalises_each_row_whatever_its_norm():
+    """Cosine similarity: rows of very different norms (0.1 .. 10) against the naive vote on the unit rows
+    (normalising the feature columns instead passed the small test above by chance)."""
+    g = torch.Generator().manual_seed(1)
+    tr, te = torch.randn(300, 8, generator=g), torch.randn(200, 8, generator=g)
+    tr, te = tr * torch.logspace(-1, 1, 300)[torch.randperm(300, generator=g), None], te * torch.logspace(-1, 1, 200)[:, None]
+    ytr, yte = torch.randint(0, 6, (300,), generator=g), torch.randint(0, 6, (200,), generator=g)
+    sims = F.normalize(te, dim=1) @ F.normalize(tr, dim=1).T
+    val, idx = sims.topk(10, dim=1)
+    votes = torch.zeros(200, 6).index_add_(0, torch.arange(200).repeat_interleave(10), torch.zeros(2000, 6).scatter_(
+        1, ytr[idx].reshape(-1, 1), torch.exp(val / 0.07).reshape(-1, 1)))
+    res = E.knn(tr, ytr, te, yte, 6, k=10, T=0.07)
+    assert res["knn_top1"] == pytest.approx(100 * (votes.argmax(1) == yte).float().mean().item())
+
+
+def test_knn_counts_a_vote_below_one():
+    """A neighbour at negative cosine similarity votes exp(sim / T) < 1: still a vote (only classes with no
+    neighbour at all are left out of the top-5)."""
+    res = E.knn(torch.tensor([[-1.0, 0.2]]), torch.tensor([0]), torch.tensor([[1.0, 0.0]]), torch.tensor([0]), 3, k=1)
+    assert res["knn_top1"] == 100.0 and res["knn_top5"] == 100.0
+
+
 def test_knn_top5_never_counts_a_class_without_votes():
     """k = 1: one class gets a vote; the other four of the top 5 would be arbitrary zero-score classes."""
     tr = torch.eye(6)[:3]                                      # 3 train points, classes 0, 1, 2
@@ -95,6 +117,39 @@ def test_subset_file_selects_the_listed_images(tmp_path):
     (tmp_path / "subset.txt").write_text("c0/1.png\nnope.png\n")
     with pytest.raises(C.UserError, match="1 of 2 images not found"):
         E.subset_from_file(str(tmp_path / "subset.txt"), data)
+    shutil.copy(os.path.join(data, "train", "c1", "0.png"), os.path.join(data, "train", "c1", "only.png"))
+    (tmp_path / "subset.txt").write_text("c0/1.png\nonly.png\n")                   # a unique file name
+    ds = C.image_dataset(data, "train")
+    assert [ds.samples[i][0] for i in E.subset_from_file(str(tmp_path / "subset.txt"), data)] == \
+        [os.path.join(data, "train", "c0", "1.png"), os.path.join(data, "train", "c1", "only.png")]
+
+
+def test_lowshot_reports_the_mean_and_std_of_each_seeds_top1_under_its_protocols_name(monkeypatch):
+    """Per subset: top-1 (not top-k) of the MSN-preprocessed val rows times that subset's W; reported as the
+    mean and the sample std over the seeds (std 0 for one subset), keyed by the protocol."""
+    g = torch.Generator().manual_seed(0)
+    ytr, yva = torch.arange(4).repeat(6), torch.arange(4).repeat(5)
+    tr, va = torch.randn(24, 8, generator=g), torch.randn(20, 8, generator=g)
+    Ws = [torch.randn(8, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    calls = []
+
+    def fixed_w(x, y, nc, lambd):                    # the i-th subset's classifier is Ws[i]
+        calls.append(1)
+        return Ws[len(calls) - 1]
+    monkeypatch.setattr(E, "logistic_regression", fixed_w)
+    accs = torch.tensor([100 * ((E.msn_preprocess(va).double() @ W).argmax(1) == yva).double().mean().item() for W in Ws])
+    assert len(set(accs.tolist())) > 1
+    res = E.lowshot(tr, ytr, va, yva, 4, shots=2, seeds=3)
+    assert res.keys() == {"lowshot_2shot_mean", "lowshot_2shot_std"}
+    assert res["lowshot_2shot_mean"] == pytest.approx(accs.mean().item())
+    assert res["lowshot_2shot_std"] == pytest.approx(accs.std().item())
+    calls.clear()
+    assert E.lowshot(tr, ytr, va, yva, 4, shots=1, seeds=2)["lowshot_1shot_std"] == pytest.approx(accs[:2].std().item())
+    calls.clear()
+    assert E.lowshot(tr, ytr, va, yva, 4, percent=50, seeds=1) == {"lowshot_50pct_mean": pytest.approx(accs[0].item()),
+                                                                   "lowshot_50pct_std": 0.0}
+    calls.clear()
+    assert E.lowshot(tr, ytr, va, yva, 4, subset=torch.arange(8)).keys() == {"lowshot_file_mean", "lowshot_file_std"}
 
 
 def test_a_bad_subset_file_stops_before_any_feature_is_extracted(tmp_path, monkeypatch):
@@ -118,7 +173,7 @@ def test_msn_features_are_the_cls_token_before_the_final_norm():
     torch.testing.assert_close(E.features_of(enc, x, "cls"), enc.norm(enc(x, norm=False))[:, 0])
 
 
-@pytest.mark.parametrize("shots,percent", [(1, 0), (2, 0), (5, 0), (0, 10)])
+@pytest.mark.parametrize("shots,percent", [(1, 0), (2, 0), (5, 0), (10, 0), (0, 10)])   # 10: all of class 0
 def test_lowshot_subset_exact_counts(shots, percent):
     labels = torch.arange(4).repeat_interleave(torch.tensor([10, 20, 30, 50]))
     idx = E.lowshot_subset(labels, 4, shots, percent, seed=1)
@@ -224,6 +279,25 @@ def test_knn_monitor_is_the_evaluations_knn_on_the_folder(how, tmp_path, monkeyp
     [(gtr, gytr, gva, gyva, nc, k)] = seen                          # the very features, not only the top-1
     torch.testing.assert_close((gtr, gva), (ftr, fva))
     assert gytr.tolist() == ytr.tolist() and gyva.tolist() == yva.tolist() and (nc, k) == (3, 4)
+
+
+def test_linear_probe_feeds_the_head_standardised_features_and_scores_top1_top5(monkeypatch):
+    """The head trains on (train - mean) / std and scores (val - mean) / std, both with train's mean and std
+    (per feature); top-1 / top-5 are read from its scores (a fake head with known scores)."""
+    g = torch.Generator().manual_seed(0)
+    train_f, val_f = torch.randn(40, 3, generator=g) * torch.tensor([0.5, 2.0, 7.0]) + 3, torch.randn(4, 3, generator=g)
+    mean, std = train_f.mean(0), train_f.std(0) + 1e-6
+    scores = torch.tensor([[9., 1, 2, 3, 4, 5], [0, 9, 1, 2, 3, 4], [9, 0, 8, 1, 2, 3], [9, 8, 7, 0, 6, 5]])
+    seen = {}
+
+    def fake_head(xt, y, nc, *a):
+        seen["train"] = xt
+        return lambda v: (seen.__setitem__("val", v), scores)[1]
+    monkeypatch.setattr(E, "linear_head", fake_head)
+    res = E.linear_probe(train_f, torch.zeros(40, dtype=torch.long), val_f, torch.tensor([0, 1, 2, 3]), 6)
+    torch.testing.assert_close(seen["train"], (train_f - mean) / std)
+    torch.testing.assert_close(seen["val"], (val_f - mean) / std)
+    assert res == {"linear_top1": 50.0, "linear_top5": 75.0}      # sample 2 second, sample 3 last of 6
 
 
 def test_linear_probe_standardises_val_with_the_train_statistics():
@@ -383,18 +457,20 @@ def test_a_dataset_changed_in_place_gets_fresh_features_and_labels(tmp_path):
     assert y3.tolist() == [0] * 3 + [1] * 3 + [2] * 4
     assert len(os.listdir(tmp_path / "features")) == 3
 
-def test_linear_head_is_sgd_momentum_with_a_per_step_cosine_from_zeros():
+@pytest.mark.parametrize("n", [23, 20, 7])                # batch 10: a partial last batch, none, one batch only
+def test_linear_head_is_sgd_momentum_with_a_per_step_cosine_from_zeros(n):
     """The probe's head against a plain re-implementation of its protocol: W, b from 0, mean CE,
-    v <- 0.9 v + g, p <- p - lr_t v, lr_t = lr (1 + cos(pi t / steps)) / 2, reshuffled each epoch."""
+    v <- 0.9 v + g, p <- p - lr_t v, lr_t = lr (1 + cos(pi t / steps)) / 2 over steps = epochs x
+    ceil(n / batch), reshuffled each epoch."""
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(23, 5, generator=g), torch.randint(0, 3, (23,), generator=g)
+    x, y = torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)
     head = E.linear_head(x, y, 3, epochs=3, lr=0.5, batch=10, seed=4)
     W, b = torch.zeros(3, 5, requires_grad=True), torch.zeros(3, requires_grad=True)
     vel = [torch.zeros(3, 5), torch.zeros(3)]
-    gen, t, steps = torch.Generator().manual_seed(4), 0, 3 * 3
+    gen, t, steps = torch.Generator().manual_seed(4), 0, 3 * math.ceil(n / 10)
     for _ in range(3):
-        perm = torch.randperm(23, generator=gen)
-        for i in range(0, 23, 10):
+        perm = torch.randperm(n, generator=gen)
+        for i in range(0, n, 10):
             idx = perm[i:i + 10]
             gW, gb = torch.autograd.grad(F.cross_entropy(x[idx] @ W.T + b, y[idx]), (W, b))
             lr_t = 0.5 * (1 + math.cos(math.pi * t / steps)) / 2
