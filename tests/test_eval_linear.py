@@ -229,6 +229,29 @@ def test_bad_checkpoints(tmp_path):
     one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "foreign.pth"), "--data", "synthetic"), "unknown checkpoint layout")
 
 
+def test_an_unreadable_image_is_an_error_in_evaluation_not_skipped(tmp_path):
+    """Training skips unreadable images (--max-unreadable); an evaluation must not: the scores would be
+    of another set than the one named."""
+    data = tiny_folder(tmp_path / "data")
+    (tmp_path / "data" / "train" / "c1" / "2.png").write_bytes(b"not a png")
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
+    with pytest.raises(C.UserError, match="cannot read image .*2.png"):
+        E.evaluate(E.Args(ckpt=ckpt, data=data, mode="knn", workers=0, cache=False))
+
+
+def test_a_folder_without_train_or_val_is_an_error_before_any_feature(tmp_path):
+    """Only val/ (the image folder would have been read whole, val/ included, as the train split) or only
+    train/: evaluation needs both."""
+    data = tiny_folder(tmp_path / "data")
+    shutil.move(os.path.join(data, "train"), tmp_path / "train")
+    with pytest.raises(C.UserError, match="expected train/ and val/"):
+        E.splits(data)
+    shutil.move(tmp_path / "train", os.path.join(data, "train"))
+    shutil.rmtree(os.path.join(data, "val"))
+    with pytest.raises(C.UserError, match="expected train/ and val/"):
+        E.splits(data)
+
+
 def test_model_and_patch_size_flags_are_checked_against_this_projects_checkpoints_too(tmp_path):
     """--model / --patch-size were checked for foreign checkpoints only and silently ignored for ours."""
     ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae", dim=64, depth=2, heads=2)     # the 'nano' size
@@ -244,13 +267,13 @@ def test_knn_predict_matches_naive():
     tr = torch.nn.functional.normalize(torch.randn(30, 5, generator=g), dim=1)
     ytr = torch.randint(0, 3, (30,), generator=g)
     te = torch.nn.functional.normalize(torch.randn(7, 5, generator=g), dim=1)
-    scores = E.knn_predict(tr, ytr, te, 3, k=4, T=0.5)
+    scores = E.knn_predict(tr, ytr, te, 3, k=6, T=0.5)                # k above the feature width 5
     for i in range(7):
         sims = [(float(te[i] @ tr[j]), j) for j in range(30)]
-        top = sorted(sims, reverse=True)[:4]
+        top = sorted(sims, reverse=True)[:6]
         naive = [sum(math.exp(s / 0.5) for s, j in top if ytr[j] == c) for c in range(3)]
         assert torch.allclose(scores[i], torch.tensor(naive), rtol=1e-4)
-    torch.testing.assert_close(E.knn_predict(tr, ytr, te, 3, k=4, T=0.5, chunk=3), scores)   # queries in chunks of 3
+    torch.testing.assert_close(E.knn_predict(tr, ytr, te, 3, k=6, T=0.5, chunk=3), scores)   # queries in chunks of 3
 
 
 @pytest.mark.parametrize("how", ["cls", "mean"])
@@ -356,8 +379,9 @@ def test_eval_transform_is_resize_256_over_224_bicubic_then_centre_crop():
     from PIL import Image
     from torchvision.transforms import InterpolationMode, functional as TF
     img = Image.fromarray(torch.randint(0, 256, (100, 150, 3), dtype=torch.uint8).numpy())
-    ref = TF.center_crop(TF.resize(img, 128, InterpolationMode.BICUBIC), 112)           # 112 * 256 / 224 = 128
-    assert torch.equal(E.eval_transform(112)(img), TF.pil_to_tensor(ref))
+    for size, resize in ((112, 128), (224, 256)):                                   # 112 * 256 / 224 = 128
+        ref = TF.center_crop(TF.resize(img, resize, InterpolationMode.BICUBIC), size)
+        assert torch.equal(E.eval_transform(size)(img), TF.pil_to_tensor(ref))
     sq = img.crop((0, 0, 64, 64))
     assert torch.equal(E.eval_transform(32, synthetic=True)(sq), TF.pil_to_tensor(TF.resize(sq, 32)))
 

@@ -176,6 +176,18 @@ def test_unknown_layout_is_a_one_line_error_listing_keys(tmp_path):
     one_line_error(r, "unknown checkpoint layout", "state_dict, meta")
 
 
+def test_a_foreign_file_missing_a_vit_tensor_or_not_a_dict_is_a_one_line_error():
+    """Each of the tensors the architecture is read from must be there (a global-pool ViT without a
+    [CLS] token has the blocks but no cls_token: an error, not a KeyError); a file holding a list is not
+    a state dict."""
+    sd = {k: v for k, v in msn.ViT(16, 4, 32, 2, 2).state_dict().items()}
+    for missing in ("cls_token", "patch_embed.proj.weight", "blocks.0.attn.qkv.weight"):
+        with pytest.raises(C.UserError, match="unknown checkpoint layout"):
+            E.foreign_encoder({k: v for k, v in sd.items() if k != missing}, "f.pth")
+    with pytest.raises(C.UserError, match="not a dict of tensors"):
+        E.foreign_encoder([torch.zeros(1)], "f.pth")
+
+
 def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_path):
     """Copy-paste use: can.py + common.py alone in a new project (no synthetic.py, no other file)
     train on an image folder and write a checkpoint; the end-of-run k-NN report, which is
