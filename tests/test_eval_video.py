@@ -41,6 +41,11 @@ def test_boundary_and_f_measure_hand_cases():
     assert np.array_equal(b, expected), b.astype(int)
     assert V.f_measure(m, m) == 1.0
     assert V.f_measure(m, np.zeros_like(m)) == 0.0
+    empty, dot = np.zeros((5, 5), bool), np.zeros((5, 5), bool)
+    dot[0, 0] = True                                    # a one-pixel boundary
+    assert V.boundary(dot).sum() == 1
+    assert V.f_measure(empty, empty) == 1.0             # an object absent from both: DAVIS scores F = 1
+    assert V.f_measure(dot, empty) == 0.0 and V.f_measure(empty, dot) == 0.0
     big = np.zeros((200, 200), bool)                    # tolerance ceil(0.008 * 282.8) = 3 px
     big[50:150, 50:150] = True
     shifted2, shifted6 = np.roll(big, 2, axis=1), np.roll(big, 6, axis=1)
@@ -278,6 +283,13 @@ def test_f_measure_tolerance_is_ceil_of_the_diagonal_fraction_and_a_closed_disk(
     big[50:150, 50:150] = True
     assert V.f_measure(np.roll(big, 3, axis=1), big) == 1.0
     assert V.f_measure(np.roll(big, 4, axis=1), big) < 1.0
+    for shift in ((3, 0), (-3, 0), (0, -3), (2, 2), (-2, 2)):            # within the disk, every direction
+        assert V.f_measure(np.roll(big, shift, axis=(0, 1)), big) == 1.0
+    assert V.f_measure(np.roll(big, (3, 3), axis=(0, 1)), big) < 1.0      # 4.2 px: in the square, not the disk
+    small = np.zeros((64, 64), bool)                                       # the synthetic clips: ceil(0.72) = 1 px
+    small[16:48, 16:48] = True
+    assert V.f_measure(np.roll(small, 1, axis=1), small) == 1.0
+    assert V.f_measure(np.roll(small, 2, axis=1), small) < 1.0
 
 
 def test_f_measure_precision_and_recall_count_their_own_boundaries():
