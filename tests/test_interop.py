@@ -180,7 +180,7 @@ def test_a_foreign_file_missing_a_vit_tensor_or_not_a_dict_is_a_one_line_error()
     """Each of the tensors the architecture is read from must be there (a global-pool ViT without a
     [CLS] token has the blocks but no cls_token: an error, not a KeyError); a file holding a list is not
     a state dict."""
-    sd = {k: v for k, v in msn.ViT(16, 4, 32, 2, 2).state_dict().items()}
+    sd = msn.ViT(16, 4, 32, 2, 2).state_dict()
     for missing in ("cls_token", "patch_embed.proj.weight", "blocks.0.attn.qkv.weight"):
         with pytest.raises(C.UserError, match="unknown checkpoint layout"):
             E.foreign_encoder({k: v for k, v in sd.items() if k != missing}, "f.pth")
