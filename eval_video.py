@@ -28,7 +28,9 @@ three sample at patch centres; ours does not stretch the aspect ratio.
 Data: DAVIS-2017 layout (JPEGImages/480p/<video>/*.jpg, Annotations/480p/<video>/*.png palette
 masks, ImageSets/2017/val.txt), or `synthetic` (moving-shape clips of synthetic.py, val split).
 Metrics: J (region IoU) and F (boundary F-measure, boundary tolerance 0.008 x image diagonal, as
-the DAVIS toolkit), per object, on all frames but the first and last; J&F = (J + F) / 2.
+the DAVIS toolkit), per object, on all frames but the first and last; J&F = (J + F) / 2. Where no
+frame beyond the first is annotated (DAVIS test-dev), --output writes the predictions and the
+scores are null.
 """
 import json
 import math
@@ -284,23 +286,25 @@ def evaluate(a):
     synthetic = a.data == "synthetic"
     short_side = 0 if synthetic else a.short_side                  # synthetic clips: native 64 px
     videos = synthetic_videos() if synthetic else davis_videos(a.data, a.split)
-    rows, Js, Fs = [], [], []
+    n_videos, Js, Fs = 0, [], []                                   # Js, Fs: each object's mean over its frames
     for name, frames, masks in videos:
         pred, per_obj = evaluate_video(enc, frames, masks, a, short_side, device)
         j, f = [v[0] for v in per_obj.values()], [v[1] for v in per_obj.values()]
-        Js += j
-        Fs += f
-        rows.append((name, np.mean(j), np.mean(f)))
-        print(f"{name:24s} J {100 * np.mean(j):5.1f}  F {100 * np.mean(f):5.1f}  objects {len(j)}", flush=True)
+        Js, Fs, n_videos = Js + j, Fs + f, n_videos + 1
+        print(f"{name:24s} " + (f"J {100 * np.mean(j):5.1f}  F {100 * np.mean(f):5.1f}  objects {len(j)}" if j else
+                                "no annotated frame to score (frames 1 .. T-2)"), flush=True)
         if a.output:
             os.makedirs(os.path.join(a.output, name), exist_ok=True)
             for t, m in enumerate(pred):
                 im = Image.fromarray(m, mode="P")
                 im.putpalette(PALETTE)
                 im.save(os.path.join(a.output, name, f"{t:05d}.png"))
-    res = {"method": ckpt["method"], "random_init": a.random_init, "videos": len(rows),
-           "J_mean": 100 * float(np.mean(Js)), "F_mean": 100 * float(np.mean(Fs))}
-    res["JF_mean"] = (res["J_mean"] + res["F_mean"]) / 2
+    if not Js and not a.output:                    # e.g. DAVIS test-dev: first-frame masks only
+        raise C.UserError(f"no video of {a.data} has an annotated frame to score beyond the first: give --output "
+                          "to write the predicted masks")
+    res = {"method": ckpt["method"], "random_init": a.random_init, "videos": n_videos,
+           "J_mean": 100 * float(np.mean(Js)) if Js else None, "F_mean": 100 * float(np.mean(Fs)) if Fs else None}
+    res["JF_mean"] = (res["J_mean"] + res["F_mean"]) / 2 if Js else None
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}))
     return res
 

@@ -350,3 +350,92 @@ def test_synthetic_clips_are_evaluated_at_their_native_size(tmp_path, monkeypatc
     monkeypatch.setattr(V, "evaluate_video", lambda enc, fr, m, a, short, dev: (seen.append(short), (None, {1: (0.5, 0.7)}))[1])
     res = V.evaluate(V.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", "siammae"), data="synthetic"))
     assert seen == [0] and res["JF_mean"] == pytest.approx(60.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The same audit for label grids, scoring and evaluate() (each test fails with its line broken)
+# ----------------------------------------------------------------------------------------------
+def test_the_palette_is_the_pascal_davis_palette():
+    """The colour map DAVIS annotations and tools use (bit-interleaved PASCAL VOC map): beyond object 7 too."""
+    rgb = np.array(V.PALETTE).reshape(256, 3)
+    assert rgb[:11].tolist() == [[0, 0, 0], [128, 0, 0], [0, 128, 0], [128, 128, 0], [0, 0, 128], [128, 0, 128],
+                                 [0, 128, 128], [128, 128, 128], [64, 0, 0], [192, 0, 0], [64, 128, 0]]
+    assert rgb[255].tolist() == [224, 224, 192]
+
+
+def test_labels_are_read_at_each_patch_centre_of_a_non_square_frame():
+    """labels_to_grid samples pixel (p // 2, p // 2) of each patch, rows over the height and columns over
+    the width (at the same resize as the frames), landscape and portrait."""
+    p, H, W = 6, 18, 30
+    gt = np.zeros((H, W), np.uint8)
+    gt[p // 2::p, p // 2::p] = 1                                       # only the patch centres are object 1
+    lab = V.labels_to_grid(gt, [1], p, 0)
+    assert lab.shape == (H // p, W // p, 2) and (lab[..., 1] == 1).all() and (lab[..., 0] == 0).all()
+    big = V.labels_to_grid(np.kron(gt, np.ones((2, 2), np.uint8)), [1], p, 2 * H)   # short side x2, nearest
+    assert big.shape == (2 * H // p, 2 * W // p, 2)
+    assert V.labels_to_grid(gt.T.copy(), [1], p, 0).shape == (W // p, H // p, 2)      # portrait
+
+
+def test_each_object_is_scored_on_its_own_mask_and_the_background_is_written_as_0(monkeypatch):
+    """Two objects on a non-square frame, their grid labels propagated unchanged: each object's F is 1 and
+    its J near 1 (bilinear ties at the patch edges), and the predicted frames hold ids 0, 1, 2 where the
+    masks do (background as id 255 passed the scores). F cannot tell a mask from its complement: the
+    boundary is the same (DAVIS's seg2bmap)."""
+    T, H, W, p = 4, 24, 40, 4
+    gt = np.zeros((H, W), np.uint8)
+    gt[4:12, 4:16], gt[12:20, 24:36] = 1, 2
+    frames = [Image.fromarray(np.zeros((H, W, 3), np.uint8))] * T
+    monkeypatch.setattr(V, "frame_features", lambda enc, fr, s, d: torch.zeros(T, H // p, W // p, 4))
+    monkeypatch.setattr(V, "propagate", lambda feats, lab0, *args: lab0.expand(T, -1, -1, -1).clone())
+    pred, per_obj = V.evaluate_video(type("Enc", (), {"patch_size": p})(), frames, [gt] * T, V.Args(), 0,
+                                     torch.device("cpu"))
+    assert sorted(per_obj) == [1, 2] and all(j > 0.95 and f == 1.0 for j, f in per_obj.values()), per_obj
+    assert np.array_equal(pred[0], gt) and np.unique(pred).tolist() == [0, 1, 2] and (pred == gt).mean() > 0.98
+
+
+def test_evaluate_reports_the_mean_over_objects_and_checks_its_flags(tmp_path, monkeypatch, capsys):
+    """J_mean / F_mean: the mean over every object of every video (DAVIS), printed per video and as one JSON
+    line; flags out of range are one-line errors, --n-context 0 (first frame only) is allowed; the --output
+    folder may be reused."""
+    from helpers import vit_checkpoint
+    ck = vit_checkpoint(tmp_path / "c.pth", "siammae")
+    scores = {"a": {1: (0.5, 0.7), 2: (0.9, 0.3)}, "b": {1: (0.1, 0.2)}}            # per video: object -> (J, F)
+    monkeypatch.setattr(V, "synthetic_videos", lambda: iter([(n, [n], [None]) for n in scores]))   # frames: [name]
+    monkeypatch.setattr(V, "evaluate_video", lambda enc, fr, m, a, s, d: (np.zeros((1, 2, 2), np.uint8), scores[fr[0]]))
+    run = lambda **kw: V.evaluate(V.Args(ckpt=ck, data="synthetic", **kw))            # noqa: E731
+    res = run(n_context=0)
+    assert res["videos"] == 2
+    assert res["J_mean"] == pytest.approx(100 * 1.5 / 3) and res["F_mean"] == pytest.approx(100 * 1.2 / 3)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["a", "J", "70.0", "F", "50.0", "objects", "2"]
+    assert out[1].split() == ["b", "J", "10.0", "F", "20.0", "objects", "1"]
+    assert json.loads(out[-1]) == {"method": "siammae", "random_init": False, "videos": 2, "J_mean": 50.0,
+                                   "F_mean": 40.0, "JF_mean": 45.0}
+    for _ in range(2):                                                  # twice into the same --output
+        run(output=str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path / "out")) == ["a", "b"]
+    for kw, match in [(dict(ckpt=None), "--ckpt and --data are required"), (dict(data=None), "--ckpt and --data"),
+                      (dict(topk=0), "--topk must be positive"), (dict(radius=0.0), "--radius must be positive"),
+                      (dict(temperature=0.0), "--temperature must be positive"),
+                      (dict(n_context=-1), "--n-context and --short-side must be >= 0"),
+                      (dict(short_side=-1), "--n-context and --short-side must be >= 0")]:
+        with pytest.raises(C.UserError, match=match):
+            V.evaluate(V.Args(**{**dict(ckpt=ck, data="synthetic"), **kw}))
+    with pytest.raises(C.UserError, match="--short-side 1 is below the patch size 4"):
+        V.evaluate(V.Args(ckpt=ck, data=str(tmp_path), short_side=1))
+
+
+def test_videos_annotated_on_the_first_frame_only_write_predictions_and_no_score(tmp_path, capsys):
+    """DAVIS test-dev gives first-frame masks only: with --output the predictions are written and the
+    scores are null (they were NaN, with numpy's empty-mean warning); without it, a one-line error."""
+    from helpers import vit_checkpoint
+    _, root = davis_folder(tmp_path / "davis", frames=3)
+    for t in (1, 2):
+        os.remove(root / f"Annotations/480p/v/{t:05d}.png")
+    ck = vit_checkpoint(tmp_path / "c.pth", "siammae")
+    with pytest.raises(C.UserError, match="no video of .* has an annotated frame to score beyond the first"):
+        V.evaluate(V.Args(ckpt=ck, data=str(root), short_side=0))
+    res = V.evaluate(V.Args(ckpt=ck, data=str(root), short_side=0, output=str(tmp_path / "out")))
+    assert res["videos"] == 1 and res["J_mean"] is res["F_mean"] is res["JF_mean"] is None
+    assert sorted(os.listdir(tmp_path / "out" / "v")) == ["00000.png", "00001.png", "00002.png"]
+    assert capsys.readouterr().out.splitlines()[-2].split()[:5] == ["v", "no", "annotated", "frame", "to"]
