@@ -24,6 +24,7 @@ Differences from the CPU path (measured in tests/test_gpu_decode.py):
     without decode_jpeg cannot use this flag (one-line error).
 Imported only for --gpu-decode; a method file + common.py run without it.
 """
+import hashlib
 import io
 import sys
 import warnings
@@ -92,7 +93,7 @@ def collate(batch):
 def decode(pixels, device, dataset=None):
     """Encoded JPEGs -> (3, H, W) uint8 on device, one batched decode_jpeg call (nvJPEG on CUDA);
     already decoded images are copied over. If the batched call fails, each JPEG is decoded alone,
-    then by PIL; one that nothing decodes is None (counted in dataset.bad, with a warning)."""
+    then by PIL; one that nothing decodes is None (counted in dataset.bad once per run, with a warning)."""
     out = [p.to(device, non_blocking=True) if p.dim() == 3 else None for p in pixels]
     enc = [i for i, p in enumerate(pixels) if p.dim() == 1]
     with warnings.catch_warnings():
@@ -115,11 +116,15 @@ def decode_one(data, device, dataset):
         with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
             return C.to_uint8(img).to(device)
     except Exception as e:
-        if hasattr(dataset, "bad"):                                  # C.ImageFiles' count of unreadable files
-            with dataset.bad.get_lock():
-                dataset.bad.value += 1
-        print(f"warning: a JPEG of this batch cannot be decoded on {device} nor by PIL ({e}); replaced by "
-              "another image of the batch and counted as unreadable", file=sys.stderr, flush=True)
+        seen = vars(dataset).setdefault("undecodable", set()) if dataset is not None else set()   # SHA-1s
+        key = hashlib.sha1(data.numpy().tobytes()).digest()        # decoded in the main process: met before?
+        if key not in seen:                                         # each file counts once per run, as ImageFiles'
+            seen.add(key)
+            if hasattr(dataset, "bad"):                              # C.ImageFiles' count of unreadable files
+                with dataset.bad.get_lock():
+                    dataset.bad.value += 1
+            print(f"warning: a JPEG of this batch cannot be decoded on {device} nor by PIL ({e}); replaced by "
+                  "another image of the batch and counted as unreadable", file=sys.stderr, flush=True)
         return None
 
 

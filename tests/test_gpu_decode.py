@@ -84,7 +84,8 @@ def test_workers_send_bytes_only_for_jpegs_the_device_decodes(folder):
 
 def test_a_jpeg_nothing_decodes_is_replaced_by_another_image_of_the_batch_and_counted(folder, capsys):
     """Header fine, end marker present, no scan data: the workers pass it, the device and PIL cannot decode
-    it. It takes the views of the next decodable image of the batch, counts as unreadable, and warns."""
+    it. It takes the views of the next decodable image of the batch, counts as unreadable (once per run), and
+    warns (once)."""
     cpu, dev, sizes = views_pair(folder)
     data = open(dev.dataset.samples[0][0], "rb").read()
     broken = data[:data.find(b"\xff\xda")] + b"\xff\xd9"
@@ -99,6 +100,9 @@ def test_a_jpeg_nothing_decodes_is_replaced_by_another_image_of_the_batch_and_co
             torch.testing.assert_close(o[i], alone[j][v][0], rtol=0, atol=0)
     assert C.bad_reads(dev.dataset) == before + 1
     assert "cannot be decoded" in capsys.readouterr().err
+    G.views((pixels, rois, flips), CPU, sizes, dev.dataset)           # met again (next epoch): counted once per run,
+    assert C.bad_reads(dev.dataset) == before + 1                      # as ImageFiles counts the files it cannot read
+    assert "cannot be decoded" not in capsys.readouterr().err
 
 
 def test_msn_step_gets_the_same_views_with_and_without_gpu_decode(folder, tmp_path, monkeypatch):
