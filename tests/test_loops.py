@@ -283,3 +283,21 @@ def test_each_process_draws_its_own_masks(method, tmp_path):
     """The per-epoch reseed includes the rank: two processes must not mask their images alike."""
     m0, m1 = spawn(_rank_mask, method, str(tmp_path))
     assert m0.shape == m1.shape and not torch.equal(m0, m1)
+
+
+@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can", "siammae"])
+def test_the_small_batch_warning_is_measured_against_the_official_global_batch(tmp_path, monkeypatch, method):
+    """Each loop's batch plan warns below the official recipe's global batch, which is its Args default
+    (MSN 1024, CMAE 4096, ConMIM 2048, CAN 4096, SiamMAE 1024 videos x 2 repeated samples)."""
+    mod, make = {"msn": (msn, msn_args), "conmim": (conmim, conmim_args), "cmae": (cmae, cmae_args),
+                 "can": (can, can_args), "siammae": (siammae, siammae_args)}[method]
+    seen = []
+
+    def plan(args, run, recipe, weakens, unit="images"):
+        seen.append(recipe)
+        raise C.UserError("stop")
+    monkeypatch.setattr(C, "batch_plan", plan)
+    with pytest.raises(C.UserError, match="stop"):
+        mod.train(make(tmp_path))
+    assert seen == [mod.Args.batch_size] and seen[0] == {"msn": 1024, "cmae": 4096, "conmim": 2048, "can": 4096,
+                                                         "siammae": 1024}[method]
