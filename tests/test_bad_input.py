@@ -163,6 +163,15 @@ def test_a_mask_ratio_that_masks_no_patch_or_every_patch_is_a_one_line_error(met
         importlib.import_module(method).train(tiny(tmp_path, mask_ratio=ratio))
 
 
+@pytest.mark.parametrize("method, ratio", [("msn", 0.0), ("siammae", 0.999)])
+def test_msn_without_patch_drop_and_siammae_with_all_of_f2_masked_train(method, ratio, tmp_path):
+    """The two ratios the check above must let through: MSN's anchors without patch drop (its loss needs
+    no masked patch) and SiamMAE's second frame masked whole (the decoder reads f1)."""
+    tiny = importlib.import_module(f"test_{method}").tiny_args
+    importlib.import_module(method).train(tiny(tmp_path, mask_ratio=ratio, stop_step=1))
+    assert os.path.isfile(tmp_path / "checkpoint.pth")
+
+
 def test_the_mask_ratio_check_leaves_the_seeded_random_stream_alone():
     """The check draws the method's masking once, right after setup seeded the run: without fork_rng the
     initial weights (and the README's synthetic results) would move."""

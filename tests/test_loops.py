@@ -301,3 +301,18 @@ def test_the_small_batch_warning_is_measured_against_the_official_global_batch(t
         mod.train(make(tmp_path))
     assert seen == [mod.Args.batch_size] and seen[0] == {"msn": 1024, "cmae": 4096, "conmim": 2048, "can": 4096,
                                                          "siammae": 1024}[method]
+
+
+@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can", "siammae"])
+def test_each_loop_passes_grad_ckpt_and_logs_the_last_step_of_stop_epoch(tmp_path, monkeypatch, method):
+    """Run plumbing each loop repeats: --grad-ckpt reaches the model (its blocks run under activation
+    checkpointing) and a --stop-epoch run logs its last step even off the --log-every grid."""
+    import json
+    mod, make = {"msn": (msn, msn_args), "conmim": (conmim, conmim_args), "cmae": (cmae, cmae_args),
+                 "can": (can, can_args), "siammae": (siammae, siammae_args)}[method]
+    calls, real = [], torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    mod.train(make(tmp_path, grad_ckpt=True, epochs=2, steps_per_epoch=3, stop_epoch=1, log_every=100, warmup_epochs=0))
+    assert calls
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "log.jsonl") if '"step"' in line]
+    assert steps == [3]
