@@ -316,3 +316,20 @@ def test_each_loop_passes_grad_ckpt_and_logs_the_last_step_of_stop_epoch(tmp_pat
     assert calls
     steps = [json.loads(line)["step"] for line in open(tmp_path / "log.jsonl") if '"step"' in line]
     assert steps == [3]
+
+
+@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can", "siammae"])
+def test_each_loop_ends_step_k_with_its_global_step_and_the_epoch_reads_so_far(tmp_path, monkeypatch, method):
+    """After the k-th optimiser step of an epoch the loop hands end_step the global step (log, mid-epoch
+    checkpoint, --stop-step) and the images (SiamMAE: videos) read in this epoch so far, k x the
+    per-process batch (--max-unreadable's denominator); a stopped run's checkpoint is at that step."""
+    mod, make = {"msn": (msn, msn_args), "conmim": (conmim, conmim_args), "cmae": (cmae, cmae_args),
+                 "can": (can, can_args), "siammae": (siammae, siammae_args)}[method]
+    seen, real = [], C.end_step
+    monkeypatch.setattr(C, "end_step", lambda run, log, args, step, epoch, parts, save, dataset=None, reads=0, *a, **kw:
+                        (seen.append((step, epoch, reads)), real(run, log, args, step, epoch, parts, save, dataset, reads, *a, **kw))[1])
+    a = make(tmp_path, epochs=epochs(method, 2), steps_per_epoch=2, stop_step=3)
+    mod.train(a)
+    b = a.batch_size
+    assert seen == [(1, 0, b), (2, 0, 2 * b), (3, 1, b)]
+    assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["step"] == 3
