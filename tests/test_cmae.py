@@ -61,19 +61,26 @@ def test_pixel_shift_views_overlap_where_the_shift_says():
     views = cmae.PixelShiftViews(a, color=False)
     img = S.SyntheticImages().load(3)[0]
     seen = set()
-    for i in range(30):
+    for i in range(200):
         torch.manual_seed(i)
         src, tgt, (dh, dw) = views(img)
         seen.add((int(dh), int(dw)))
         assert src.shape == tgt.shape == (3, 32, 32) and 0 <= dh < 8 and 0 <= dw < 8
         # target pixel (y, x) is master pixel (y + dh, x + dw) = source pixel (y + dh, x + dw)
         assert torch.equal(src[:, dh:, dw:], tgt[:, :32 - dh, :32 - dw])
-    assert len(seen) > 10                                           # shifts vary
+    assert {d for d, _ in seen} == {d for _, d in seen} == set(range(8))   # U{0 .. master - img - 1}, each axis
+    recoloured = 0
+    for i in range(5):
+        torch.manual_seed(i)
+        s2, t2, _ = cmae.PixelShiftViews(a)(img)                    # colour augmentation (the default) ...
+        torch.manual_seed(i)
+        s3, t3, _ = views(img)
+        assert torch.equal(s2, s3)                                  # ... never on the source
+        recoloured += not torch.equal(t2, t3)                       # ... on the target (p 0.8 jitter, 0.2 grey)
+    assert recoloured >= 3
     torch.manual_seed(0)
-    s2, t2, _ = cmae.PixelShiftViews(a)(img)                        # colour augmentation: target only
-    torch.manual_seed(0)
-    s3, _, _ = views(img)
-    assert torch.equal(s2, s3)
+    src, tgt, shift = cmae.PixelShiftViews(cmae.Args(data="synthetic", img_size=32, master_size=32), color=False)(img)
+    assert torch.equal(src, tgt) and shift.tolist() == [0, 0]       # --master-size = --img-size: no shift
 
 
 def tiny_args(tmp, **kw):
