@@ -333,3 +333,22 @@ def test_each_loop_ends_step_k_with_its_global_step_and_the_epoch_reads_so_far(t
     b = a.batch_size
     assert seen == [(1, 0, b), (2, 0, 2 * b), (3, 1, b)]
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["step"] == 3
+
+
+@pytest.mark.parametrize("gpu_aug", [False, True])
+@pytest.mark.parametrize("method", ["cmae", "conmim"])
+def test_the_colour_augmentation_reaches_the_target_view_only(tmp_path, monkeypatch, method, gpu_aug):
+    """CMAE's EMA target view and ConMIM's teacher (strong) view are the colour-augmented ones, in the
+    workers or batched on the device (--gpu-aug); the online / student view never is. The augmentation
+    is replaced by one that blacks the image out."""
+    from PIL import Image
+    monkeypatch.setattr(C, "color_augment", lambda **kw: (lambda im: Image.new("RGB", im.size)))
+    monkeypatch.setattr(C, "color_augmenter", lambda compile=False: (lambda x, **kw: torch.zeros(x.shape, device=x.device)))
+    mod, make = {"cmae": (cmae, cmae_args), "conmim": (conmim, conmim_args)}[method]
+    got, real = [], mod.train_step
+    monkeypatch.setattr(mod, "train_step", lambda *a, **kw: (got.append((a[2].clone(), a[3].clone())), real(*a, **kw))[1])
+    mod.train(make(tmp_path, gpu_aug=gpu_aug, stop_step=1))
+    online, target = got[0]
+    black = C.normalize(torch.zeros(3, 1, 1, dtype=torch.uint8))
+    assert torch.equal(target, black.expand_as(target).contiguous())
+    assert (online != black).flatten(1).any(1).all()                   # every online image has content
