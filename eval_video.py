@@ -303,7 +303,7 @@ def evaluate(a):
         raise C.UserError(f"no video of {a.data} has an annotated frame to score beyond the first: give --output "
                           "to write the predicted masks")
     res = {"method": ckpt["method"], "random_init": a.random_init, "videos": n_videos,
-           "J_mean": 100 * float(np.mean(Js)) if Js else None, "F_mean": 100 * float(np.mean(Fs)) if Fs else None}
+           "J_mean": 100 * float(np.mean(Js)) if Js else None, "F_mean": 100 * float(np.mean(Fs)) if Js else None}
     res["JF_mean"] = (res["J_mean"] + res["F_mean"]) / 2 if Js else None
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}))
     return res

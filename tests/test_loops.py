@@ -6,6 +6,7 @@ loader's batch reaches its train_step argument normalised, the masks and noise t
 step with the configured ratio and scale, new each step, epoch and process, and the fine-tuning loop
 applies its warm-up + cosine lr times each layer's scale. Every reference below is written from the
 official code (cited), not from this project's helpers. Runs of 1 to 6 steps on the tiny configs."""
+import json
 import math
 import os
 
@@ -285,12 +286,11 @@ def test_each_process_draws_its_own_masks(method, tmp_path):
     assert m0.shape == m1.shape and not torch.equal(m0, m1)
 
 
-@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can", "siammae"])
+@pytest.mark.parametrize("method", sorted(CASES))
 def test_the_small_batch_warning_is_measured_against_the_official_global_batch(tmp_path, monkeypatch, method):
     """Each loop's batch plan warns below the official recipe's global batch, which is its Args default
     (MSN 1024, CMAE 4096, ConMIM 2048, CAN 4096, SiamMAE 1024 videos x 2 repeated samples)."""
-    mod, make = {"msn": (msn, msn_args), "conmim": (conmim, conmim_args), "cmae": (cmae, cmae_args),
-                 "can": (can, can_args), "siammae": (siammae, siammae_args)}[method]
+    mod, make, _ = CASES[method]
     seen = []
 
     def plan(args, run, recipe, weakens, unit="images"):
@@ -303,13 +303,11 @@ def test_the_small_batch_warning_is_measured_against_the_official_global_batch(t
                                                          "siammae": 1024}[method]
 
 
-@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can", "siammae"])
+@pytest.mark.parametrize("method", sorted(CASES))
 def test_each_loop_passes_grad_ckpt_and_logs_the_last_step_of_stop_epoch(tmp_path, monkeypatch, method):
     """Run plumbing each loop repeats: --grad-ckpt reaches the model (its blocks run under activation
     checkpointing) and a --stop-epoch run logs its last step even off the --log-every grid."""
-    import json
-    mod, make = {"msn": (msn, msn_args), "conmim": (conmim, conmim_args), "cmae": (cmae, cmae_args),
-                 "can": (can, can_args), "siammae": (siammae, siammae_args)}[method]
+    mod, make, _ = CASES[method]
     calls, real = [], torch.utils.checkpoint.checkpoint
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     mod.train(make(tmp_path, grad_ckpt=True, epochs=2, steps_per_epoch=3, stop_epoch=1, log_every=100, warmup_epochs=0))
@@ -318,13 +316,12 @@ def test_each_loop_passes_grad_ckpt_and_logs_the_last_step_of_stop_epoch(tmp_pat
     assert steps == [3]
 
 
-@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can", "siammae"])
+@pytest.mark.parametrize("method", sorted(CASES))
 def test_each_loop_ends_step_k_with_its_global_step_and_the_epoch_reads_so_far(tmp_path, monkeypatch, method):
     """After the k-th optimiser step of an epoch the loop hands end_step the global step (log, mid-epoch
     checkpoint, --stop-step) and the images (SiamMAE: videos) read in this epoch so far, k x the
     per-process batch (--max-unreadable's denominator); a stopped run's checkpoint is at that step."""
-    mod, make = {"msn": (msn, msn_args), "conmim": (conmim, conmim_args), "cmae": (cmae, cmae_args),
-                 "can": (can, can_args), "siammae": (siammae, siammae_args)}[method]
+    mod, make, _ = CASES[method]
     seen, real = [], C.end_step
     monkeypatch.setattr(C, "end_step", lambda run, log, args, step, epoch, parts, save, dataset=None, reads=0, *a, **kw:
                         (seen.append((step, epoch, reads)), real(run, log, args, step, epoch, parts, save, dataset, reads, *a, **kw))[1])
@@ -344,7 +341,7 @@ def test_the_colour_augmentation_reaches_the_target_view_only(tmp_path, monkeypa
     from PIL import Image
     monkeypatch.setattr(C, "color_augment", lambda **kw: (lambda im: Image.new("RGB", im.size)))
     monkeypatch.setattr(C, "color_augmenter", lambda compile=False: (lambda x, **kw: torch.zeros(x.shape, device=x.device)))
-    mod, make = {"cmae": (cmae, cmae_args), "conmim": (conmim, conmim_args)}[method]
+    mod, make, _ = CASES[method]
     got, real = [], mod.train_step
     monkeypatch.setattr(mod, "train_step", lambda *a, **kw: (got.append((a[2].clone(), a[3].clone())), real(*a, **kw))[1])
     mod.train(make(tmp_path, gpu_aug=gpu_aug, stop_step=1))
