@@ -376,7 +376,6 @@ def train(args):
     save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, teacher)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute, for the "
              "official global batch 2048; not rescaled)")
-    grid = model.encoder.grid
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), teacher.train()

@@ -179,6 +179,8 @@ def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, 
             f1, f2 = s[1], s[2]
             assert mask.shape == (f2.shape[0], N) and (mask.sum(1) == N - int(N * (1 - a.mask_ratio))).all()
             assert f1.shape == f2.shape                                # f1 enters whole (0% masked)
+        rows = {"msn": lambda: s[3].shape[:2].numel(), "can": lambda: 2 * s[1].shape[1]}.get(method, lambda: s[2].shape[0])()
+        assert mask.shape == (rows, N), (mask.shape, rows)             # one mask per image (view) of the step
         assert 0 < mask.mean() < 1
         assert len({tuple(r.tolist()) for r in mask}) > 1              # per image
         masks.append(mask)
