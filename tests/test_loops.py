@@ -297,12 +297,19 @@ def test_the_small_batch_warning_is_measured_against_the_official_global_batch(t
 
     def plan(args, run, recipe, weakens, unit="images"):
         seen.append(recipe)
+        said.append(weakens)
         raise C.UserError("stop")
     monkeypatch.setattr(C, "batch_plan", plan)
+    a, said = make(tmp_path), []
     with pytest.raises(C.UserError, match="stop"):
-        mod.train(make(tmp_path))
+        mod.train(a)
     assert seen == [mod.Args.batch_size] and seen[0] == {"msn": 1024, "cmae": 4096, "conmim": 2048, "can": 4096,
                                                          "siammae": 1024}[method]
+    B = a.batch_size                                   # the counts it names: this run's and the recipe's
+    count = {"cmae": [f"{B - 1} negatives per image", "of 4095"],      # InfoNCE over the batch: B - 1
+             "can": [f"{2 * B - 2} negatives per view", "of 8190"],    # 2B views: all but itself and its pair
+             "msn": [f"{B} images against"]}.get(method, [])
+    assert all(c in said[0] for c in count), said[0]
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
