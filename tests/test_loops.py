@@ -358,3 +358,48 @@ def test_the_colour_augmentation_reaches_the_target_view_only(tmp_path, monkeypa
     black = C.normalize(torch.zeros(3, 1, 1, dtype=torch.uint8))
     assert torch.equal(target, black.expand_as(target).contiguous())
     assert (online != black).flatten(1).any(1).all()                   # every online image has content
+
+
+@pytest.mark.parametrize("method,norm_pix", [("cmae", True), ("can", False), ("can", True), ("siammae", True)])
+def test_the_reconstruction_picture_shows_the_last_batch_through_the_trained_model(tmp_path, monkeypatch, method,
+                                                                                   norm_pix):
+    """recon_ep / pairs_ep PNG after each epoch: rows of up to 8 images of the epoch's last batch (CAN: its
+    first view; SiamMAE: its pairs) = the input, the input with masked patches blanked (CAN: the noisy input
+    the encoder saw), the trained model's prediction pasted into the masked patches (the visible ones are
+    the input), and CAN's noise prediction sigma_max-scaled on the visible patches."""
+    mod, make, _ = CASES[method]
+    kw = dict(batch_size=6, img_size=32) if method == "siammae" else dict(batch_size=12, knn=False)   # > 8 images
+    kw.update(dict(norm_pix=norm_pix) if method == "can" else {})     # CMAE, SiamMAE: always norm-pix targets
+    a = make(tmp_path, epochs=epochs(method, 1), steps_per_epoch=1, warmup_epochs=0, **kw)
+    _, steps, _ = _record(monkeypatch, mod)
+    grids = []
+    monkeypatch.setattr(C, "save_image_grid", lambda path, rows: grids.append((os.path.basename(path), rows)))
+    mod.train(a)
+    s, p = steps[-1], a.patch_size
+    (name, rows), = grids
+    assert name == ("pairs" if method == "siammae" else "recon") + "_ep0001.png"
+    net = s[0].eval()
+    patches = lambda t: mod.patchify(t, p)                                # noqa: E731
+    with torch.no_grad():
+        if method == "can":
+            x, sigma, noise, keep, restore, mask = (t[0, :8] for t in s[1:7])   # the first view
+            inp, shown = x, x + noise
+            pred, _ = net(x + noise, sigma, keep, restore)
+        elif method == "cmae":
+            x, keep, restore, mask = s[2][:8], s[4][:8], s[5][:8], s[6][:8]
+            inp = shown = x
+            pred = net(x, keep, restore)[0]
+        else:
+            f1, x, keep, restore, mask = (t[:8] for t in s[1:6])
+            inp, shown = f1, x
+            pred = net(f1, x, keep, restore)
+    assert len(x) == 8 and 0 < mask.float().mean() < 1
+    m = mask[:, :, None].bool()
+    torch.testing.assert_close(rows[0], inp)
+    torch.testing.assert_close(patches(rows[1]), torch.where(m, 0.0, patches(shown)))
+    xp = patches(x)
+    filled = mod.unnorm_pix(pred, xp) if norm_pix else pred
+    torch.testing.assert_close(patches(rows[2]), torch.where(m, filled, xp))
+    if method == "can":
+        torch.testing.assert_close(patches(rows[3]), torch.where(m, 0.0, pred / a.sigma_max))
+    assert len(rows) == (4 if method == "can" else 3)
