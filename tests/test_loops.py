@@ -313,6 +313,22 @@ def test_the_small_batch_warning_is_measured_against_the_official_global_batch(t
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
+def test_each_loop_logs_throughput_in_the_samples_of_its_global_step(tmp_path, monkeypatch, method):
+    """The log's img_s counts what one step trains on, over all processes: the global batch of images,
+    SiamMAE's batch x --repeated-sampling frame pairs."""
+    mod, make, _ = CASES[method]
+    a, seen = make(tmp_path), []
+
+    def logger(run, total, batch, *rest):
+        seen.append(batch)
+        raise C.UserError("stop")
+    monkeypatch.setattr(C, "Logger", logger)
+    with pytest.raises(C.UserError, match="stop"):
+        mod.train(a)
+    assert seen == [a.batch_size * (a.repeated_sampling if method == "siammae" else 1)]
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
 def test_each_loop_passes_grad_ckpt_and_logs_the_last_step_of_stop_epoch(tmp_path, monkeypatch, method):
     """Run plumbing each loop repeats: --grad-ckpt reaches the model (its blocks run under activation
     checkpointing) and a --stop-epoch run logs its last step even off the --log-every grid."""
