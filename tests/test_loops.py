@@ -331,11 +331,13 @@ def test_each_loop_logs_throughput_in_the_samples_of_its_global_step(tmp_path, m
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_each_loop_passes_grad_ckpt_and_logs_the_last_step_of_stop_epoch(tmp_path, monkeypatch, method):
     """Run plumbing each loop repeats: --grad-ckpt reaches the model (its blocks run under activation
-    checkpointing) and a --stop-epoch run logs its last step even off the --log-every grid."""
+    checkpointing) and a --stop-epoch run logs its last step even off the --log-every grid and before
+    the schedule's end (SiamMAE: 2 passes of --repeated-sampling effective epochs each)."""
     mod, make, _ = CASES[method]
     calls, real = [], torch.utils.checkpoint.checkpoint
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    mod.train(make(tmp_path, grad_ckpt=True, epochs=2, steps_per_epoch=3, stop_epoch=1, log_every=100, warmup_epochs=0))
+    mod.train(make(tmp_path, grad_ckpt=True, epochs=epochs(method, 2), steps_per_epoch=3, stop_epoch=1, log_every=100,
+                   warmup_epochs=0))
     assert calls
     steps = [json.loads(line)["step"] for line in open(tmp_path / "log.jsonl") if '"step"' in line]
     assert steps == [3]
