@@ -155,10 +155,12 @@ def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, 
         mask = s[MASK_ARG[method]]
         if method == "msn":                                            # ids_keep (R, B, n_keep) of kept patches
             ids_keep = mask
+            assert ids_keep.shape[:2] == s[3].shape[:2]                # one per random anchor (R, B) of the step
             assert ids_keep.shape[-1] == int(N * (1 - a.mask_ratio))
             mask = torch.ones(ids_keep.shape[:-1] + (N,)).scatter_(-1, ids_keep, 0.0).flatten(0, 1)
         elif method in ("cmae", "conmim"):                            # masked in unit x unit blocks
             mask = mask.flatten(1).float()
+            assert mask.shape == (s[2].shape[0], N)                    # one per image of the step
             u, g = a.mask_unit, grid // a.mask_unit
             assert u > 1 and (mask.sum(1) == (g * g - int(g * g * (1 - a.mask_ratio))) * u * u).all()
             blocks = mask.view(-1, g, u, g, u)
@@ -172,6 +174,7 @@ def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, 
             e = noise / sigma.view(2, B, 1, 1, 1)                      # noise = sigma e, e ~ N(0, 1)
             assert abs(e.std().item() - 1) < 0.1 and abs(e.mean().item()) < 0.1
             assert not torch.allclose(e[0], e[1])                      # independent per view
+            assert mask.shape == (2, B, N)                             # one per view of each image of the step
             assert (mask.sum(-1) == N - int(N * (1 - a.mask_ratio))).all()
             assert not torch.equal(mask[0], mask[1])                   # a mask per view
             mask = mask.flatten(0, 1)
@@ -179,8 +182,6 @@ def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, 
             f1, f2 = s[1], s[2]
             assert mask.shape == (f2.shape[0], N) and (mask.sum(1) == N - int(N * (1 - a.mask_ratio))).all()
             assert f1.shape == f2.shape                                # f1 enters whole (0% masked)
-        rows = {"msn": lambda: s[3].shape[:2].numel(), "can": lambda: 2 * s[1].shape[1]}.get(method, lambda: s[2].shape[0])()
-        assert mask.shape == (rows, N), (mask.shape, rows)             # one mask per image (view) of the step
         assert 0 < mask.mean() < 1
         assert len({tuple(r.tolist()) for r in mask}) > 1              # per image
         masks.append(mask)
@@ -288,28 +289,33 @@ def test_each_process_draws_its_own_masks(method, tmp_path):
     assert m0.shape == m1.shape and not torch.equal(m0, m1)
 
 
+def _stopped_at_first_call(monkeypatch, mod, a, name):
+    """mod.train(a), stopped where it first calls common.<name>: that call's positional arguments."""
+    seen = []
+
+    def stop(*args, **kw):
+        seen.append(args)
+        raise C.UserError("stop")
+    monkeypatch.setattr(C, name, stop)
+    with pytest.raises(C.UserError, match="stop"):
+        mod.train(a)
+    return seen[0]
+
+
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_the_small_batch_warning_is_measured_against_the_official_global_batch(tmp_path, monkeypatch, method):
     """Each loop's batch plan warns below the official recipe's global batch, which is its Args default
     (MSN 1024, CMAE 4096, ConMIM 2048, CAN 4096, SiamMAE 1024 videos x 2 repeated samples)."""
     mod, make, _ = CASES[method]
-    seen = []
-
-    def plan(args, run, recipe, weakens, unit="images"):
-        seen.append(recipe)
-        said.append(weakens)
-        raise C.UserError("stop")
-    monkeypatch.setattr(C, "batch_plan", plan)
-    a, said = make(tmp_path), []
-    with pytest.raises(C.UserError, match="stop"):
-        mod.train(a)
-    assert seen == [mod.Args.batch_size] and seen[0] == {"msn": 1024, "cmae": 4096, "conmim": 2048, "can": 4096,
-                                                         "siammae": 1024}[method]
+    a = make(tmp_path)
+    _, _, recipe, weakens = _stopped_at_first_call(monkeypatch, mod, a, "batch_plan")   # (args, run, recipe, weakens)
+    assert recipe == mod.Args.batch_size == {"msn": 1024, "cmae": 4096, "conmim": 2048, "can": 4096,
+                                             "siammae": 1024}[method]
     B = a.batch_size                                   # the counts it names: this run's and the recipe's
     count = {"cmae": [f"{B - 1} negatives per image", "of 4095"],      # InfoNCE over the batch: B - 1
              "can": [f"{2 * B - 2} negatives per view", "of 8190"],    # 2B views: all but itself and its pair
              "msn": [f"{B} images against"]}.get(method, [])
-    assert all(c in said[0] for c in count), said[0]
+    assert all(c in weakens for c in count), weakens
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
@@ -317,15 +323,9 @@ def test_each_loop_logs_throughput_in_the_samples_of_its_global_step(tmp_path, m
     """The log's img_s counts what one step trains on, over all processes: the global batch of images,
     SiamMAE's batch x --repeated-sampling frame pairs."""
     mod, make, _ = CASES[method]
-    a, seen = make(tmp_path), []
-
-    def logger(run, total, batch, *rest):
-        seen.append(batch)
-        raise C.UserError("stop")
-    monkeypatch.setattr(C, "Logger", logger)
-    with pytest.raises(C.UserError, match="stop"):
-        mod.train(a)
-    assert seen == [a.batch_size * (a.repeated_sampling if method == "siammae" else 1)]
+    a = make(tmp_path)
+    _, _, batch = _stopped_at_first_call(monkeypatch, mod, a, "Logger")[:3]   # (run, total steps, batch, ...)
+    assert batch == a.batch_size * (a.repeated_sampling if method == "siammae" else 1)
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
@@ -369,10 +369,9 @@ def test_the_colour_augmentation_reaches_the_target_view_only(tmp_path, monkeypa
     monkeypatch.setattr(C, "color_augment", lambda **kw: (lambda im: Image.new("RGB", im.size)))
     monkeypatch.setattr(C, "color_augmenter", lambda compile=False: (lambda x, **kw: torch.zeros(x.shape, device=x.device)))
     mod, make, _ = CASES[method]
-    got, real = [], mod.train_step
-    monkeypatch.setattr(mod, "train_step", lambda *a, **kw: (got.append((a[2].clone(), a[3].clone())), real(*a, **kw))[1])
+    _, steps, _ = _record(monkeypatch, mod)
     mod.train(make(tmp_path, gpu_aug=gpu_aug, stop_step=1))
-    online, target = got[0]
+    online, target = steps[0][2:4]                                     # train_step's (online, target) views
     black = C.normalize(torch.zeros(3, 1, 1, dtype=torch.uint8))
     assert torch.equal(target, black.expand_as(target).contiguous())
     assert (online != black).flatten(1).any(1).all()                   # every online image has content
