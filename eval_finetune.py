@@ -39,7 +39,8 @@ Where torchvision's operations differ from the official timm ones (listed, not f
 
 Output: <output-dir>/checkpoint.pth (resumable, method "finetune", the fine-tuned encoder under
 `encoder`), log.jsonl (val_top1, val_top5 and val_loss, the cross-entropy without smoothing, after each
-epoch), and a final JSON line with best_top1, last_top1, last_top5 and last_val_loss.
+epoch; a run stopped at an epoch's last step, by --stop-step or a signal, evaluates that epoch when
+resumed), and a final JSON line with best_top1, last_top1, last_top5 and last_val_loss.
 """
 import json
 import os
@@ -258,11 +259,17 @@ def finetune(args):
     C.print0(f"fine-tuning {ckpt['method']} ({'random init' if args.random_init else args.ckpt}), recipe {recipe}: "
              f"{len(train)} images, {len(train.classes)} classes, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
              + ("" if args.lr else f" (= blr {args.blr:g} x {args.batch_size} / 256)") + f", layer decay {args.layer_decay}")
-    best, top1, top5, vloss = 0.0, None, None, None
+    vals = {}                                                        # epoch -> (top1, top5, val loss)
     if start and os.path.isfile(os.path.join(run.out, "log.jsonl")):     # resumed: the epochs already evaluated
         for rec in map(json.loads, open(os.path.join(run.out, "log.jsonl"))):
             if "val_top1" in rec and rec["epoch"] < start // ipe:
-                best, top1, top5, vloss = max(best, rec["val_top1"]), rec["val_top1"], rec["val_top5"], rec.get("val_loss")
+                vals[rec["epoch"]] = rec["val_top1"], rec["val_top5"], rec.get("val_loss")
+
+    def evaluate_epoch(epoch):
+        top1, top5, vloss = vals[epoch] = evaluate(model, val, size, args, run)
+        log.write({"epoch": epoch, "val_top1": round(top1, 3), "val_top5": round(top5, 3), "val_loss": round(vloss, 4)})
+    if start and start % ipe == 0 and start // ipe - 1 not in vals:    # stopped at an epoch's last step (--stop-step,
+        evaluate_epoch(start // ipe - 1)                              # a signal) before its evaluation: evaluate it now
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         bad0 = C.bad_reads(train)
         for it, (x, y) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
@@ -284,12 +291,9 @@ def finetune(args):
                 return None
         C.check_unreadable(train, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
-        top1, top5, vloss = evaluate(model, val, size, args, run)
-        best = max(best, top1)
-        log.write({"epoch": epoch, "val_top1": round(top1, 3), "val_top5": round(top5, 3), "val_loss": round(vloss, 4)})
-    if top1 is None:                                                 # nothing left to train: evaluate as is
-        top1, top5, vloss = evaluate(model, val, size, args, run)
-        best = top1
+        evaluate_epoch(epoch)
+    top1, top5, vloss = vals[max(vals)] if vals else evaluate(model, val, size, args, run)   # else: as it stands
+    best = max([v[0] for v in vals.values()] + [top1])
     res = {"method": ckpt["method"], "random_init": args.random_init, "recipe": recipe,
            "best_top1": round(best, 2), "last_top1": round(top1, 2), "last_top5": round(top5, 2),
            "last_val_loss": None if vloss is None else round(vloss, 4)}

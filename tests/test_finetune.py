@@ -316,3 +316,22 @@ def test_fine_tuning_stops_at_the_epoch_end_when_too_many_images_are_unreadable(
         FT.finetune(FT.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", "cmae"), data=data, output_dir=str(tmp_path / "o"),
                             epochs=1, batch_size=4, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, device="cpu",
                             crop_scale=(0.5, 1.0)))
+
+
+def test_a_run_stopped_at_an_epochs_last_step_evaluates_that_epoch_when_resumed(tmp_path, monkeypatch):
+    """--stop-step (or a preemption signal) at an epoch's last step writes the checkpoint and exits before
+    that epoch's evaluation: the resumed run evaluates it first, so every epoch has its val record and the
+    result's last_top1 is the final model's, not the epoch before."""
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
+    scores = iter([50.0, 40.0, 45.0])
+    monkeypatch.setattr(FT, "evaluate", lambda *a: (next(scores), 90.0, 1.0))
+
+    def args(**kw):
+        return FT.Args(**{**dict(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=3, steps_per_epoch=1,
+                                 batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, device="cpu"), **kw})
+    assert FT.finetune(args(stop_step=2)) is None                   # epochs 0, 1 trained; epoch 0 evaluated
+    assert FT.finetune(args(stop_step=3)) is None                   # epoch 1 evaluated, epoch 2 trained
+    res = FT.finetune(args())                                        # the final epoch evaluated, nothing to train
+    vals = [json.loads(line) for line in open(tmp_path / "o" / "log.jsonl")]
+    assert [(r["epoch"], r["val_top1"]) for r in vals if "val_top1" in r] == [(0, 50.0), (1, 40.0), (2, 45.0)]
+    assert (res["best_top1"], res["last_top1"]) == (50.0, 45.0)
