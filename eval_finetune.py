@@ -268,8 +268,9 @@ def finetune(args):
     def evaluate_epoch(epoch):
         top1, top5, vloss = vals[epoch] = evaluate(model, val, size, args, run)
         log.write({"epoch": epoch, "val_top1": round(top1, 3), "val_top5": round(top5, 3), "val_loss": round(vloss, 4)})
-    if start and start % ipe == 0 and start // ipe - 1 not in vals:    # stopped at an epoch's last step (--stop-step,
-        evaluate_epoch(start // ipe - 1)                              # a signal) before its evaluation: evaluate it now
+    pending = torch.tensor(float(bool(start) and start % ipe == 0 and start // ipe - 1 not in vals), device=run.device)
+    if C.all_reduce_sum_(pending) > 0:             # stopped at an epoch's last step (--stop-step, a signal) before its
+        evaluate_epoch(start // ipe - 1)           # evaluation: evaluate it now (agreed: evaluate() is collective)
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         bad0 = C.bad_reads(train)
         for it, (x, y) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):

@@ -129,8 +129,7 @@ class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
         if not os.path.isdir(root):
             raise C.UserError(f"--data {root}: no such directory (give a folder of frame folders or 'synthetic')")
         self.videos, short, bad = [], 0, 0
-        for dirpath, dirs, files in sorted(os.walk(root, followlinks=True)):
-            dirs.sort()
+        for dirpath, _, files in sorted(os.walk(root, followlinks=True)):
             frames = sorted(f for f in files if f.lower().endswith(C.IMG_EXTS))
             if not frames:
                 continue

@@ -213,6 +213,11 @@ def test_image_files_layouts(tmp_path):
     assert C.image_dataset(str(tmp_path), "val") is None
     flat = C.ImageFiles(str(tmp_path / "train" / "cat"))                     # flat folder: one class
     assert len(flat) == 3 and flat.classes == ["all"]
+    os.makedirs(tmp_path / "elsewhere")                                      # symlinked class and sub-folder
+    os.symlink(tmp_path / "train" / "dog", tmp_path / "elsewhere" / "more")  # (a dataset assembled from links)
+    os.symlink(tmp_path / "elsewhere", tmp_path / "train" / "cat" / "linked")
+    ds = C.image_dataset(str(tmp_path))
+    assert len(ds) == 9 and [label for _, label in ds.samples].count(0) == 6
     os.makedirs(tmp_path / "empty" / "sub")
     with pytest.raises(C.UserError, match="no images"):
         C.ImageFiles(str(tmp_path / "empty"))

@@ -96,15 +96,19 @@ def test_ddp_two_processes_equal_one_process():
 def test_video_folders_nested_layout_skips_and_errors(tmp_path, capsys):
     from PIL import Image
     root = tmp_path / "JPEGImages" / "480p"
-    for name, n in (("bear", 5), ("car", 3), ("single", 1)):
+    for name, n in (("bear", 5), ("car", 2), ("single", 1)):
         os.makedirs(root / name)
         for t in range(n):
             Image.new("RGB", (20, 20), (10 * t, 0, 0)).save(root / name / f"{t:05d}.jpg")
     os.makedirs(root / "broken")
     for t in range(3):
         (root / "broken" / f"{t:05d}.jpg").write_bytes(b"nope")
-    ds = siammae.VideoFolders(str(tmp_path))
-    assert [len(v) for v in ds.videos] == [5, 3]
+    os.makedirs(tmp_path / "elsewhere" / "fish")                   # a video folder that is a symlink
+    for t in range(4):
+        Image.new("RGB", (20, 20)).save(tmp_path / "elsewhere" / "fish" / f"{t:05d}.jpg")
+    os.symlink(tmp_path / "elsewhere" / "fish", root / "fish")
+    ds = siammae.VideoFolders(str(tmp_path / "JPEGImages"))
+    assert [len(v) for v in ds.videos] == [5, 2, 4]              # 2 frames: the fewest a pair needs
     assert "skipped 1 video(s) with < 2 frames and 1 with an unreadable first frame" in capsys.readouterr().out
     assert ds.videos[0].load(4).getpixel((0, 0))[0] == 40        # frames sorted by name
     with pytest.raises(C.UserError, match="no usable videos"):
