@@ -3,6 +3,7 @@ vs a written-out attention, model-level DDP equivalence, video folders, frame pa
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,8 +101,10 @@ def test_video_folders_nested_layout_skips_and_errors(tmp_path, capsys):
         os.makedirs(root / name)
         for t in range(n):
             Image.new("RGB", (20, 20), (10 * t, 0, 0)).save(root / name / f"{t:05d}.jpg")
-    os.makedirs(root / "broken")
-    for t in range(3):
+    os.makedirs(root / "broken")                                  # first frame: a PNG cut in half (it opens, verify fails)
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (20, 20, 3), np.uint8)).save(root / "broken" / "00000.png")
+    (root / "broken" / "00000.png").write_bytes((root / "broken" / "00000.png").read_bytes()[:600])   # then 2 that do not open
+    for t in range(1, 3):
         (root / "broken" / f"{t:05d}.jpg").write_bytes(b"nope")
     os.makedirs(tmp_path / "elsewhere" / "fish")                   # a video folder that is a symlink
     for t in range(4):
@@ -113,6 +116,7 @@ def test_video_folders_nested_layout_skips_and_errors(tmp_path, capsys):
     assert ds.videos[0].load(4).getpixel((0, 0))[0] == 40        # frames sorted by name
     with pytest.raises(C.UserError, match="no usable videos"):
         siammae.VideoFolders(str(root / "single"))
+    assert "skipped 1 video(s) with < 2 frames and 0 with" in capsys.readouterr().out
 
 
 def test_an_unreadable_frame_is_replaced_by_its_nearest_and_its_video_counted(tmp_path, capsys):
