@@ -169,10 +169,18 @@ def test_frame_pair_gap_and_shared_crop():
             seen.append(t)
             return super().load(t)
 
-    for _ in range(20):
+    torch.manual_seed(0)
+    for _ in range(30):
         siammae.FramePair(a)(Counter())
     gaps = [seen[i + 1] - seen[i] for i in range(0, len(seen), 2)]
-    assert min(gaps) >= 2 and max(gaps) <= 5 and len(set(gaps)) > 1
+    assert set(gaps) == {2, 3, 4, 5} and max(seen) <= 9                 # U{gap_min..gap_max}, inside the video
+
+    class Short(Counter):                                          # 2 frames: the gap is clipped to 1
+        def __len__(self):
+            return 2
+    seen.clear()
+    siammae.FramePair(a)(Short())
+    assert seen == [0, 1, 0, 1]
     clip = S.SyntheticClip(0)                               # synthetic clips move, with object masks
     assert clip.load(0).tobytes() != clip.load(5).tobytes() and clip.mask(0).max() >= 1
 
