@@ -149,8 +149,11 @@ def test_an_unreadable_frame_is_replaced_by_its_nearest_and_its_video_counted(tm
     assert not (tmp_path / "stop" / "checkpoint.pth").exists()
 
 
-def test_frame_pair_gap_and_shared_crop():
-    a = tiny_args(img_size=16, gap=(2, 5))
+def test_frame_pair_gap_and_shared_crop(monkeypatch):
+    from torchvision import transforms as T
+    a = tiny_args(img_size=16, gap=(2, 5), crop_scale=(0.4, 0.9))
+    crops, get_params = [], T.RandomResizedCrop.get_params
+    monkeypatch.setattr(T.RandomResizedCrop, "get_params", lambda *p: crops.append(p[1:]) or get_params(*p))
 
     class Static:                                                  # identical frames: f1 must equal f2
         def __len__(self):
@@ -162,6 +165,7 @@ def test_frame_pair_gap_and_shared_crop():
     out = siammae.FramePair(a)(Static())
     assert out.shape == (2, 2, 3, 16, 16) and out.dtype == torch.uint8
     assert torch.equal(out[:, 0], out[:, 1])                      # same crop and flip on both frames
+    assert crops == [((0.4, 0.9), (3 / 4, 4 / 3))] * 2             # one crop per pair: --crop-scale, the usual ratios
     seen = []
 
     class Counter(Static):
