@@ -149,7 +149,7 @@ def test_an_unreadable_frame_is_replaced_by_its_nearest_and_its_video_counted(tm
     assert not (tmp_path / "stop" / "checkpoint.pth").exists()
 
 
-def test_frame_pair_gap_and_shared_crop(monkeypatch):
+def test_frame_pair_gap_crop_and_flip(monkeypatch):
     from torchvision import transforms as T
     a = tiny_args(img_size=16, gap=(2, 5), crop_scale=(0.4, 0.9))
     crops, get_params = [], T.RandomResizedCrop.get_params
@@ -166,6 +166,13 @@ def test_frame_pair_gap_and_shared_crop(monkeypatch):
     assert out.shape == (2, 2, 3, 16, 16) and out.dtype == torch.uint8
     assert torch.equal(out[:, 0], out[:, 1])                      # same crop and flip on both frames
     assert crops == [((0.4, 0.9), (3 / 4, 4 / 3))] * 2             # one crop per pair: --crop-scale, the usual ratios
+    monkeypatch.setattr(T.RandomResizedCrop, "get_params", lambda img, *p: (0, 0, img.height, img.width))
+    whole = C.to_uint8(Static().load(0).resize((16, 16), resample=2))             # the whole frame, bilinear
+    torch.manual_seed(0)
+    pairs = torch.cat([siammae.FramePair(a)(Static()) for _ in range(8)])        # (16, 2, 3, 16, 16)
+    flipped = [torch.equal(p, torch.stack([whole.flip(-1)] * 2)) for p in pairs]
+    assert sum(flipped) + sum(torch.equal(p, torch.stack([whole] * 2)) for p in pairs) == 16
+    assert 0 < sum(flipped) < 16                                       # flipped with probability 1/2
     seen = []
 
     class Counter(Static):
