@@ -256,6 +256,9 @@ def test_train_transform_is_the_recipes_pipeline():
         a = ours(img)
         torch.manual_seed(seed)
         assert torch.equal(a, ref(img)), seed
+    kinds = lambda **kw: [type(t).__name__ for t in FT.train_transform(FT.Args(**kw), 16).transforms[2:]]   # noqa: E731
+    assert kinds(randaug_magnitude=0, reprob=0.0) == ["RandAugment", "function", "function"]   # magnitude 0 is on
+    assert kinds(randaug_magnitude=-1, reprob=0.1) == ["function", "function", "RandomErasing"]   # -1 is off
 
 
 def test_each_process_evaluates_its_strided_share_of_val(monkeypatch):
