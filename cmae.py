@@ -43,7 +43,7 @@ Where this file follows the official code (ZhichengHuang/CMAE) rather than the p
     identical at the recipe's drop_path 0), so its embeddings are deterministic in train mode.
   - bf16 autocast on GPU (official fp16 AMP; `--precision fp16` is available).
   - On CUDA the target's colour augmentation (jitter, grey, PIL-equivalent blur) runs batched on the
-    GPU (common.color_augment_batch, same distribution); `--no-gpu-aug` keeps it in the workers.
+    GPU (gpu_aug.py, same distribution); `--no-gpu-aug` keeps it in the workers.
 """
 import contextlib
 import copy

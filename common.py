@@ -2,8 +2,8 @@
 
 Nothing in here makes a method that method: each method file defines its own ViT, masking, EMA
 target, heads, loss and step. Here: activation checkpointing, schedules and the optimiser, exact
-micro-batch accumulation, data (ImageFolder-style directories, views, CPU and batched GPU
-augmentation; the `synthetic` data is in synthetic.py), distributed helpers whose collectives
+micro-batch accumulation, data (ImageFolder-style directories, views, the workers' augmentation;
+its batched GPU twin is gpu_aug.py, the `synthetic` data synthetic.py), distributed helpers whose collectives
 autograd sees, CLI parsing from a dataclass, setup, preemption, logging, checkpoints and the end-of-run
 k-NN report (its k-NN is eval_linear.py's). Read top to bottom; every method file imports it as
 `import common as C`.
@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import gc
 import glob
+import importlib.util
 import itertools
 import json
 import math
@@ -251,15 +252,6 @@ def to_uint8(img):
 BLUR_SIGMA = (0.1, 2.0)
 
 
-def blur_taps(sigma_max=BLUR_SIGMA[1], size=None):
-    """Taps of the batched Gaussian blur: odd, covering +-3 sigma_max (13 for sigma 2), whatever
-    the image size (a kernel of ~10% of the image, torchvision's SimCLR habit, truncates the
-    Gaussian on small views: 9 taps at 96 px cut sigma 2 to about 1.85). Capped below the image
-    size, which reflect padding needs."""
-    k = 2 * math.ceil(3 * sigma_max) + 1
-    return k if size is None else min(k, (size - 1) // 2 * 2 + 1)
-
-
 class GaussianBlur:
     """With probability p, PIL's Gaussian blur with sigma ~ U[0.1, 2] (as MSN's / DINO's official
     pipelines: PIL's blur is untruncated, and ~5x faster than torchvision's on PIL images).
@@ -287,85 +279,6 @@ def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=
     if p_solarize > 0:
         ops.append(T.RandomSolarize(128, p=p_solarize))
     return T.Compose(ops)
-
-
-def _gray(x):                                                        # (B, 3, H, W) -> (B, 1, H, W)
-    return (0.2989 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).unsqueeze(1)   # torchvision weights
-
-
-def _hue(x, f):
-    """Shift the hue of float RGB (B, 3, H, W) in [0, 1] by f (B, 1, 1, 1) turns, via HSV."""
-    v = x.amax(1, keepdim=True)                                      # value, (B, 1, H, W)
-    c = v - x.amin(1, keepdim=True)                                  # chroma = value x saturation
-    r, g, b = ((v - x) / c.clamp_min(1e-12)).split(1, dim=1)
-    h = torch.where(v == x[:, :1], b - g, torch.where(v == x[:, 1:2], 2 + r - b, 4 + g - r))
-    h = torch.remainder(h / 6 + f, 1.0) * 6                          # shifted hue in sextants [0, 6)
-    k = torch.remainder(torch.tensor([5.0, 3.0, 1.0], device=x.device).view(1, 3, 1, 1) + h, 6)
-    return v - c * torch.minimum(k, 4 - k).clamp_(0, 1)               # HSV -> RGB, closed form
-
-
-def color_jitter_batch(x, fb, fc, fs, fh, order):
-    """torchvision ColorJitter applied per image: factors (B, 1, 1, 1) for brightness, contrast,
-    saturation, hue; order (B, 4) per image a permutation of the ops 0..3, or all -1 (not applied).
-    x float in [0, 1]. Brightness / contrast / saturation are the blends f*x + (1-f)*ref, clamped,
-    with ref = 0, the image's mean grey, the grey image. The hue shift (an HSV round trip, the
-    costly op) runs once on the batch: each image's blends placed before its hue, then the hue, then
-    its blends placed after it (the same ops in the same order, image by image; no host sync)."""
-    hue_at = (order == 3).float().argmax(1).masked_fill(order[:, 0] < 0, 4).view(-1, 1, 1, 1)   # 4: no jitter
-
-    def blend(x, k, apply):                          # the k-th op where it is a blend; elsewhere f = 1: x exactly
-        op = order[:, k].view(-1, 1, 1, 1)
-        f = torch.where(apply & (op >= 0) & (op <= 2), torch.where(op == 0, fb, torch.where(op == 1, fc, fs)), 1.0)
-        g = _gray(x)
-        ref = torch.where(op == 2, g, g.mean((2, 3), keepdim=True) * (op == 1))   # grey image, its mean, or 0
-        return torch.addcmul((1 - f) * ref, f, x).clamp_(0, 1)                    # f x + (1 - f) ref
-    for k in range(3):                                               # a permutation's last op never precedes its hue
-        x = blend(x, k, k < hue_at)
-    x = torch.where(hue_at < 4, _hue(x, fh), x)
-    for k in range(1, 4):
-        x = blend(x, k, k > hue_at)
-    return x
-
-
-def blur_batch(x, sigma, k):
-    """Per-image separable Gaussian blur, k taps, reflect padding; sigma (B,), 0 = off."""
-    B, C3, H, W = x.shape
-    t = torch.arange(k, device=x.device, dtype=x.dtype) - (k - 1) / 2
-    w = torch.exp(-0.5 * (t / sigma.clamp_min(1e-6)[:, None]) ** 2)  # (B, k); sigma 0 -> delta
-    w = (w / w.sum(1, keepdim=True)).repeat_interleave(C3, 0)        # (B*3, k)
-    y = F.pad(x.reshape(1, B * C3, H, W), [k // 2] * 4, mode="reflect")
-    y = F.conv2d(y, w.view(-1, 1, k, 1), groups=B * C3)
-    return F.conv2d(y, w.view(-1, 1, 1, k), groups=B * C3).view(B, C3, H, W)
-
-
-def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5, p_solarize=0.0):
-    """Batched, on-device twin of `color_augment` for uint8 or [0, 1] float (B, 3, H, W) -> float
-    [0, 1]. Each image draws its own parameters from the torchvision distributions: ColorJitter
-    with probability p_jitter (factors U[1-j, 1+j], hue U[-h, h], the four ops in a random order),
-    RandomGrayscale, Gaussian blur (sigma U[0.1, 2], blur_taps() taps: +-3 sigma) and RandomSolarize(128).
-    It works in float, so unlike the PIL pipeline there is no rounding to uint8 between ops."""
-    x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
-    B, dev = x.shape[0], x.device
-    u = lambda lo, hi: torch.empty(B, 1, 1, 1, device=dev).uniform_(lo, hi)
-    b, c, s, h = jitter
-    fb, fc, fs, fh = u(max(0, 1 - b), 1 + b), u(max(0, 1 - c), 1 + c), u(max(0, 1 - s), 1 + s), u(-h, h)
-    order = torch.rand(B, 4, device=dev).argsort(1)                  # uniform random permutation per image
-    order = torch.where(torch.rand(B, 1, device=dev) < p_jitter, order, -1)
-    x = color_jitter_batch(x, fb, fc, fs, fh, order)
-    x = torch.where(torch.rand(B, 1, 1, 1, device=dev) < p_gray, _gray(x).expand_as(x), x)
-    if p_blur > 0:
-        sigma = torch.empty(B, device=dev).uniform_(*BLUR_SIGMA) * (torch.rand(B, device=dev) < p_blur)
-        x = blur_batch(x, sigma, blur_taps(size=min(x.shape[-2:])))
-    if p_solarize > 0:
-        x = torch.where((torch.rand(B, 1, 1, 1, device=dev) < p_solarize) & (x >= 128 / 255), 1 - x, x)
-    return x
-
-
-def color_augmenter(compile=False):
-    """What the loops apply with --gpu-aug (run.color_augment; the benchmarks time the same): with --compile
-    color_augment_batch compiled, fused elementwise kernels (an H100 took 31.9 ms instead of 74.5 per MSN
-    step, issue #27), one graph per view shape; inductor draws its own random numbers (KS-tested)."""
-    return torch.compile(color_augment_batch, dynamic=False) if compile else color_augment_batch
 
 
 class CountsUnreadable:
@@ -745,21 +658,38 @@ def setup(args, method):
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
                               ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device),
-                              color_augment=color_augmenter(args.compile))
+                              color_augment=gpu_augmenter(args))
 
 
 def device_defaults(args, device):
     """Flags whose default (None) follows the device, on with CUDA: --compile (torch.compile of the
-    networks; the first steps compile) and, where the method has it, --gpu-aug (workers only decode,
-    crop and flip; the colour ops run batched on the device). A compile that is on by default and
-    fails (e.g. a graph torch cannot compile) falls back to eager with a warning, not an error."""
+    networks; the first steps compile) and, where the method has it, --gpu-aug (gpu_aug.py: workers
+    only decode, crop and flip; the colour ops run batched on the device; off, with a line, where
+    gpu_aug.py was not copied along). A compile that is on by default and fails (e.g. a graph torch
+    cannot compile) falls back to eager with a warning, not an error."""
     if args.compile is None:
         args.compile = device.type == "cuda"
         if args.compile:
             import torch._dynamo
             torch._dynamo.config.suppress_errors = True
     if getattr(args, "gpu_aug", False) is None:
-        args.gpu_aug = device.type == "cuda"
+        args.gpu_aug = device.type == "cuda" and importlib.util.find_spec("gpu_aug") is not None
+        if device.type == "cuda" and not args.gpu_aug:
+            print0("no gpu_aug.py next to this file: the colour augmentation runs in the workers")
+
+
+def gpu_augmenter(args):
+    """run.color_augment: with --gpu-aug, gpu_aug.py's batched colour augmentation (compiled with
+    --compile); None without the flag."""
+    if not getattr(args, "gpu_aug", False):
+        return None
+    try:
+        import gpu_aug
+    except ModuleNotFoundError as e:
+        if e.name != "gpu_aug":
+            raise
+        raise UserError("--gpu-aug needs gpu_aug.py next to this file (or --no-gpu-aug: colour in the workers)") from None
+    return gpu_aug.color_augmenter(args.compile)
 
 
 def distribute(net, run):

@@ -53,7 +53,7 @@ differs from both, and why:
     kaiming-normal patch embedding, trunc-normal cls token and pos-embed.
   - bf16 autocast on GPU (official: fp32). The loss itself runs in fp32.
   - On CUDA, colour jitter / grey / blur run as batched device ops with per-image parameters
-    (common.color_augment_batch; `--no-gpu-aug` keeps them in the PIL workers, the official way):
+    (gpu_aug.py; `--no-gpu-aug` keeps them in the PIL workers, the official way):
     the same distributions (KS-tested), in float without uint8 rounding between ops. The 12-view
     CPU pipeline is otherwise the bottleneck.
     Blur: PIL's untruncated Gaussian blur, sigma U[0.1, 2] px, on every view (as official); the

@@ -16,7 +16,7 @@ Per method, with its default ImageNet recipe (its own view class and `Args` defa
       and flip (colour runs batched on the device);
   loader: steady-state images/s out of the training DataLoader (common.make_loader) with --workers
       processes (worker start-up, the first prefetch and epoch boundaries excluded);
-  device aug: images/s of common.color_augment_batch + normalize over one step's views on
+  device aug: images/s of gpu_aug.color_augment_batch + normalize over one step's views on
       --device (only with --device cuda, or --device-aug); --compile: compiled, as train() runs it.
 For MSN, whose 12 views make the CPU workers the bottleneck, a second table times `--gpu-decode`
 (gpu_decode.py): its workers (read the file, parse the header, draw the boxes and flips) per core,
@@ -42,6 +42,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
+import gpu_aug as GA  # noqa: E402
 import synthetic as S  # noqa: E402
 
 METHODS = ("msn", "cmae", "conmim", "can", "siammae")
@@ -196,7 +197,7 @@ def loader_rate(views, batch, workers, batches):
     return batches * batch / (time.perf_counter() - t)
 
 
-def gpu_aug_rate(method, args, B, device, reps=5, aug=C.color_augment_batch):
+def gpu_aug_rate(method, args, B, device, reps=5, aug=GA.color_augment_batch):
     """img/s of color_augment_batch (aug: or its compiled twin) + normalize over one step's views that
     the method augments."""
     S = args.img_size
@@ -221,7 +222,7 @@ def decode_pipeline(method, args, data):
     return C.Views(G.encoded(C.image_dataset(data, "train")), boxes, seed=0)
 
 
-def decode_rate(dviews, B, device, reps=3, aug=C.color_augment_batch):
+def decode_rate(dviews, B, device, reps=3, aug=GA.color_augment_batch):
     """img/s of gpu_decode.views (decode + crops + flips) + colour + normalize on one batch of B images."""
     import gpu_decode as G
     sizes = dviews.transform.sizes
@@ -251,7 +252,7 @@ def main():
     p.add_argument("--compile", action="store_true", help="time the compiled augmentation, as train() runs it under "
                    "--compile (the default with CUDA); the first calls, which compile, are left out")
     a = p.parse_args()
-    aug = C.color_augmenter(a.compile)                               # as train() applies it
+    aug = GA.color_augmenter(a.compile)                               # as train() applies it
     tmp = None
     if a.data is None:
         tmp = tempfile.TemporaryDirectory()

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
+import gpu_aug as GA  # noqa: E402
 
 
 def blocks(D, depth, N, mlp=4):
@@ -58,7 +59,7 @@ def setup(method, a, dev):
     x = lambda *n, s=S: torch.randn(*n, 3, s, s, device=dev)                     # noqa: E731
     amp = torch.autocast(dev.type, torch.bfloat16) if a.precision == "bf16" else torch.autocast(dev.type, enabled=False)
     comp = (lambda m: torch.compile(m)) if a.compile else (lambda m: m)
-    aug = C.color_augmenter(a.compile)                               # as train() applies it
+    aug = GA.color_augmenter(a.compile)                               # as train() applies it
     ema = None
     if method == "msn":
         model = mod.MSN(args).to(dev)

@@ -4,7 +4,6 @@ import argparse
 import itertools
 import math
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -41,84 +40,6 @@ def test_optimizer_groups():
     C.set_hparams(opt, 0.5, 0.3)
     assert [g["lr"] for g in opt.param_groups] == [0.5, 0.5]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.3, 0.0]
-
-
-def test_color_jitter_and_blur_match_torchvision_per_image():
-    """The batched ops equal torchvision's tensor ops image by image, for given factors and order."""
-    import torchvision.transforms.functional as TF
-    g = torch.Generator().manual_seed(0)
-    B = 12
-    x = torch.rand(B, 3, 10, 14, generator=g)
-    fb, fc, fs = (0.6 + 0.8 * torch.rand(B, 1, 1, 1, generator=g) for _ in range(3))
-    fh = torch.rand(B, 1, 1, 1, generator=g) - 0.5
-    order = torch.rand(B, 4, generator=g).argsort(1)
-    order[3] = -1                                                               # jitter not applied
-    ops = [lambda im, i: TF.adjust_brightness(im, fb[i].item()), lambda im, i: TF.adjust_contrast(im, fc[i].item()),
-           lambda im, i: TF.adjust_saturation(im, fs[i].item()), lambda im, i: TF.adjust_hue(im, fh[i].item())]
-    ref = []
-    for i in range(B):
-        im = x[i]
-        for o in order[i].tolist():
-            im = ops[o](im, i) if o >= 0 else im
-        ref.append(im)
-    torch.testing.assert_close(C.color_jitter_batch(x, fb, fc, fs, fh, order), torch.stack(ref), atol=1e-5, rtol=0)
-    sigma = 2 * torch.rand(B, generator=g)
-    sigma[1] = 0                                                                # blur not applied
-    ref = [TF.gaussian_blur(x[i], 5, sigma[i].item()) if sigma[i] > 0 else x[i] for i in range(B)]
-    torch.testing.assert_close(C.blur_batch(x, sigma, 5), torch.stack(ref), atol=1e-6, rtol=0)
-
-
-def _ks(a, b):
-    """Two-sample Kolmogorov-Smirnov statistic."""
-    a, b = a.sort()[0], b.sort()[0]
-    z = torch.cat([a, b])
-    return (torch.searchsorted(a, z, right=True) / len(a) - torch.searchsorted(b, z, right=True) / len(b)).abs().max().item()
-
-
-@pytest.mark.parametrize("params", [{}, dict(jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)],
-                         ids=["default", "conmim-strong"])
-def test_color_augment_batch_has_the_torchvision_distribution(params, device="cpu", augment=None):
-    """Per-image statistics of the GPU-side augmentation vs torchvision's transforms on the same image:
-    two-sample KS below the p = 0.001 critical value (Bonferroni over the 5 statistics); a wrong grey or
-    blur probability or jitter strength is caught. The reference is the workers' path: PIL in, uint8 out.
-    augment: the function under test (default C.color_augment_batch; compiled in the test below)."""
-    augment = augment or C.color_augment_batch
-    import torchvision.transforms.functional as TF
-    torch.manual_seed(0)
-    img = torch.tensor([0.8, 0.3, 0.2]).view(3, 1, 1).repeat(1, 16, 16)
-    img[..., :8] = torch.tensor([0.1, 0.5, 0.7]).view(3, 1, 1)
-    img = (img + 0.1 * torch.rand_like(img)).clamp(0, 1)
-    N = 800
-    crit = math.sqrt(-math.log(0.001 / 5 / 2) / 2) * math.sqrt(2 / N)
-
-    def stats(x):
-        g = C._gray(x)
-        return [x[:, 0].mean((1, 2)), x[:, 2].mean((1, 2)), g.std((1, 2, 3)),      # colour, contrast
-                (x.max(1)[0] - x.min(1)[0]).mean((1, 2)),                           # saturation
-                (g[..., 1:] - g[..., :-1]).abs().mean((1, 2, 3))]                   # sharpness (blur)
-
-    pil = TF.to_pil_image(img)                                                   # the workers' input
-    img = C.to_uint8(pil)
-    tv = C.color_augment(**params)
-    ref = stats(torch.stack([C.to_uint8(tv(pil)) for _ in range(N)]).float() / 255)
-    batch = img.expand(N, -1, -1, -1).to(device)
-    ks = [_ks(r, o) for r, o in zip(ref, stats(augment(batch, **params).cpu()))]
-    assert max(ks) < crit, (ks, crit)
-    for wrong in (dict(p_gray=0.4), dict(jitter=(0.8, 0.4, 0.4, 0.1)), dict(p_solarize=0.5)) + \
-            ((dict(p_blur=0.25),) if not params else ()):
-        ks = [_ks(r, o) for r, o in zip(ref, stats(augment(batch, **{**params, **wrong}).cpu()))]
-        assert max(ks) > crit, (wrong, ks)
-
-
-@pytest.mark.compiles
-@pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))), reason="torch.compile on CPU needs a C++ compiler")
-def test_compiled_color_augment_batch_has_the_torchvision_distribution():
-    """What train() runs under --compile (common.color_augmenter(True), compiled color_augment_batch):
-    inductor draws its own random numbers, so the KS test above, not equality, says it is the same
-    augmentation (each parameter set a graph of its own: the wrong ones are caught too)."""
-    augment = C.color_augmenter(True)
-    assert augment is not C.color_augment_batch
-    test_color_augment_batch_has_the_torchvision_distribution({}, augment=augment)
 
 
 def test_synthetic_dataset_deterministic_and_labelled():
@@ -325,23 +246,6 @@ def test_normalize_and_micro_slices():
     torch.testing.assert_close(C.normalize(x), (x.float() / 255 - mean) / std)
     torch.testing.assert_close(C.normalize(x.float() / 255), (x.float() / 255 - mean) / std)
     assert C.micro_slices(10, 4) == [slice(0, 4), slice(4, 8), slice(8, 10)]     # the tail is a slice too
-
-
-def test_blur_taps_cover_three_sigma_below_the_image_size():
-    assert C.blur_taps() == 13 and C.blur_taps(1.0) == 7                          # 2 * ceil(3 sigma) + 1
-    assert C.blur_taps(size=224) == 13 and C.blur_taps(size=12) == 11 and C.blur_taps(size=8) == 7
-
-
-def test_color_jitter_order_is_a_uniform_random_permutation_per_image(monkeypatch):
-    seen = []
-    real = C.color_jitter_batch
-    monkeypatch.setattr(C, "color_jitter_batch", lambda x, *a: (seen.append(a[-1]), real(x, *a))[1])
-    torch.manual_seed(0)
-    C.color_augment_batch(torch.rand(4800, 3, 2, 2), p_jitter=1.0, p_blur=0.0)
-    order = seen[0]
-    assert torch.equal(order.sort(1).values, torch.arange(4).expand(4800, 4))
-    counts = torch.unique(order, dim=0, return_counts=True)[1]
-    assert len(counts) == 24 and counts.min() > 120 and counts.max() < 280          # 200 each expected
 
 
 def test_unreadable_images_stop_the_run_above_max_unreadable(monkeypatch):

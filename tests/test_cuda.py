@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import common as C
-from test_common import test_color_augment_batch_has_the_torchvision_distribution as ks_test
+import gpu_aug as GA
+from test_gpu_aug import test_color_augment_batch_has_the_torchvision_distribution as ks_test
 from test_step import METHODS, B, case, grads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -79,7 +80,7 @@ def test_gpu_augmentation_on_cuda_has_the_torchvision_distribution(params):
 @pytest.mark.compiles
 def test_compiled_gpu_augmentation_on_cuda_has_the_torchvision_distribution():
     """What train() runs on CUDA by default (--compile): the compiled colour ops, on the GPU, KS-tested."""
-    ks_test({}, device="cuda", augment=C.color_augmenter(True))
+    ks_test({}, device="cuda", augment=GA.color_augmenter(True))
 
 
 def test_gpu_augmentation_ops_on_cuda_equal_the_cpu_ops():
@@ -91,8 +92,8 @@ def test_gpu_augmentation_ops_on_cuda_equal_the_cpu_ops():
     fh = torch.rand(n, 1, 1, 1, generator=g) - 0.5
     order = torch.rand(n, 4, generator=g).argsort(1)
     sigma = 2 * torch.rand(n, generator=g)
-    cpu = C.blur_batch(C.color_jitter_batch(x, fb, fc, fs, fh, order), sigma, 13)
-    cuda = C.blur_batch(C.color_jitter_batch(*(t.cuda() for t in (x, fb, fc, fs, fh, order))), sigma.cuda(), 13)
+    cpu = GA.blur_batch(GA.color_jitter_batch(x, fb, fc, fs, fh, order), sigma, 13)
+    cuda = GA.blur_batch(GA.color_jitter_batch(*(t.cuda() for t in (x, fb, fc, fs, fh, order))), sigma.cuda(), 13)
     torch.testing.assert_close(cuda.cpu(), cpu, atol=1e-4, rtol=0)
 
 

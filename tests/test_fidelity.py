@@ -13,6 +13,7 @@ from PIL import Image
 import can
 import cmae
 import common as C
+import gpu_aug as GA
 import conmim
 import msn
 import siammae
@@ -81,9 +82,9 @@ def test_blur_is_not_truncated(size):
     assert abs(_impulse_variance(torch.from_numpy(np.asarray(pil)[..., 0].astype(np.float64))) - 4.0) < 0.2
     x = torch.zeros(1, 3, size, size)
     x[..., size // 2, size // 2] = 1
-    k = C.blur_taps(size=size)
+    k = GA.blur_taps(size=size)
     assert k >= 2 * 3 * 2 + 1                                 # +-3 sigma for sigma 2
-    y = C.blur_batch(x, torch.tensor([2.0]), k)[0, 0].double()
+    y = GA.blur_batch(x, torch.tensor([2.0]), k)[0, 0].double()
     assert abs(_impulse_variance(y) - 4.0) < 0.1              # 9 taps (old 10% rule at 96 px): 3.43
 
 

@@ -1,12 +1,19 @@
-"""The batched on-device photometric augmentation, the CUDA default of every method that has one,
-run here on CPU (--gpu-aug forced): it reaches the right views with the method's parameters, the
-workers then only crop and flip, and runs stay deterministic (exact resume)."""
+"""The batched on-device photometric augmentation (gpu_aug.py), the CUDA default of every method that
+has one, run here on CPU: each op equals torchvision's image by image, the whole has the workers'
+distribution (KS), and in the loops (--gpu-aug forced) it reaches the right views with the method's
+parameters, the workers then only crop and flip, and runs stay deterministic (exact resume)."""
+import importlib.util
+import math
+import shutil
+import sys
+
 import pytest
 import torch
 
 import can
 import cmae
 import common as C
+import gpu_aug as GA
 import synthetic as S
 import conmim
 import msn
@@ -24,6 +31,101 @@ CASES = {"msn": (msn, msn_args, 1 + 1 + 2, {}, (2, 3, 4), ()),          # target
          "can": (can, can_args, 2, {}, (1,), ())}                       # both views
 
 
+def test_color_jitter_and_blur_match_torchvision_per_image():
+    """The batched ops equal torchvision's tensor ops image by image, for given factors and order."""
+    import torchvision.transforms.functional as TF
+    g = torch.Generator().manual_seed(0)
+    B = 12
+    x = torch.rand(B, 3, 10, 14, generator=g)
+    fb, fc, fs = (0.6 + 0.8 * torch.rand(B, 1, 1, 1, generator=g) for _ in range(3))
+    fh = torch.rand(B, 1, 1, 1, generator=g) - 0.5
+    order = torch.rand(B, 4, generator=g).argsort(1)
+    order[3] = -1                                                               # jitter not applied
+    ops = [lambda im, i: TF.adjust_brightness(im, fb[i].item()), lambda im, i: TF.adjust_contrast(im, fc[i].item()),
+           lambda im, i: TF.adjust_saturation(im, fs[i].item()), lambda im, i: TF.adjust_hue(im, fh[i].item())]
+    ref = []
+    for i in range(B):
+        im = x[i]
+        for o in order[i].tolist():
+            im = ops[o](im, i) if o >= 0 else im
+        ref.append(im)
+    torch.testing.assert_close(GA.color_jitter_batch(x, fb, fc, fs, fh, order), torch.stack(ref), atol=1e-5, rtol=0)
+    sigma = 2 * torch.rand(B, generator=g)
+    sigma[1] = 0                                                                # blur not applied
+    ref = [TF.gaussian_blur(x[i], 5, sigma[i].item()) if sigma[i] > 0 else x[i] for i in range(B)]
+    torch.testing.assert_close(GA.blur_batch(x, sigma, 5), torch.stack(ref), atol=1e-6, rtol=0)
+
+
+def _ks(a, b):
+    """Two-sample Kolmogorov-Smirnov statistic."""
+    a, b = a.sort()[0], b.sort()[0]
+    z = torch.cat([a, b])
+    return (torch.searchsorted(a, z, right=True) / len(a) - torch.searchsorted(b, z, right=True) / len(b)).abs().max().item()
+
+
+@pytest.mark.parametrize("params", [{}, dict(jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)],
+                         ids=["default", "conmim-strong"])
+def test_color_augment_batch_has_the_torchvision_distribution(params, device="cpu", augment=None):
+    """Per-image statistics of the GPU-side augmentation vs torchvision's transforms on the same image:
+    two-sample KS below the p = 0.001 critical value (Bonferroni over the 5 statistics); a wrong grey or
+    blur probability or jitter strength is caught. The reference is the workers' path: PIL in, uint8 out.
+    augment: the function under test (default GA.color_augment_batch; compiled in the test below)."""
+    augment = augment or GA.color_augment_batch
+    import torchvision.transforms.functional as TF
+    torch.manual_seed(0)
+    img = torch.tensor([0.8, 0.3, 0.2]).view(3, 1, 1).repeat(1, 16, 16)
+    img[..., :8] = torch.tensor([0.1, 0.5, 0.7]).view(3, 1, 1)
+    img = (img + 0.1 * torch.rand_like(img)).clamp(0, 1)
+    N = 800
+    crit = math.sqrt(-math.log(0.001 / 5 / 2) / 2) * math.sqrt(2 / N)
+
+    def stats(x):
+        g = GA._gray(x)
+        return [x[:, 0].mean((1, 2)), x[:, 2].mean((1, 2)), g.std((1, 2, 3)),      # colour, contrast
+                (x.max(1)[0] - x.min(1)[0]).mean((1, 2)),                           # saturation
+                (g[..., 1:] - g[..., :-1]).abs().mean((1, 2, 3))]                   # sharpness (blur)
+
+    pil = TF.to_pil_image(img)                                                   # the workers' input
+    img = C.to_uint8(pil)
+    tv = C.color_augment(**params)
+    ref = stats(torch.stack([C.to_uint8(tv(pil)) for _ in range(N)]).float() / 255)
+    batch = img.expand(N, -1, -1, -1).to(device)
+    ks = [_ks(r, o) for r, o in zip(ref, stats(augment(batch, **params).cpu()))]
+    assert max(ks) < crit, (ks, crit)
+    for wrong in (dict(p_gray=0.4), dict(jitter=(0.8, 0.4, 0.4, 0.1)), dict(p_solarize=0.5)) + \
+            ((dict(p_blur=0.25),) if not params else ()):
+        ks = [_ks(r, o) for r, o in zip(ref, stats(augment(batch, **{**params, **wrong}).cpu()))]
+        assert max(ks) > crit, (wrong, ks)
+
+
+@pytest.mark.compiles
+@pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))), reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_color_augment_batch_has_the_torchvision_distribution():
+    """What train() runs under --compile (gpu_aug.color_augmenter(True), compiled color_augment_batch):
+    inductor draws its own random numbers, so the KS test above, not equality, says it is the same
+    augmentation (each parameter set a graph of its own: the wrong ones are caught too)."""
+    augment = GA.color_augmenter(True)
+    assert augment is not GA.color_augment_batch
+    test_color_augment_batch_has_the_torchvision_distribution({}, augment=augment)
+
+
+def test_blur_taps_cover_three_sigma_below_the_image_size():
+    assert GA.blur_taps() == 13 and GA.blur_taps(1.0) == 7                          # 2 * ceil(3 sigma) + 1
+    assert GA.blur_taps(size=224) == 13 and GA.blur_taps(size=12) == 11 and GA.blur_taps(size=8) == 7
+
+
+def test_color_jitter_order_is_a_uniform_random_permutation_per_image(monkeypatch):
+    seen = []
+    real = GA.color_jitter_batch
+    monkeypatch.setattr(GA, "color_jitter_batch", lambda x, *a: (seen.append(a[-1]), real(x, *a))[1])
+    torch.manual_seed(0)
+    GA.color_augment_batch(torch.rand(4800, 3, 2, 2), p_jitter=1.0, p_blur=0.0)
+    order = seen[0]
+    assert torch.equal(order.sort(1).values, torch.arange(4).expand(4800, 4))
+    counts = torch.unique(order, dim=0, return_counts=True)[1]
+    assert len(counts) == 24 and counts.min() > 120 and counts.max() < 280          # 200 each expected
+
+
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_gpu_aug_reaches_the_right_views_with_the_method_parameters(method, tmp_path, monkeypatch):
     mod, args, n_views, params, augmented, plain = CASES[method]
@@ -32,7 +134,7 @@ def test_gpu_aug_reaches_the_right_views_with_the_method_parameters(method, tmp_
     def record(x, **kw):                                               # an augmentation we can recognise:
         calls.append((x.dtype, kw))                                    # every image a flat grey
         return torch.full(x.shape, 0.5)
-    monkeypatch.setattr(C, "color_augment_batch", record)
+    monkeypatch.setattr(GA, "color_augment_batch", record)
     real_step = mod.train_step
     monkeypatch.setattr(mod, "train_step", lambda *a, **kw: (steps.append(a), real_step(*a, **kw))[1])
     mod.train(args(tmp_path, gpu_aug=True, epochs=1, steps_per_epoch=1, warmup_epochs=0))
@@ -48,7 +150,7 @@ def test_with_compile_the_loop_augments_through_the_compiled_function(method, tm
     through that compiled function (torch.compile replaced by a marker; networks pass through)."""
     mod, args, n_views = CASES[method][:3]
     calls = []
-    monkeypatch.setattr(C, "color_augment_batch", lambda x, **kw: (calls.append("eager"), x.float() / 255)[1])
+    monkeypatch.setattr(GA, "color_augment_batch", lambda x, **kw: (calls.append("eager"), x.float() / 255)[1])
 
     def fake_compile(fn, **kw):
         if isinstance(fn, torch.nn.Module):
@@ -78,3 +180,20 @@ def test_workers_skip_the_colour_ops_with_gpu_aug():
 def test_gpu_aug_resume_is_exact(method, tmp_path):
     mod, args = CASES[method][:2]
     exact_resume(mod.train, lambda p, **kw: args(p, gpu_aug=True, **kw), tmp_path, method, ("model", "encoder"))
+
+
+def test_without_gpu_aug_py_the_colour_ops_stay_in_the_workers(monkeypatch, capsys):
+    """A method file + common.py copied without gpu_aug.py: on CUDA the default falls back to the
+    workers with a line saying so; an explicit --gpu-aug is a one-line error."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gpu_aug" else real(name, *a))
+    monkeypatch.setitem(sys.modules, "gpu_aug", None)                  # import gpu_aug fails as if absent
+    a = msn.Args(data="synthetic", compile=False)
+    C.device_defaults(a, torch.device("cuda"))
+    assert a.gpu_aug is False and C.gpu_augmenter(a) is None
+    assert "no gpu_aug.py next to this file: the colour augmentation runs in the workers" in capsys.readouterr().out
+    a = C.parse_args(msn.Args, ["--data", "synthetic", "--gpu-aug", "--no-compile"])
+    C.device_defaults(a, torch.device("cuda"))
+    assert a.gpu_aug is True
+    with pytest.raises(C.UserError, match="--gpu-aug needs gpu_aug.py next to this file"):
+        C.gpu_augmenter(a)

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 import common as C
+import gpu_aug as GA
 import gpu_decode as G
 import msn
 from test_msn import tiny_args
@@ -112,7 +113,7 @@ def test_msn_step_gets_the_same_views_with_and_without_gpu_decode(folder, tmp_pa
     got = []
     real = msn.train_step
     monkeypatch.setattr(msn, "train_step", lambda *a, **kw: (got.append([t.clone() for t in a[2:5]]), real(*a, **kw))[1])
-    monkeypatch.setattr(C, "color_augment_batch", lambda x: x.float() / 255 if x.dtype == torch.uint8 else x)
+    monkeypatch.setattr(GA, "color_augment_batch", lambda x: x.float() / 255 if x.dtype == torch.uint8 else x)
     monkeypatch.setattr(C, "normalize", lambda x: x.float() * 255)
     for flag in (False, True):
         msn.train(tiny_args(tmp_path / str(flag), data=folder, img_size=224, focal_size=96, patch_size=16, batch_size=4, epochs=1,

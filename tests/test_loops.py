@@ -18,6 +18,7 @@ import cmae
 import common as C
 import conmim
 import eval_finetune as FT
+import gpu_aug as GA
 import msn
 import siammae
 from ddp import spawn
@@ -367,7 +368,7 @@ def test_the_colour_augmentation_reaches_the_target_view_only(tmp_path, monkeypa
     is replaced by one that blacks the image out."""
     from PIL import Image
     monkeypatch.setattr(C, "color_augment", lambda **kw: (lambda im: Image.new("RGB", im.size)))
-    monkeypatch.setattr(C, "color_augmenter", lambda compile=False: (lambda x, **kw: torch.zeros(x.shape, device=x.device)))
+    monkeypatch.setattr(GA, "color_augmenter", lambda compile=False: (lambda x, **kw: torch.zeros(x.shape, device=x.device)))
     mod, make, _ = CASES[method]
     _, steps, _ = _record(monkeypatch, mod)
     mod.train(make(tmp_path, gpu_aug=gpu_aug, stop_step=1))
