@@ -1,12 +1,9 @@
-"""Shared plumbing for the method files (msn.py, cmae.py, conmim.py, siammae.py, can.py).
+"""Shared run plumbing of msn.py, cmae.py, conmim.py, siammae.py and can.py (`import common as C`).
 
-Nothing in here makes a method that method: each method file defines its own ViT, masking, EMA
-target, heads, loss and step. Here: activation checkpointing, schedules and the optimiser, exact
-micro-batch accumulation, data (ImageFolder-style directories, views, the workers' augmentation;
-its batched GPU twin is gpu_aug.py, the `synthetic` data synthetic.py), distributed helpers whose collectives
-autograd sees, CLI parsing from a dataclass, setup, preemption, logging, checkpoints and the end-of-run
-k-NN report (its k-NN is eval_linear.py's). Read top to bottom; every method file imports it as
-`import common as C`.
+Nothing here makes a method that method: each method file defines its ViT, masking, EMA target, heads,
+loss and step. Here, top to bottom: schedules and the optimiser, exact micro-batch accumulation, data
+and the workers' augmentation (its batched GPU twin: gpu_aug.py; `--data synthetic`: synthetic.py),
+collectives autograd sees, CLI and setup, the non-finite guard and preemption, checkpoints, logging.
 """
 import argparse
 import contextlib
@@ -25,7 +22,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from PIL import Image
 
@@ -35,11 +31,9 @@ class UserError(Exception):
 
 
 def check_mask_ratio(ratio, count_masked, n, need_masked=True, need_kept=True):
-    """--mask-ratio after the masking's int() rounding, counted on one draw of the method's own masking
-    (count_masked() -> patches masked of n; drawn under fork_rng, so the seeded stream is untouched):
-    masking all n patches of the only view the encoder reads leaves it none of the image (CAN's pooled
-    feature was NaN, CMAE / ConMIM / MSN trained on position alone); masking none leaves nothing for a
-    loss averaged over masked patches (NaN at step 1)."""
+    """--mask-ratio as the method's masking rounds it (count_masked(): patches masked of n in one draw,
+    under fork_rng): all masked leaves the encoder nothing (CAN's pooled feature was NaN), none leaves
+    nothing for a loss over masked patches (NaN at step 1)."""
     with torch.random.fork_rng(devices=[]):
         n_masked = int(count_masked())
     if need_kept and n_masked == n:
@@ -49,12 +43,11 @@ def check_mask_ratio(ratio, count_masked, n, need_masked=True, need_kept=True):
 
 
 # ----------------------------------------------------------------------------------------------
-# Activation checkpointing (every method's blocks), pictures of reconstructions
+# Activation checkpointing, pictures, schedules, the optimiser and its step
 # ----------------------------------------------------------------------------------------------
 def run_blocks(blocks, x, checkpoint=False, *ctx):
-    """x through each block (blk(x, *ctx)). checkpoint: activation checkpointing per block (only
-    when grad is on); the RNG state is replayed in the recomputation, so drop-path draws are the
-    same and gradients equal the plain run's."""
+    """x through each block (blk(x, *ctx)); checkpoint: activation checkpointing per block when grad is
+    on, the RNG replayed in the recomputation (same drop-path draws, same gradients)."""
     for blk in blocks:
         if checkpoint and torch.is_grad_enabled():
             x = torch.utils.checkpoint.checkpoint(blk, x, *ctx, use_reentrant=False, preserve_rng_state=True)
@@ -65,9 +58,8 @@ def run_blocks(blocks, x, checkpoint=False, *ctx):
 
 def set_grad_checkpointing(model, on=True):
     """Turn activation checkpointing on for every sub-module that runs blocks (attribute grad_ckpt)."""
-    for m in model.modules():
-        if hasattr(m, "grad_ckpt"):
-            m.grad_ckpt = on
+    for m in (m for m in model.modules() if hasattr(m, "grad_ckpt")):
+        m.grad_ckpt = on
     return model
 
 
@@ -76,15 +68,11 @@ def save_image_grid(path, rows):
     if not is_main():
         return
     from torchvision.utils import save_image
-    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
     imgs = torch.cat([(r.detach().float().cpu() * std + mean).clamp(0, 1) for r in rows])
     save_image(imgs, path, nrow=rows[0].shape[0], padding=1)
 
 
-# ----------------------------------------------------------------------------------------------
-# Schedules, optimiser, the optimiser step
-# ----------------------------------------------------------------------------------------------
 def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
     """Linear warm-up start -> base over `warmup` steps, then half-cosine base -> final at `total`."""
     if step < warmup:
@@ -94,26 +82,22 @@ def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
 
 
 def no_decay_1d(name, p):
-    """timm's add_weight_decay rule (MAE, CAN, SiamMAE): no decay for biases and 1-d tensors
-    (norm weights); tokens and everything else are decayed."""
+    """timm's add_weight_decay rule (MAE, CAN, SiamMAE): no decay for biases and 1-d tensors."""
     return p.ndim <= 1 or name.endswith(".bias")
 
 
 def make_optimizer(model, lr, weight_decay, betas, device, no_decay=no_decay_1d, eps=1e-8):
-    """AdamW with two groups: weight decay on every trainable tensor except those for which
-    no_decay(name, param) is true (each method passes its official code's rule)."""
-    decay, skip = [], []
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            (skip if no_decay(n, p) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "apply_wd": True},
-              {"params": skip, "weight_decay": 0.0, "apply_wd": False}]
+    """AdamW, weight decay on every trainable tensor but those no_decay(name, param) names (each
+    method passes its official code's rule)."""
+    ps = [(no_decay(n, p), p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for s, p in ps if not s], "weight_decay": weight_decay, "apply_wd": True},
+              {"params": [p for s, p in ps if s], "weight_decay": 0.0, "apply_wd": False}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device.type == "cuda")
 
 
 def optimizer_step(run, optimizer, params, max_norm=0.0):
-    """Unscale (fp16), clip the gradients to max_norm (0 = no clipping), step, update the scaler.
-    Returns the gradients' total norm as a device tensor (the non-finite guard watches it; no sync)."""
+    """Unscale (fp16), clip to max_norm (0: no clipping), step, update the scaler. Returns the total
+    gradient norm as a device tensor (the non-finite guard watches it; no sync)."""
     run.scaler.unscale_(optimizer)
     if max_norm:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -125,8 +109,7 @@ def optimizer_step(run, optimizer, params, max_norm=0.0):
 
 
 def set_hparams(optimizer, lr, weight_decay=None):
-    """lr (times the group's lr_scale, e.g. layer-wise decay) and, where the group has apply_wd, the
-    weight decay, in every parameter group."""
+    """Every group's lr (times its lr_scale: layer-wise decay) and, where apply_wd, weight decay."""
     for g in optimizer.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
         if weight_decay is not None and g["apply_wd"]:
@@ -137,8 +120,7 @@ def set_hparams(optimizer, lr, weight_decay=None):
 # One optimiser step over a batch in micro-batches (exact gradient accumulation)
 # ----------------------------------------------------------------------------------------------
 def rng_state():
-    """This process's [CPU, current CUDA] generator states (to replay a forward's random draws, or
-    for a checkpoint)."""
+    """This process's [CPU, current CUDA] generator states (to replay a forward, or to checkpoint)."""
     return [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
 
 
@@ -181,23 +163,19 @@ def micro_batches(n, micro, ddp=None):
 
 
 def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
-    """Exact forward + backward of one step over this process's n samples in micro-batches when the
-    loss couples the whole batch (Sinkhorn, ME-MAX, InfoNCE negatives): the gradient cache (Gao et
-    al. 2021). Each method file writes its one-pass step itself and calls this for k > 1 slices.
+    """The gradient cache (Gao et al. 2021): the exact forward + backward of one step over this
+    process's n samples in micro-batches when the loss couples the whole batch (Sinkhorn, ME-MAX,
+    InfoNCE negatives). Method files write their one-pass step and call this for k > 1 slices.
 
-    forward(sl, local) -> (local_loss, emb, parts) for the samples sl (a slice):
-      local_loss: the per-sample loss terms of sl as their share of the batch loss (None if the
-        method has none; may be None when local is False, pass 1 skips what only they need);
-      emb: (len(sl), ...) the rows that enter the batch-coupled term;
-      parts: dict of 0-d tensors to log (summed over micro-batches, like local_loss).
+    forward(sl, local) -> (local_loss, emb, parts) for the samples sl (a slice): local_loss, the
+      per-sample terms as their share of the batch loss (None if none; may be None when not local);
+      emb (len(sl), ...), the rows entering the coupled term; parts, 0-d tensors to log (summed).
     coupled(emb of all n samples) -> (loss, parts): the batch-coupled term.
-    A no-grad pass embeds every micro-batch (each one's RNG state saved); coupled and its gradient G
-    w.r.t. the embeddings are computed once on all n rows (parameters used directly in it, such as
-    MSN's prototypes, get their gradient there); then each micro-batch runs again with gradient from
-    its saved RNG state (same drop-path draws) and back-propagates local + <emb, G>. The gradient
-    equals the one-pass gradient of local + coupled up to float rounding (tests/test_step.py), except
-    for BatchNorm, whose statistics are per micro-batch. scale: GradScaler.scale for fp16. ddp: the
-    DDP wrapper, if any (its reducer is bypassed and gradients are averaged once at the end).
+    A no-grad pass embeds every micro-batch (saving its RNG state); coupled and its gradient G w.r.t.
+    the embeddings are computed once (parameters used in it directly, e.g. MSN's prototypes, get their
+    gradient there); each micro-batch then runs again from its RNG state and back-propagates
+    local + <emb, G>: the one-pass gradient up to rounding (tests/test_step.py), BatchNorm statistics
+    aside. scale: GradScaler.scale (fp16); ddp: its reducer is bypassed, gradients averaged once.
     Returns the loss and the parts, detached.
     """
     scale = scale or (lambda t: t)
@@ -236,14 +214,12 @@ IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 
 def normalize(x):
     """uint8 (or float in [0, 1]) (..., 3, H, W) on any device -> float, ImageNet mean/std."""
-    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=x.device).view(3, 1, 1)
+    mean, std = (torch.tensor(v, device=x.device).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
     return ((x.float() / 255 if x.dtype == torch.uint8 else x) - mean) / std
 
 
 def to_uint8(img):
-    """PIL image -> uint8 tensor (3, H, W); workers ship uint8, 4x less than float. One copy beyond
-    PIL's own export (no convert when the image is already RGB)."""
+    """PIL image -> uint8 tensor (3, H, W): workers ship uint8, 4x less than float."""
     if img.mode != "RGB":
         img = img.convert("RGB")
     return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
@@ -253,9 +229,8 @@ BLUR_SIGMA = (0.1, 2.0)
 
 
 class GaussianBlur:
-    """With probability p, PIL's Gaussian blur with sigma ~ U[0.1, 2] (as MSN's / DINO's official
-    pipelines: PIL's blur is untruncated, and ~5x faster than torchvision's on PIL images).
-    Draws from torch's RNG, so it is seeded by `Views` like every other augmentation."""
+    """With probability p, PIL's (untruncated) Gaussian blur, sigma ~ U[0.1, 2], as MSN's and DINO's
+    official pipelines; drawn from torch's RNG, which `Views` seeds."""
 
     def __init__(self, p=0.5, sigma=BLUR_SIGMA):
         self.p, self.sigma = p, sigma
@@ -268,8 +243,7 @@ class GaussianBlur:
         return img.filter(ImageFilter.GaussianBlur(radius=s))
 
 
-def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5,
-                  p_solarize=0.0):
+def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5, p_solarize=0.0):
     """SimCLR/BYOL photometric augmentation on PIL images: colour jitter, greyscale, PIL Gaussian
     blur (sigma U[0.1, 2] px, untruncated) and solarisation."""
     from torchvision import transforms as T
@@ -282,9 +256,8 @@ def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=
 
 
 class CountsUnreadable:
-    """For a training dataset that replaces what it cannot read: `bad`, the count of distinct unreadable
-    items (files, or SiamMAE's videos) met by this process and its forked DataLoader workers, which
-    train() compares with --max-unreadable (check_unreadable); each bad path is reported once per process."""
+    """For a training dataset that skips what it cannot read: `bad` counts the distinct unreadable items
+    (files; SiamMAE: videos) met by this process and its forked workers, for --max-unreadable."""
 
     def count_unreadable_of(self, n):
         import multiprocessing                          # shared with forked DataLoader workers:
@@ -304,12 +277,8 @@ class CountsUnreadable:
 
 class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
     """Images under a directory: class = first-level sub-folder (ImageFolder), or one class if flat.
-
-    skip_unreadable: an image that cannot be decoded is replaced by the next readable one (index
-    i+1, i+2, ...: deterministic, so resume stays exact), each bad path is reported once per
-    process, and the count of bad reads is kept in `bad` (shared with forked DataLoader workers);
-    train() stops if more than --max-unreadable of the images read are bad. Without it (evaluation),
-    an unreadable image is an error."""
+    skip_unreadable (training): an unreadable image is replaced by the next readable one (i+1, i+2,
+    ...: deterministic, resume stays exact), reported once and counted; else (evaluation) an error."""
 
     def __init__(self, root, skip_unreadable=False):
         if not os.path.isdir(root):
@@ -323,10 +292,8 @@ class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
             if not classes:
                 break
         if not self.samples:
-            raise UserError(f"--data {root}: no images found ({'/'.join(IMG_EXTS)}) in it or its "
-                            "sub-folders")
-        self.classes = classes or ["all"]
-        self.skip = skip_unreadable
+            raise UserError(f"--data {root}: no images found ({'/'.join(IMG_EXTS)}) in it or its sub-folders")
+        self.classes, self.skip = classes or ["all"], skip_unreadable
         self.count_unreadable_of(len(self.samples))
         self.reader = read_rgb                          # gpu_decode.encoded() swaps in its reader
 
@@ -356,18 +323,13 @@ def image_dataset(data, split="train", skip_unreadable=False):
     if data == "synthetic":
         from synthetic import SyntheticImages           # only for --data synthetic
         return SyntheticImages(split)
-    root = os.path.join(data, split) if os.path.isdir(os.path.join(data, split)) else None
-    if root is None and split == "train":
-        root = data
+    root = os.path.join(data, split) if os.path.isdir(os.path.join(data, split)) else data if split == "train" else None
     return ImageFiles(root, skip_unreadable) if root else None
 
 
 class Views(torch.utils.data.Dataset):
-    """Applies `transform` to dataset.load(i) with RNG seeded by (seed, epoch, i).
-
-    The sampler (EpochSampler) hands out (index, epoch) pairs, so every augmentation is a pure
-    function of (seed, epoch, index): identical for any number of workers and across resumes.
-    """
+    """`transform` of dataset.load(i) under an RNG seeded by (seed, epoch, i) (EpochSampler hands out
+    (index, epoch)): the same views for any number of workers and across resumes."""
 
     def __init__(self, dataset, transform, seed=0):
         self.dataset, self.transform, self.seed = dataset, transform, seed
@@ -384,11 +346,9 @@ class Views(torch.utils.data.Dataset):
 
 
 class EpochSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler (also for one process) yielding (index, epoch) for `Views`, after skipping
-    `skip` indices of the first epoch (resuming mid-epoch). With `ipe` set (by epoch_batches) it runs
-    on through the following epochs, each cut to ipe full batches, so that one DataLoader iterator
-    serves the whole run and its workers prefetch across epoch boundaries (no stall at an epoch's
-    first step); without it, one epoch."""
+    """DistributedSampler (also for one process) yielding (index, epoch) for `Views`, skipping `skip`
+    indices of the first epoch (mid-epoch resume). With `ipe` set it runs on through the next epochs,
+    each cut to ipe batches: one iterator for the whole run, workers prefetching across epochs."""
     skip, ipe, batch = 0, None, 1
 
     def __iter__(self):
@@ -408,12 +368,9 @@ def seed_epoch(seed, epoch, rank):
 
 
 def epoch_batches(loader, epoch, ipe, start_step, seed, rank):
-    """enumerate(batches of `epoch`), starting after the batches a checkpoint at global step
-    start_step already covered. A fresh epoch reseeds the RNG (seed_epoch); a resumed one keeps the
-    RNG state restored from the checkpoint, so masks and noise continue exactly. The loader's
-    iterator is kept from one epoch to the next (EpochSampler runs on), a new one only at the start
-    of a run or of a resumed one. The time spent waiting for each batch is counted for the log
-    (data_wait)."""
+    """enumerate(batches of `epoch`) after those a checkpoint at global step start_step covered. A fresh
+    epoch reseeds (seed_epoch); a resumed one keeps the checkpoint's RNG state (masks and noise go on
+    exactly). One loader iterator runs on across epochs; waits are counted for the log (data_wait)."""
     first = min(ipe, max(0, start_step - epoch * ipe))
     if first == 0:
         seed_epoch(seed, epoch, rank)
@@ -429,8 +386,7 @@ DATA_WAIT = [0.0]              # seconds the training loop waited for batches si
 
 
 def waited(batches):
-    """Yield from `batches`, adding the time each next() blocks to DATA_WAIT (MAE's "data" time: where
-    the loader keeps up, close to 0; where it does not, the step waits and the GPU idles)."""
+    """Yield from `batches`, adding the time each next() blocks to DATA_WAIT (MAE's "data" time)."""
     it = iter(batches)
     while True:
         t = time.perf_counter()
@@ -472,8 +428,7 @@ def is_main():
 
 
 def resolve_device(name=None):
-    """--device: None (cuda if available, else cpu), cpu, cuda or cuda:N; anything else, or CUDA on a
-    host without a usable GPU, is a one-line error."""
+    """--device: None (cuda if available, else cpu), cpu, cuda or cuda:N; else a one-line error."""
     name = name or ("cuda" if torch.cuda.is_available() else "cpu")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
         raise UserError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
@@ -524,11 +479,7 @@ def all_gather(x, grad=True):
     """Concatenate x (equal shapes) from all ranks along dim 0, rank order; autograd-aware."""
     if world_size() == 1:
         return x
-    if grad:
-        return _AllGather.apply(x)
-    out = [torch.empty_like(x) for _ in range(world_size())]
-    dist.all_gather(out, x.contiguous())
-    return torch.cat(out)
+    return _AllGather.apply(x) if grad else _AllGather.forward(None, x)
 
 
 def all_reduce_mean(x):
@@ -553,40 +504,37 @@ def print0(*a, **kw):
 # ----------------------------------------------------------------------------------------------
 # Command line, setup, validation, the batch plan
 # ----------------------------------------------------------------------------------------------
+def arg(default, help):
+    """A dataclass field with its --help text."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass
 class RunArgs:
     """Run plumbing shared by every method's Args (its hyper-parameters live in the method file)."""
-    workers: int = dataclasses.field(default=10, metadata={"help": "DataLoader workers per process"})
+    workers: int = arg(10, "DataLoader workers per process")
     seed: int = 0
-    resume: bool = dataclasses.field(default=True, metadata={"help": "continue from <output-dir>/checkpoint.pth"})
-    precision: str = dataclasses.field(default=None, metadata={"help": "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)"})
-    compile: bool = dataclasses.field(default=None, metadata={"help": "torch.compile the networks (default: on "
-                                      "with CUDA, off on CPU)"})
+    resume: bool = arg(True, "continue from <output-dir>/checkpoint.pth")
+    precision: str = arg(None, "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)")
+    compile: bool = arg(None, "torch.compile the networks (default: on with CUDA, off on CPU)")
     log_every: int = 50
     device: str = None
-    micro_batch: int = dataclasses.field(default=0, metadata={"help": "samples per forward/backward in each "
-                                          "process (0 = the whole per-process batch); the step stays exact"})
-    grad_ckpt: bool = dataclasses.field(default=False, metadata={"help": "activation checkpointing of every "
-                                        "transformer block (encoder and decoders): less memory, about a third more compute"})
-    steps_per_epoch: int = dataclasses.field(default=0, metadata={"help": "cap steps per epoch (0 = full epoch)"})
-    stop_epoch: int = dataclasses.field(default=0, metadata={"help": "exit after this epoch (schedules still span --epochs)"})
-    stop_step: int = dataclasses.field(default=0, metadata={"help": "write a checkpoint and exit after this global step"})
-    save_every: int = dataclasses.field(default=0, metadata={"help": "also write the checkpoint every N steps (0 = per epoch only)"})
-    save_every_minutes: float = dataclasses.field(default=30.0, metadata={"help": "also write it when this many minutes "
-                                                  "passed since the last one (0 = off)"})
-    max_unreadable: float = dataclasses.field(default=0.01, metadata={"help": "stop if more than this fraction of the "
-                                              "images (SiamMAE: videos) read in an epoch is unreadable (they are "
-                                              "skipped otherwise)"})
-    allow_batch_change: bool = dataclasses.field(default=False, metadata={"help": "resume a checkpoint trained with "
-                                                 "another --batch-size (continues from the same number of images seen)"})
+    micro_batch: int = arg(0, "samples per forward/backward per process (0: the whole per-process batch); exact")
+    grad_ckpt: bool = arg(False, "activation checkpointing of every transformer block: less memory, ~1/3 more compute")
+    steps_per_epoch: int = arg(0, "cap steps per epoch (0 = full epoch)")
+    stop_epoch: int = arg(0, "exit after this epoch (schedules still span --epochs)")
+    stop_step: int = arg(0, "write a checkpoint and exit after this global step")
+    save_every: int = arg(0, "also write the checkpoint every N steps (0 = per epoch only)")
+    save_every_minutes: float = arg(30.0, "also write it when this many minutes passed since the last one (0 = off)")
+    max_unreadable: float = arg(0.01, "stop if more than this fraction of the images (SiamMAE: videos) read in an "
+                                "epoch is unreadable (they are skipped otherwise)")
+    allow_batch_change: bool = arg(False, "resume a checkpoint trained with another --batch-size (from the same "
+                                   "number of images seen)")
 
 
 def parse_args(cls, argv=None):
-    """Build `cls` (a dataclass) from the command line: `--field-name value` for each field.
-
-    With `--data synthetic`, fields the user did not give take the values in cls.SYNTHETIC (a
-    CPU-sized config); the resulting config is printed by `setup`.
-    """
+    """`cls` (a dataclass) from the command line, `--field-name value` per field; with `--data synthetic`,
+    fields not given take cls.SYNTHETIC's values (a CPU-sized config)."""
     p = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().split("\n")[0])
     for f in dataclasses.fields(cls):
         flag, kw = "--" + f.name.replace("_", "-"), dict(default=argparse.SUPPRESS, help=f.metadata.get("help"))
@@ -714,6 +662,21 @@ def check_writable(out, what):
         raise UserError(f"{what} {out} is not a writable directory ({e.strerror or type(e).__name__})") from None
 
 
+POSITIVE = {"epochs", "batch_size", "img_size", "patch_size", "focal_size", "master_size", "num_prototypes", "head_hidden",
+            "head_dim", "proj_hidden", "proj_dim", "decoder_dim", "decoder_heads", "repeated_sampling", "mask_unit",
+            "log_every", "rand_views", "tau", "tau_plus", "lr", "blr", "sigma_max"}
+NON_NEGATIVE = {"seed", "warmup_lr", "start_lr", "steps_per_epoch", "stop_epoch", "stop_step", "save_every", "workers",
+                "save_every_minutes", "micro_batch", "warmup_epochs", "min_lr", "weight_decay", "final_weight_decay",
+                "clip_grad", "drop_path", "me_max_weight", "lambda_c", "sinkhorn_iters", "focal_views",
+                "feature_decoder_depth"}
+RULES = {"mask_ratio": (lambda v: 0 <= v < 1, "must be in [0, 1)"),       # field -> (holds, what the flag must be)
+         "drop_path": (lambda v: 0 <= v < 1, "must be in [0, 1)"), "max_unreadable": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+         "ema": (lambda v: all(0 <= m <= 1 for m in (v if isinstance(v, tuple) else (v,))), "momentum must be in [0, 1]"),
+         "betas": (lambda v: all(0 <= b < 1 for b in v), "must be two numbers in [0, 1) (AdamW's beta1 beta2)"),
+         "weights": (lambda v: min(v) >= 0 < sum(v), "(loss weights) must be >= 0 and not all 0"),
+         "gap": (lambda v: 1 <= v[0] <= v[1], "must be 1 <= min <= max frames (0 pairs a frame with itself)")}
+
+
 def validate(args):
     """One-line errors for flags out of range, before anything starts. Rules by field name, so every
     method's Args is covered: sizes / counts / temperatures positive, ratios and probabilities in
@@ -726,29 +689,12 @@ def validate(args):
             continue
         if any(isinstance(x, float) and not math.isfinite(x) for x in (v if isinstance(v, tuple) else (v,))):
             raise bad(f"{flag} must be a finite number, got {v}")
-        if k in ("epochs", "batch_size", "img_size", "patch_size", "focal_size", "master_size", "num_prototypes",
-                 "head_hidden", "head_dim", "proj_hidden", "proj_dim", "decoder_dim", "decoder_heads",
-                 "repeated_sampling", "mask_unit", "log_every", "rand_views") and v <= 0:
-            raise bad(f"{flag} must be positive, got {v}")
-        if k in ("tau", "tau_plus", "lr", "blr", "sigma_max") and v <= 0:
-            raise bad(f"{flag} must be positive, got {v}")
-        if k in ("seed", "warmup_lr", "start_lr", "steps_per_epoch", "stop_epoch", "stop_step", "save_every", "save_every_minutes", "workers",
-                 "micro_batch", "warmup_epochs", "min_lr", "weight_decay", "final_weight_decay", "clip_grad",
-                 "drop_path", "me_max_weight", "lambda_c", "sinkhorn_iters", "focal_views",
-                 "feature_decoder_depth") and v < 0:
-            raise bad(f"{flag} must be >= 0, got {v}")
-        if k in ("mask_ratio", "drop_path", "max_unreadable") and not 0 <= v < 1:
-            raise bad(f"{flag} must be in [0, 1), got {v}")
-        if k in ("ema",) and not all(0 <= m <= 1 for m in (v if isinstance(v, tuple) else (v,))):
-            raise bad(f"{flag} momentum must be in [0, 1], got {v}")
+        if k in POSITIVE and v <= 0 or k in NON_NEGATIVE and v < 0:
+            raise bad(f"{flag} must be {'positive' if k in POSITIVE else '>= 0'}, got {v}")
         if k.endswith("scale") and isinstance(v, tuple) and not 0 < v[0] <= v[1] <= 1:
             raise bad(f"{flag} must be 0 < min <= max <= 1, got {v}")
-        if k == "betas" and not all(0 <= b < 1 for b in v):
-            raise bad(f"{flag} must be two numbers in [0, 1) (AdamW's beta1 beta2), got {v}")
-        if k == "weights" and not (min(v) >= 0 < sum(v)):
-            raise bad(f"{flag} (loss weights) must be >= 0 and not all 0, got {v}")
-        if k == "gap" and not 1 <= v[0] <= v[1]:
-            raise bad(f"{flag} must be 1 <= min <= max frames (0 pairs a frame with itself), got {v}")
+        if k in RULES and not RULES[k][0](v):
+            raise bad(f"{flag} {RULES[k][1]}, got {v}")
     if d.get("stop_epoch", 0) > d.get("epochs", 1):
         raise bad(f"stop-epoch {d['stop_epoch']} is after the last epoch (--epochs {d['epochs']})")
     peak = d.get("lr") or (d["blr"] * d["batch_size"] / 256 if d.get("blr") else None)    # each loop's rule
@@ -776,8 +722,8 @@ def validate(args):
 
 
 def batch_plan(args, run, recipe, weakens, unit="images"):
-    """Per-process batch and micro-batch from the GLOBAL --batch-size: (per_process, micro). Prints
-    the plan; warns (no error) when the global batch is below the recipe's, saying what it weakens."""
+    """(per-process batch, micro-batch) from the GLOBAL --batch-size, printed; a warning, saying what
+    it weakens, when the global batch is below the recipe's."""
     B, W = args.batch_size, run.world
     if B <= 0 or args.micro_batch < 0:
         raise UserError(f"--batch-size must be positive and --micro-batch >= 0, got {B} and {args.micro_batch}")
@@ -798,10 +744,9 @@ def batch_plan(args, run, recipe, weakens, unit="images"):
 # During the run: non-finite guard, preemption, checkpoint timing, unreadable images
 # ----------------------------------------------------------------------------------------------
 class Guard:
-    """Device-side watch for a non-finite loss or gradient norm (bf16 / fp32), or, with fp16, a run
-    of `max_skipped` GradScaler-skipped steps in a row (a few are normal). It adds no host sync to
-    the step: check() syncs once, at log steps and before every checkpoint, so no checkpoint with
-    non-finite weights is ever written; the last good one stays."""
+    """Device-side watch for a non-finite loss or gradient norm (bf16 / fp32), or, with fp16, a run of
+    `max_skipped` GradScaler-skipped steps. No host sync in the step: check() syncs at log steps and
+    before every checkpoint, so no checkpoint with non-finite weights is written."""
 
     def __init__(self, device, precision, ckpt, max_skipped=100):
         self.fp16, self.ckpt, self.max_skipped = precision == "fp16", ckpt, max_skipped
@@ -835,10 +780,10 @@ class Guard:
 
 
 class Control:
-    """When to write a mid-epoch checkpoint and when to stop: SIGTERM / SIGUSR1 (preemption: finish
-    the step, write, exit), --save-every N steps, --save-every-minutes, --stop-step. With several
-    processes the decision is agreed by one all_reduce every `sync_every` steps (signals may reach
-    ranks at different steps, and the checkpoint write is collective); alone, every step, no sync."""
+    """When to write a mid-epoch checkpoint and when to stop: SIGTERM / SIGUSR1 (preemption: finish the
+    step, write, exit), --save-every, --save-every-minutes, --stop-step. With several processes, agreed
+    by one all_reduce every `sync_every` steps (signals reach ranks at different steps; saving is
+    collective)."""
 
     def __init__(self, args, device, sync_every=10):
         self.args, self.device, self.sync_every = args, device, sync_every
@@ -900,9 +845,8 @@ def ignore_stop_signals(_worker_id=None):
 
 
 def end_step(run, log, args, step, epoch, parts, save, dataset=None, reads=0, bad0=0, **scalars):
-    """The bookkeeping after each optimiser step, the same in every method: the non-finite watch
-    (device-side), the unreadable-image count, the log line (every --log-every steps), and a
-    mid-epoch checkpoint when due. Returns True when the run must stop now (checkpoint written)."""
+    """After each optimiser step: the non-finite watch, the unreadable-image count, the log line, a
+    mid-epoch checkpoint when due. True when the run must stop now (checkpoint written)."""
     run.guard.update(step, parts, run.scaler)
     bad = check_unreadable(dataset, reads, bad0, args.max_unreadable) if dataset is not None else None
     due, stop = run.control.poll(step)
