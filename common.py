@@ -58,8 +58,9 @@ def run_blocks(blocks, x, checkpoint=False, *ctx):
 
 def set_grad_checkpointing(model, on=True):
     """Turn activation checkpointing on for every sub-module that runs blocks (attribute grad_ckpt)."""
-    for m in (m for m in model.modules() if hasattr(m, "grad_ckpt")):
-        m.grad_ckpt = on
+    for m in model.modules():
+        if hasattr(m, "grad_ckpt"):
+            m.grad_ckpt = on
     return model
 
 
@@ -89,9 +90,12 @@ def no_decay_1d(name, p):
 def make_optimizer(model, lr, weight_decay, betas, device, no_decay=no_decay_1d, eps=1e-8):
     """AdamW, weight decay on every trainable tensor but those no_decay(name, param) names (each
     method passes its official code's rule)."""
-    ps = [(no_decay(n, p), p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for s, p in ps if not s], "weight_decay": weight_decay, "apply_wd": True},
-              {"params": [p for s, p in ps if s], "weight_decay": 0.0, "apply_wd": False}]
+    decay, skip = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            (skip if no_decay(n, p) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "apply_wd": True},
+              {"params": skip, "weight_decay": 0.0, "apply_wd": False}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device.type == "cuda")
 
 
@@ -323,7 +327,9 @@ def image_dataset(data, split="train", skip_unreadable=False):
     if data == "synthetic":
         from synthetic import SyntheticImages           # only for --data synthetic
         return SyntheticImages(split)
-    root = os.path.join(data, split) if os.path.isdir(os.path.join(data, split)) else data if split == "train" else None
+    root = os.path.join(data, split) if os.path.isdir(os.path.join(data, split)) else None
+    if root is None and split == "train":
+        root = data
     return ImageFiles(root, skip_unreadable) if root else None
 
 
@@ -540,12 +546,10 @@ def parse_args(cls, argv=None):
         flag, kw = "--" + f.name.replace("_", "-"), dict(default=argparse.SUPPRESS, help=f.metadata.get("help"))
         if f.type in (bool, "bool"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif isinstance(f.default, tuple):
+            p.add_argument(flag, type=type(f.default[0]), nargs=len(f.default), **kw)
         else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            if isinstance(f.default, tuple):
-                p.add_argument(flag, type=type(f.default[0]), nargs=len(f.default), **kw)
-            else:
-                p.add_argument(flag, type=typ, **kw)
+            p.add_argument(flag, type={"int": int, "float": float, "str": str}.get(f.type, f.type), **kw)
     given = vars(p.parse_args(argv))
     if given.get("data", getattr(cls, "data", None)) == "synthetic":
         given = {**getattr(cls, "SYNTHETIC", {}), **given}
@@ -563,8 +567,7 @@ def main(train, cls):
             dist.barrier()                      # all ranks done before any tears the group down
     except UserError as e:
         msg = str(e).strip().splitlines()[-1]          # DataLoader workers wrap the message
-        print(f"error: {msg.removeprefix('common.UserError: ').removeprefix('UserError: ')}",
-              file=sys.stderr)
+        print(f"error: {msg.removeprefix('common.UserError: ').removeprefix('UserError: ')}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("error: interrupted by a second Ctrl-C: stopped at once, the last checkpoint written is kept",
@@ -669,12 +672,6 @@ NON_NEGATIVE = {"seed", "warmup_lr", "start_lr", "steps_per_epoch", "stop_epoch"
                 "save_every_minutes", "micro_batch", "warmup_epochs", "min_lr", "weight_decay", "final_weight_decay",
                 "clip_grad", "drop_path", "me_max_weight", "lambda_c", "sinkhorn_iters", "focal_views",
                 "feature_decoder_depth"}
-RULES = {"mask_ratio": (lambda v: 0 <= v < 1, "must be in [0, 1)"),       # field -> (holds, what the flag must be)
-         "drop_path": (lambda v: 0 <= v < 1, "must be in [0, 1)"), "max_unreadable": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-         "ema": (lambda v: all(0 <= m <= 1 for m in (v if isinstance(v, tuple) else (v,))), "momentum must be in [0, 1]"),
-         "betas": (lambda v: all(0 <= b < 1 for b in v), "must be two numbers in [0, 1) (AdamW's beta1 beta2)"),
-         "weights": (lambda v: min(v) >= 0 < sum(v), "(loss weights) must be >= 0 and not all 0"),
-         "gap": (lambda v: 1 <= v[0] <= v[1], "must be 1 <= min <= max frames (0 pairs a frame with itself)")}
 
 
 def validate(args):
@@ -691,10 +688,18 @@ def validate(args):
             raise bad(f"{flag} must be a finite number, got {v}")
         if k in POSITIVE and v <= 0 or k in NON_NEGATIVE and v < 0:
             raise bad(f"{flag} must be {'positive' if k in POSITIVE else '>= 0'}, got {v}")
+        if k in ("mask_ratio", "drop_path", "max_unreadable") and not 0 <= v < 1:
+            raise bad(f"{flag} must be in [0, 1), got {v}")
+        if k == "ema" and not all(0 <= m <= 1 for m in (v if isinstance(v, tuple) else (v,))):
+            raise bad(f"{flag} momentum must be in [0, 1], got {v}")
         if k.endswith("scale") and isinstance(v, tuple) and not 0 < v[0] <= v[1] <= 1:
             raise bad(f"{flag} must be 0 < min <= max <= 1, got {v}")
-        if k in RULES and not RULES[k][0](v):
-            raise bad(f"{flag} {RULES[k][1]}, got {v}")
+        if k == "betas" and not all(0 <= b < 1 for b in v):
+            raise bad(f"{flag} must be two numbers in [0, 1) (AdamW's beta1 beta2), got {v}")
+        if k == "weights" and not (min(v) >= 0 < sum(v)):
+            raise bad(f"{flag} (loss weights) must be >= 0 and not all 0, got {v}")
+        if k == "gap" and not 1 <= v[0] <= v[1]:
+            raise bad(f"{flag} must be 1 <= min <= max frames (0 pairs a frame with itself), got {v}")
     if d.get("stop_epoch", 0) > d.get("epochs", 1):
         raise bad(f"stop-epoch {d['stop_epoch']} is after the last epoch (--epochs {d['epochs']})")
     peak = d.get("lr") or (d["blr"] * d["batch_size"] / 256 if d.get("blr") else None)    # each loop's rule
