@@ -7,7 +7,7 @@ import torch
 
 import common as C
 import gpu_aug as GA
-from test_gpu_aug import test_color_augment_batch_has_the_torchvision_distribution as ks_test
+from test_gpu_aug import jitter_case, test_color_augment_batch_has_the_torchvision_distribution as ks_test
 from test_step import METHODS, B, case, grads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -85,13 +85,7 @@ def test_compiled_gpu_augmentation_on_cuda_has_the_torchvision_distribution():
 
 def test_gpu_augmentation_ops_on_cuda_equal_the_cpu_ops():
     """Given the same per-image factors, order and sigma, jitter and blur on CUDA equal the CPU result."""
-    g = torch.Generator().manual_seed(0)
-    n = 16
-    x = torch.rand(n, 3, 24, 24, generator=g)
-    fb, fc, fs = (0.6 + 0.8 * torch.rand(n, 1, 1, 1, generator=g) for _ in range(3))
-    fh = torch.rand(n, 1, 1, 1, generator=g) - 0.5
-    order = torch.rand(n, 4, generator=g).argsort(1)
-    sigma = 2 * torch.rand(n, generator=g)
+    x, fb, fc, fs, fh, order, sigma = jitter_case(16, 24, 24)
     cpu = GA.blur_batch(GA.color_jitter_batch(x, fb, fc, fs, fh, order), sigma, 13)
     cuda = GA.blur_batch(GA.color_jitter_batch(*(t.cuda() for t in (x, fb, fc, fs, fh, order))), sigma.cuda(), 13)
     torch.testing.assert_close(cuda.cpu(), cpu, atol=1e-4, rtol=0)

@@ -31,15 +31,22 @@ CASES = {"msn": (msn, msn_args, 1 + 1 + 2, {}, (2, 3, 4), ()),          # target
          "can": (can, can_args, 2, {}, (1,), ())}                       # both views
 
 
+def jitter_case(n, h, w):
+    """Inputs of the batched ops from one seeded generator: images (n, 3, h, w) in [0, 1], brightness /
+    contrast / saturation factors U[0.6, 1.4], hue U[-0.5, 0.5], an op order per image, blur sigma U[0, 2]."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(n, 3, h, w, generator=g)
+    fb, fc, fs = (0.6 + 0.8 * torch.rand(n, 1, 1, 1, generator=g) for _ in range(3))
+    fh = torch.rand(n, 1, 1, 1, generator=g) - 0.5
+    order = torch.rand(n, 4, generator=g).argsort(1)
+    return x, fb, fc, fs, fh, order, 2 * torch.rand(n, generator=g)
+
+
 def test_color_jitter_and_blur_match_torchvision_per_image():
     """The batched ops equal torchvision's tensor ops image by image, for given factors and order."""
     import torchvision.transforms.functional as TF
-    g = torch.Generator().manual_seed(0)
     B = 12
-    x = torch.rand(B, 3, 10, 14, generator=g)
-    fb, fc, fs = (0.6 + 0.8 * torch.rand(B, 1, 1, 1, generator=g) for _ in range(3))
-    fh = torch.rand(B, 1, 1, 1, generator=g) - 0.5
-    order = torch.rand(B, 4, generator=g).argsort(1)
+    x, fb, fc, fs, fh, order, sigma = jitter_case(B, 10, 14)
     order[3] = -1                                                               # jitter not applied
     ops = [lambda im, i: TF.adjust_brightness(im, fb[i].item()), lambda im, i: TF.adjust_contrast(im, fc[i].item()),
            lambda im, i: TF.adjust_saturation(im, fs[i].item()), lambda im, i: TF.adjust_hue(im, fh[i].item())]
@@ -50,7 +57,6 @@ def test_color_jitter_and_blur_match_torchvision_per_image():
             im = ops[o](im, i) if o >= 0 else im
         ref.append(im)
     torch.testing.assert_close(GA.color_jitter_batch(x, fb, fc, fs, fh, order), torch.stack(ref), atol=1e-5, rtol=0)
-    sigma = 2 * torch.rand(B, generator=g)
     sigma[1] = 0                                                                # blur not applied
     ref = [TF.gaussian_blur(x[i], 5, sigma[i].item()) if sigma[i] > 0 else x[i] for i in range(B)]
     torch.testing.assert_close(GA.blur_batch(x, sigma, 5), torch.stack(ref), atol=1e-6, rtol=0)
