@@ -160,12 +160,14 @@ def _gather_worker(rank, world):
     w = torch.arange(12.0).view(6, 2) * (rank + 1)                          # rank-specific loss
     (y * w).sum().backward()
     m = C.all_reduce_mean(x.sum(0))
-    return y.detach(), x.grad, m.detach()
+    z = C.all_gather(x, grad=False)                                        # CMAE's targets: no autograd
+    return y.detach(), x.grad, m.detach(), (z, z.requires_grad)
 
 
 def test_all_gather_autograd_two_processes():
-    (y0, g0, m0), (y1, g1, m1) = spawn(_gather_worker)
+    (y0, g0, m0, (z0, r0)), (y1, g1, m1, (z1, r1)) = spawn(_gather_worker)
     assert torch.equal(y0, y1) and torch.equal(y0[3:], torch.arange(6.0).view(3, 2) + 10)
+    assert torch.equal(z0, y0) and torch.equal(z1, y0) and not (r0 or r1)
     # d(sum_r loss_r)/dx_r = sum over ranks of w_r restricted to rank r's rows = 3 * w_base rows
     w = torch.arange(12.0).view(6, 2)
     assert torch.equal(g0, 3 * w[:3]) and torch.equal(g1, 3 * w[3:])
