@@ -98,7 +98,8 @@ def propagate(feats, labels0, n_context=20, topk=7, radius=20.0, temperature=0.7
         out.append(lab.reshape(h, w, -1))
         mem_f.append(f)
         mem_l.append(lab)
-        del mem_f[:len(mem_f) - n_context], mem_l[:len(mem_l) - n_context]      # the last n_context
+        drop = max(0, len(mem_f) - n_context)                                  # keep the last n_context (a
+        del mem_f[:drop], mem_l[:drop]                                         # negative slice end would cut more)
     return torch.stack(out)
 
 

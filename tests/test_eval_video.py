@@ -240,15 +240,17 @@ def test_scores_skip_the_first_and_last_frames_and_the_flags_reach_propagation(m
 # ----------------------------------------------------------------------------------------------
 # What the mutation audit of eval_video.py found unpinned (each test fails with its line broken)
 # ----------------------------------------------------------------------------------------------
-def test_propagation_equals_a_naive_reference():
+@pytest.mark.parametrize("T,n_context", [(5, 2), (12, 6)])
+def test_propagation_equals_a_naive_reference(T, n_context):
     """Cell by cell, as the module docstring states: candidates are every cell of frame 0 and the cells
     at distance < radius of frames max(0, t - n_context) .. t - 1 (soft labels), top-k affinities
-    f_t . f_s / T, weights softmax over the top k."""
+    f_t . f_s / T, weights softmax over the top k. T = 12 with n_context 6: the memory fills up over
+    frames n_context / 2 .. n_context too (a trim by a negative slice once cut it there)."""
     g = torch.Generator().manual_seed(3)
-    T, h, w, D, Cl = 5, 3, 4, 6, 3
+    h, w, D, Cl = 3, 4, 6, 3
     feats = F.normalize(torch.randn(T, h, w, D, generator=g), dim=-1)
     lab0 = torch.softmax(torch.randn(h, w, Cl, generator=g), -1)
-    n_context, k, radius, temp = 2, 3, 1.5, 0.3
+    k, radius, temp = 3, 1.5, 0.3
     out = V.propagate(feats, lab0, n_context, k, radius, temp)
     cells = [(i, j) for i in range(h) for j in range(w)]
     labels = [lab0]
