@@ -20,8 +20,10 @@ checkpoint's method:
   cls_token), 100 epochs, 5 warm-up epochs from 0, then cosine to min lr 1e-6 (per step),
   RandomResizedCrop(0.08-1, bicubic) + flip + RandAugment(2 ops, magnitude 9), random erasing
   0.25, MixUp 0.8 / CutMix 1.0 (one of the two per batch), label smoothing 0.1, no clipping.
+  (CMAE's config warms up from 1e-4 x lr, 2e-7 at batch 1024, not 0; evaluates every 10 epochs.)
   "beit" (ConMIM: README command, run_class_finetuning.py): the same but lr 4e-3 ABSOLUTE for the
-  global batch 1024, 20 warm-up epochs from 1e-6.
+  global batch 1024, 20 warm-up epochs from 0 (BEiT's cosine_scheduler starts its warm-up at
+  start_warmup_value=0; the --warmup_lr 1e-6 it parses is never used).
 Layer ids (MAE's lr_decay.py = BEiT's get_num_layer_for_vit): cls_token, pos_embed, patch_embed
 -> 0; blocks.i -> i + 1; fc_norm, head -> depth + 1; lr scale = decay^(depth + 1 - id).
 
@@ -32,7 +34,8 @@ Where torchvision's operations differ from the official timm ones (listed, not f
   - Random erasing: torchvision RandomErasing(value="random") after normalisation = timm's
     mode "pixel", count 1 (same area 0.02-1/3 and aspect 0.3-3.3).
   - MixUp / CutMix: torchvision v2, one lambda per process batch, switching with probability 0.5
-    (timm: mode "batch", switch_prob 0.5, same); label smoothing applied to the mixed one-hot
+    (timm: mode "batch", switch_prob 0.5, same), pairing image i with i - 1 (timm: with B - 1 - i,
+    the flipped batch); label smoothing applied to the mixed one-hot
     target (equal to timm's mixing of smoothed targets, mixing being linear).
   - ConMIM's BEiT backbone has relative position bias and layer scale 0.1; this ViT has neither.
   - Evaluation each epoch on val/ (Resize img*256/224 bicubic + CenterCrop), top-1 / top-5.
@@ -55,7 +58,7 @@ import eval_linear as E
 
 RECIPES = {  # per-method defaults of the fields left at None
     "mae": dict(blr=5e-4, lr=None, warmup_epochs=5, warmup_lr=0.0),
-    "beit": dict(blr=None, lr=4e-3, warmup_epochs=20, warmup_lr=1e-6),
+    "beit": dict(blr=None, lr=4e-3, warmup_epochs=20, warmup_lr=0.0),
 }
 METHOD_RECIPE = {"conmim": "beit"}                       # every other checkpoint: "mae"
 
@@ -76,7 +79,7 @@ class Args(C.RunArgs):
     micro_batch: int = field(default=256, metadata={"help": "images per forward/backward per process"})
     lr: float = field(default=None, metadata={"help": "absolute peak lr (default: the recipe's)"})
     blr: float = field(default=None, metadata={"help": "lr = blr x global batch / 256 when --lr is not given"})
-    warmup_lr: float = field(default=None, metadata={"help": "lr at the start of warm-up (mae 0, beit 1e-6)"})
+    warmup_lr: float = field(default=None, metadata={"help": "lr at the start of warm-up (both recipes: 0)"})
     min_lr: float = 1e-6
     warmup_epochs: int = None
     layer_decay: float = 0.65

@@ -196,11 +196,12 @@ def test_the_network_sees_the_mixed_images_and_the_loss_the_mixed_targets(tmp_pa
     assert targets and torch.allclose(targets[0].sum(1), torch.ones(8)) and targets[0].max() < 1.0   # smoothed
 
 
-@pytest.mark.parametrize("method,recipe,warmup_lr,peak", [("conmim", "beit", 1e-6, 4e-3),          # absolute
+@pytest.mark.parametrize("method,recipe,warmup_lr,peak", [("conmim", "beit", 0.0, 4e-3),          # absolute
                                                           ("cmae", "mae", 0.0, 5e-4 * 8 / 256)])    # blr x batch / 256
 def test_the_checkpoint_method_picks_the_official_recipe(method, recipe, warmup_lr, peak, tmp_path, monkeypatch):
-    """ConMIM -> BEiT-style recipe (lr 4e-3 for the global batch, warm-up from 1e-6), every other method ->
-    MAE's (blr 5e-4 x batch / 256, warm-up from 0): the lr each step applies, divided by its layer scale."""
+    """ConMIM -> BEiT-style recipe (lr 4e-3 for the global batch, warm-up from 0: BEiT's cosine_scheduler
+    ignores its --warmup_lr), every other method -> MAE's (blr 5e-4 x batch / 256, warm-up from 0): the lr
+    each step applies, divided by its layer scale."""
     ckpt = vit_checkpoint(tmp_path / "c.pth", method)
     lrs, real = [], C.optimizer_step
     monkeypatch.setattr(C, "optimizer_step", lambda run, opt, params, max_norm=0.0: (
@@ -275,10 +276,10 @@ def test_each_process_evaluates_its_strided_share_of_val(monkeypatch):
     torch.testing.assert_close(sums[1] + sums[2], sums[0])
 
 
-@pytest.mark.parametrize("method,lr,blr,warmup,warmup_lr", [("conmim", 4e-3, None, 20, 1e-6), ("cmae", None, 5e-4, 5, 0.0),
+@pytest.mark.parametrize("method,lr,blr,warmup,warmup_lr", [("conmim", 4e-3, None, 20, 0.0), ("cmae", None, 5e-4, 5, 0.0),
                                                             ("msn", None, 5e-4, 5, 0.0)])
 def test_the_recipe_fills_every_unset_field(method, lr, blr, warmup, warmup_lr, tmp_path, monkeypatch):
-    """BEiT-style (ConMIM): lr 4e-3 absolute, 20 warm-up epochs from 1e-6; MAE (others): blr 5e-4, 5 from 0."""
+    """BEiT-style (ConMIM): lr 4e-3 absolute, 20 warm-up epochs from 0; MAE (others): blr 5e-4, 5 from 0."""
     seen = []
 
     def stop(args, name):
