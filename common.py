@@ -828,7 +828,9 @@ def catch_preemption():
     checkpoint and exits 0. Clusters (SLURM, scancel, timeout, kill -TERM -PGID) signal the whole
     process group: the DataLoader workers ignore these signals (ignore_stop_signals) so the main
     process can finish. A second Ctrl-C more than a second after the first stops at once (not under
-    torchrun, whose agent forwards the signal it got to every rank, a second copy of the same one)."""
+    torchrun, whose agent forwards the signal it got to every rank, a second copy of the same one).
+    Workers that survive SIGTERM need stop_workers_at_exit: an error or crash would otherwise hang."""
+    import atexit
     import signal
 
     def handler(num, frame):
@@ -839,6 +841,21 @@ def catch_preemption():
         _SIGNAL.append((name, time.time()))
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), handler)
+    atexit.register(stop_workers_at_exit)          # runs before multiprocessing's exit hook (registered earlier)
+
+
+def stop_workers_at_exit():
+    """At interpreter exit, multiprocessing terminates (SIGTERM) its daemonic children, the DataLoader
+    workers, then joins them. Ours ignore SIGTERM (ignore_stop_signals; eval loaders inherit the
+    handler), so a run ending with workers alive (an error or a crash keeps its loaders referenced
+    from the traceback) waited forever after printing its error: SIGKILL them first, as the SIGTERM
+    multiprocessing means them to get (tests/test_faults.py)."""
+    import multiprocessing
+    import signal
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)     # torch's SIGCHLD check would report the kills as errors
+    for p in multiprocessing.active_children():
+        if p.daemon:
+            p.kill()
 
 
 def ignore_stop_signals(_worker_id=None):

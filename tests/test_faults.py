@@ -19,7 +19,7 @@ import common as C
 import conmim
 import synthetic as S
 import msn
-from helpers import ROOT, exact_resume, one_line_error, run_cli, torchrun
+from helpers import ROOT, exact_resume, one_line_error, run_cli, torchrun, vit_checkpoint
 from test_can import tiny_args as can_args
 from test_cmae import tiny_args as cmae_args
 from test_conmim import tiny_args as conmim_args
@@ -213,6 +213,59 @@ def test_one_failing_rank_takes_the_others_down(tmp_path):
     elapsed = time.time() - t
     assert r.returncode != 0 and "unreadable (> --max-unreadable 0)" in r.stderr, r.stderr[-2000:]
     assert elapsed < 90, elapsed
+
+
+def _ends_within(cmd, limit=60):
+    """(returncode, stderr) of cmd, run in its own process group; fails (and kills the group) if it is still
+    running after `limit` s."""
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        return p.communicate(timeout=limit)[1], p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"still running {limit} s later, after printing: {p.communicate()[1][-1500:]}")
+
+
+def test_a_crash_with_dataloader_workers_ends_the_process(tmp_path):
+    """A crash (here a RuntimeError in the 2nd optimiser step; on a GPU: out of memory, an NCCL error) with
+    --workers 2: the traceback is printed and the process exits 1. It waited forever instead (until
+    SIGKILL): the crash's traceback keeps the loader's persistent iterator alive at exit, and
+    multiprocessing's exit hook SIGTERMs the workers, which ignore it (C.ignore_stop_signals), then joins
+    them (fixed by C.stop_workers_at_exit)."""
+    script = tmp_path / "crash.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {ROOT!r})
+import can, common as C
+real, calls = C.optimizer_step, []
+def optimizer_step(*a, **kw):
+    calls.append(1)
+    if len(calls) == 2:
+        raise RuntimeError("boom at step 2")
+    return real(*a, **kw)
+C.optimizer_step = optimizer_step
+sys.argv = {[*CAN_CLI[:CAN_CLI.index("--workers")], "--data", "synthetic", "--epochs", "1", "--steps-per-epoch",
+             "20", "--workers", "2", "--output-dir", str(tmp_path / "out")]!r}
+C.main(can.train, can.Args)
+""")
+    err, rc = _ends_within([sys.executable, str(script)])
+    assert rc == 1 and err.strip().splitlines()[-1] == "RuntimeError: boom at step 2", err[-2000:]
+
+
+def test_an_error_raised_in_an_evaluation_loader_worker_ends_the_process(tmp_path):
+    """eval_finetune with --workers 2 and an unreadable val/ image: the one-line error, exit 2, at once. It
+    waited forever after the error: the error a worker raises is re-raised in a reference cycle that
+    keeps its loader (and the training loader) alive at exit, with workers that survive SIGTERM."""
+    for split, n in (("train", 6), ("val", 1)):
+        for c in "ab":
+            os.makedirs(tmp_path / "d" / split / c)
+            for i in range(n):
+                S.synthetic_image(i)[0].resize((16, 16)).save(tmp_path / "d" / split / c / f"{i}.png")
+    (tmp_path / "d" / "val" / "b" / "zz_bad.png").write_bytes(b"broken")
+    err, rc = _ends_within([sys.executable, "eval_finetune.py", "--ckpt", vit_checkpoint(tmp_path / "c.pth", "cmae"),
+                            "--data", str(tmp_path / "d"), "--batch-size", "4", "--epochs", "1", "--warmup-epochs",
+                            "0", "--workers", "2", "--output-dir", str(tmp_path / "out")])
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: cannot read image"), err[-2000:]
 
 
 @pytest.mark.parametrize("flags,msg", [
