@@ -841,6 +841,7 @@ def catch_preemption():
         _SIGNAL.append((name, time.time()))
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), handler)
+    atexit.unregister(stop_workers_at_exit)        # once, however often called
     atexit.register(stop_workers_at_exit)          # runs before multiprocessing's exit hook (registered earlier)
 
 
