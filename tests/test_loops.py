@@ -365,10 +365,12 @@ def test_each_loop_ends_step_k_with_its_global_step_and_the_epoch_reads_so_far(t
 def test_the_colour_augmentation_reaches_the_target_view_only(tmp_path, monkeypatch, method, gpu_aug):
     """CMAE's EMA target view and ConMIM's teacher (strong) view are the colour-augmented ones, in the
     workers or batched on the device (--gpu-aug); the online / student view never is. The augmentation
-    is replaced by one that blacks the image out."""
+    is replaced by one that blacks the image out (and, batched, records which batch it was given)."""
     from PIL import Image
+    given = []
     monkeypatch.setattr(C, "color_augment", lambda **kw: (lambda im: Image.new("RGB", im.size)))
-    monkeypatch.setattr(GA, "color_augmenter", lambda compile=False: (lambda x, **kw: torch.zeros(x.shape, device=x.device)))
+    monkeypatch.setattr(GA, "color_augmenter", lambda compile=False: (lambda x, **kw: (
+        given.append(x), torch.zeros(x.shape, dtype=x.dtype, device=x.device))[1]))
     mod, make, _ = CASES[method]
     _, steps, _ = _record(monkeypatch, mod)
     mod.train(make(tmp_path, gpu_aug=gpu_aug, stop_step=1))
@@ -376,6 +378,9 @@ def test_the_colour_augmentation_reaches_the_target_view_only(tmp_path, monkeypa
     black = C.normalize(torch.zeros(3, 1, 1, dtype=torch.uint8))
     assert torch.equal(target, black.expand_as(target).contiguous())
     assert (online != black).flatten(1).any(1).all()                   # every online image has content
+    if gpu_aug:                       # the batch it blacked out: CMAE's shifted target view, not the online one;
+        assert len(given) == 1        # ConMIM's strong view, which before its colour ops IS the weak one (one crop)
+        assert torch.equal(C.normalize(given[0]), online) == (method == "conmim")
 
 
 @pytest.mark.parametrize("method,norm_pix", [("cmae", True), ("can", False), ("can", True), ("siammae", True)])

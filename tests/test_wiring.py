@@ -78,6 +78,18 @@ def test_msn_loss_is_msn_loss_of_the_view_major_anchors_and_the_target_embedding
     torch.testing.assert_close(loss, ref)
 
 
+def test_msn_heads_read_the_cls_token_after_the_final_norm():
+    """MSN's representation is the [CLS] output (paper; official deit.forward: norm, then x[:, 0]),
+    for the anchors (masked and focal) and the target alike."""
+    a, model, target, xt, xr, xf, ids = msn_setup()
+    o_head, t_head = Calls(model.net.head), Calls(target.head)
+    msn.train_step(model, target, xt, xr, xf, ids, a)
+    with torch.no_grad():
+        torch.testing.assert_close(o_head.arg(0), model.net.encoder(xr[0], ids[0])[:, 0])
+        torch.testing.assert_close(o_head.arg(1), model.net.encoder(xf.flatten(0, 1))[:, 0])
+        torch.testing.assert_close(t_head.arg(0), target.encoder(xt)[:, 0])
+
+
 def test_targets_and_teachers_are_deterministic_frozen_copies():
     """The EMA target / teacher: outputs deterministic in train mode (drop path off), no parameter
     that autograd would track, and its own storage (an update of the online net must not move it)."""
@@ -138,6 +150,18 @@ def test_cmae_contrastive_term_uses_the_feature_branch_and_the_target_embeddings
         _, u = model(xs, ids, rest)
         ref = cmae.cmae_contrastive_loss(u, target(xt), a.tau)
     torch.testing.assert_close(parts["l_c"], ref)
+
+
+def test_cmae_online_embedding_is_the_mean_patch_token_of_the_feature_decoder():
+    """y_s: the feature decoder's output averaged over the patch tokens ([CLS] left out), then projector and
+    predictor; the target's z_t: its encoder's patch tokens averaged, without the final norm."""
+    a, model, target, xs, xt, ids, rest, mask = cmae_setup()
+    o_proj, t_proj = Calls(model.projector), Calls(target.projector)
+    cmae.train_step(model, target, xs, xt, ids, rest, mask, a)
+    with torch.no_grad():
+        latent = model.encoder(xs, ids)
+        torch.testing.assert_close(o_proj.arg(0), model.feature_decoder(latent, rest)[:, 1:].mean(1))
+        torch.testing.assert_close(t_proj.arg(0), target.encoder(xt, norm=False)[:, 1:].mean(1))
 
 
 def test_cmae_total_is_l_r_plus_lambda_c_l_c_in_both_step_paths():
@@ -226,6 +250,16 @@ def test_can_reconstructs_the_clean_image_on_masked_and_the_noise_on_visible_pat
         assert (parts["rec"] > 0.5) == rec and (parts["denoise"] > 0.5) == den, (parts, rec, den)
         if pert is None:
             assert parts["rec"] < 1e-10 and parts["denoise"] < 1e-10
+
+
+def test_can_contrastive_embedding_projects_the_mean_of_the_visible_patch_tokens():
+    """Paper: mean-pool the encoder outputs of the unmasked tokens ([CLS] left out), then the projector."""
+    a, model, x, sigma, noise, ids, rest, mask = can_setup()
+    proj = Calls(model.projector)
+    can.train_step(model, x, sigma, noise, ids, rest, mask, a)
+    with torch.no_grad():
+        latent = model.encoder((x + noise).flatten(0, 1), ids.flatten(0, 1))      # (2B, 1 + n_visible, D)
+    torch.testing.assert_close(proj.arg(0), latent[:, 1:].mean(1))
 
 
 def test_can_total_is_can_loss_with_the_two_views_paired():
