@@ -28,7 +28,8 @@ three sample at patch centres; ours does not stretch the aspect ratio.
 Data: DAVIS-2017 layout (JPEGImages/480p/<video>/*.jpg, Annotations/480p/<video>/*.png palette
 masks, ImageSets/2017/val.txt), or `synthetic` (moving-shape clips of synthetic.py, val split).
 Metrics: J (region IoU) and F (boundary F-measure, boundary tolerance 0.008 x image diagonal, as
-the DAVIS toolkit), per object, on all frames but the first and last; J&F = (J + F) / 2. Where no
+the DAVIS toolkit), per object, on all frames but the first and last, void pixels (label 255)
+left out of both as the toolkit does; J&F = (J + F) / 2. Where no
 frame beyond the first is annotated (DAVIS test-dev), --output writes the predictions and the
 scores are null.
 """
@@ -106,10 +107,12 @@ def propagate(feats, labels0, n_context=20, topk=7, radius=20.0, temperature=0.7
 # ----------------------------------------------------------------------------------------------
 # Metrics (DAVIS definitions)
 # ----------------------------------------------------------------------------------------------
-def jaccard(pred, gt):
-    """Region similarity J = |P & G| / |P | G| for boolean masks; 1 when both are empty."""
-    union = np.logical_or(pred, gt).sum()
-    return 1.0 if union == 0 else np.logical_and(pred, gt).sum() / union
+def jaccard(pred, gt, void=None):
+    """Region similarity J = |P & G| / |P | G| for boolean masks, void pixels (label 255) left out of
+    both; 1 when the union is empty (DAVIS db_eval_iou)."""
+    keep = np.ones_like(gt, dtype=bool) if void is None else ~void
+    union = (np.logical_or(pred, gt) & keep).sum()
+    return 1.0 if union == 0 else (np.logical_and(pred, gt) & keep).sum() / union
 
 
 def boundary(mask):
@@ -133,8 +136,11 @@ def _dilate(b, r):
     return (F.conv2d(x, disk, padding=r)[0, 0] > 0).numpy()
 
 
-def f_measure(pred, gt, bound_th=0.008):
-    """Boundary F = 2PR / (P + R), boundaries matched within ceil(bound_th * diagonal) pixels."""
+def f_measure(pred, gt, void=None, bound_th=0.008):
+    """Boundary F = 2PR / (P + R), boundaries matched within ceil(bound_th * diagonal) pixels; void
+    pixels are cleared from both masks first (DAVIS f_measure)."""
+    if void is not None:
+        pred, gt = pred & ~void, gt & ~void
     r = math.ceil(bound_th * math.hypot(*pred.shape))
     bp, bg = boundary(pred), boundary(gt)
     if bp.sum() == 0 and bg.sum() == 0:
@@ -262,9 +268,10 @@ def evaluate_video(enc, frames, masks, a, short_side, device):
     for t in range(1, T - 1):                                                  # DAVIS: not first / last
         if masks[t] is None:
             continue
+        void = masks[t] == 255                                                # DAVIS: VOID_LABEL
         for i in ids:
-            J[i].append(jaccard(pred[t] == i, masks[t] == i))
-            Fm[i].append(f_measure(pred[t] == i, masks[t] == i))
+            J[i].append(jaccard(pred[t] == i, masks[t] == i, void))
+            Fm[i].append(f_measure(pred[t] == i, masks[t] == i, void))
     return pred, {i: (float(np.mean(J[i])), float(np.mean(Fm[i]))) for i in ids if J[i]}
 
 
