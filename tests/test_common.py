@@ -271,6 +271,40 @@ def test_control_saves_after_save_every_minutes():
     assert ctl.poll(3) == (False, False)
 
 
+def _control_worker(rank, world):
+    args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0)
+    ctl = C.Control(args, torch.device("cpu"))
+    if rank == 0:
+        C._SIGNAL.append(("SIGTERM", 0.0))                         # only rank 0 got the signal
+    return [ctl.poll(step) for step in (9, 10)]
+
+
+def test_control_stops_every_rank_when_one_got_the_signal():
+    """Signals reach ranks at different times (or one rank only): the stop is agreed at the next multiple
+    of sync_every, on every rank at the same step, since saving is collective."""
+    assert spawn(_control_worker) == [[(False, False), (True, True)]] * 2
+
+
+def test_a_resume_restores_the_fp16_loss_scale(tmp_path):
+    """fp16: the GradScaler's scale and growth tracker go into the checkpoint and come back on resume (a
+    resumed run restarting at 65536 would skip steps until the scale fell again)."""
+    args = msn_args(tmp_path)
+
+    def run_and_model(scale, tracker):
+        run = argparse.Namespace(ckpt=str(tmp_path / "checkpoint.pth"), scaler=torch.amp.GradScaler("cpu"),
+                                 guard=C.Guard(torch.device("cpu"), "fp16", str(tmp_path / "checkpoint.pth")))
+        run.scaler.load_state_dict({**run.scaler.state_dict(), "scale": scale, "_growth_tracker": tracker})
+        model = torch.nn.Linear(2, 2)
+        model.config = {}
+        return run, model, torch.optim.AdamW(model.parameters())
+    run, model, opt = run_and_model(256.0, 7)
+    C.save_run(run, "msn", args, 0, 5, model, model, opt)
+    run2, model2, opt2 = run_and_model(65536.0, 0)
+    assert C.resume_run(run2, "msn", args, model2, opt2) == 5
+    state = run2.scaler.state_dict()
+    assert (state["scale"], state["_growth_tracker"]) == (256.0, 7)
+
+
 def test_control_stops_on_a_signal_of_its_own_run_only():
     """A preemption signal stops the run that got it (save, then stop); a new run in the same process
     (a sweep calling train() again, a notebook after Ctrl-C) starts without it."""

@@ -64,6 +64,25 @@ def test_no_checkpoint_is_written_after_a_non_finite_step_even_with_finite_weigh
     assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 2
 
 
+def test_weights_made_non_finite_with_a_finite_loss_are_never_written(tmp_path, monkeypatch):
+    """Weights that turn non-finite while the watched loss and gradient norm stay finite (here one weight set
+    to inf after step 3's update): the save at step 3 refuses, the checkpoint stays at step 2."""
+    real = C.optimizer_step
+
+    def step_3_breaks_a_weight(run, opt, params, *a, **kw):
+        norm = real(run, opt, params, *a, **kw)
+        step_3_breaks_a_weight.calls += 1
+        if step_3_breaks_a_weight.calls == 3:
+            with torch.no_grad():
+                opt.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+        return norm
+    step_3_breaks_a_weight.calls = 0
+    monkeypatch.setattr(C, "optimizer_step", step_3_breaks_a_weight)
+    with pytest.raises(C.UserError, match="non-finite weights at step 3: not written; .* keeps the last finite checkpoint"):
+        can.train(can_args(tmp_path, epochs=2, steps_per_epoch=3, save_every=1, log_every=10))
+    assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 2
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_guard_reports_the_first_non_finite_step_of_any_part(bad):
     """bf16 / fp32: NaN and +-Inf in any part (a loss term or the gradient norm) stop at check() with the
