@@ -213,7 +213,7 @@ def test_memory_carries_soft_labels():
     torch.testing.assert_close(out[2], torch.full((1, 2, 2), 0.5))
 
 
-def test_void_pixels_count_in_neither_j_nor_f_as_the_davis_toolkit():
+def test_void_pixels_count_in_neither_j_nor_f_as_the_davis_toolkit(monkeypatch):
     """DAVIS marks void pixels 255 and its toolkit leaves them out of J's intersection and union and clears
     them from both masks before F's boundaries: an object predicted over a void band scores as without it."""
     gt = np.zeros((40, 40), np.uint8)                   # on the 8 px patch grid: cells 1-2 object, 3 void
@@ -225,14 +225,12 @@ def test_void_pixels_count_in_neither_j_nor_f_as_the_davis_toolkit():
     assert V.jaccard(pred == 1, gt == 1, void) == 1.0 and V.f_measure(pred == 1, gt == 1, void) == 1.0
     assert V.jaccard(pred == 1, gt == 1) == pytest.approx(256 / 384) and V.f_measure(pred == 1, gt == 1) < 1.0
     T, p = 3, 8                                         # evaluate_video reads 255 as void on the scored frame
-    monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(V, "frame_features", lambda enc, fr, s, d: torch.zeros(T, 40 // p, 40 // p, 4))
     monkeypatch.setattr(V, "propagate", lambda feats, lab0, *a: lab0.expand(T, -1, -1, -1))
     frames = [Image.fromarray(np.zeros((40, 40, 3), np.uint8))] * T
     first = pred                                        # frame 0 labels the band as object: it propagates there
     out, per_obj = V.evaluate_video(type("Enc", (), {"patch_size": p})(), frames, [first, gt, gt], V.Args(), 0,
                                     torch.device("cpu"))
-    monkeypatch.undo()
     scored = V.jaccard(out[1] == 1, gt == 1, void), V.f_measure(out[1] == 1, gt == 1, void)
     assert per_obj[1] == pytest.approx(scored)
     assert scored[0] > V.jaccard(out[1] == 1, gt == 1) + 0.2 and scored[1] > V.f_measure(out[1] == 1, gt == 1)

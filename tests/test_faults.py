@@ -237,7 +237,7 @@ def test_one_failing_rank_takes_the_others_down(tmp_path):
 
 
 def _ends_within(cmd, limit=60):
-    """(returncode, stderr) of cmd, run in its own process group; fails (and kills the group) if it is still
+    """(stderr, returncode) of cmd, run in its own process group; fails (and kills the group) if it is still
     running after `limit` s."""
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -265,8 +265,8 @@ def optimizer_step(*a, **kw):
         raise RuntimeError("boom at step 2")
     return real(*a, **kw)
 C.optimizer_step = optimizer_step
-sys.argv = {[*CAN_CLI[:CAN_CLI.index("--workers")], "--data", "synthetic", "--epochs", "1", "--steps-per-epoch",
-             "20", "--workers", "2", "--output-dir", str(tmp_path / "out")]!r}
+sys.argv = {[*CAN_CLI, "--data", "synthetic", "--epochs", "1", "--steps-per-epoch", "20", "--workers", "2",
+             "--output-dir", str(tmp_path / "out")]!r}
 C.main(can.train, can.Args)
 """)
     err, rc = _ends_within([sys.executable, str(script)])
