@@ -60,6 +60,21 @@ def tiny_args(tmp, **kw):
     return conmim.Args(**base)
 
 
+def test_weak_view_is_the_crop_alone_and_the_strong_view_adds_colour():
+    """Official data pipeline: one flip + crop shared by both views; the student's weak view has no
+    photometric op, the teacher's strong view gets STRONG (jitter, blur, solarize) on that crop."""
+    import synthetic as S
+    views = conmim.WeakStrongViews(tiny_args("/tmp/unused", gpu_aug=False))
+    changed = []
+    for seed, img in enumerate(S.SyntheticImages().load(i)[0] for i in range(6)):
+        torch.manual_seed(seed)
+        weak, strong = views(img)
+        torch.manual_seed(seed)
+        assert torch.equal(weak, C.to_uint8(views.crop(img)))
+        changed.append(not torch.equal(strong, weak))
+    assert sum(changed) >= 3                          # jitter alone is applied with p = 0.8
+
+
 def test_student_gradients_mask_token_and_teacher_stop_gradient():
     a = tiny_args("/tmp/unused", drop_path=0.0)
     model = conmim.Net(a)

@@ -148,6 +148,14 @@ def test_conmim_mask_token_replaces_masked_patches():
     assert torch.allclose(vit(x, mask=mask, mask_token=tok), vit(x2, mask=mask, mask_token=tok), atol=1e-6)
     assert not torch.allclose(vit(x, mask=mask, mask_token=tok), vit(x, mask=mask, mask_token=torch.randn(1, 1, 16)))
     assert not torch.allclose(vit(x), vit(x2))
+    # BEiT's order: the [MASK] embedding replaces the patch embedding, then every patch slot gets its
+    # position embedding (a masked slot too: the mask token alone would not say where it is)
+    mask = torch.tensor([[1.0, 0, 1, 0], [0, 1, 1, 0]])
+    emb = torch.where(mask.bool()[..., None], tok, vit.patch_embed(x)) + vit.pos_embed[:, 1:]
+    seq = torch.cat([(vit.cls_token + vit.pos_embed[:, :1]).expand(2, -1, -1), emb], 1)
+    for blk in vit.blocks:
+        seq = blk(seq)
+    torch.testing.assert_close(vit(x, mask=mask, mask_token=tok), vit.norm(seq))
 
 
 @pytest.mark.parametrize("method", ["msn", "cmae", "conmim"])
