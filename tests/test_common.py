@@ -121,6 +121,25 @@ def test_views_seeded_by_epoch_and_index():
     assert torch.equal(torch.get_rng_state(), rng)                          # caller's RNG untouched
     assert torch.equal(v[(5, 0)][0], x0) and not torch.equal(x0, x1)
     assert x0.dtype == torch.uint8 and x0.shape == (3, 16, 16)
+    draws = C.Views(S.SyntheticImages(), lambda img: torch.rand(4), seed=3)   # the random draws themselves:
+    d = [draws[(i, 0)][0] for i in range(8)]                                   # each image of an epoch its own
+    assert all(not torch.equal(d[i], d[j]) for i in range(8) for j in range(i))
+    assert torch.equal(draws[(2, 0)][0], d[2])
+
+
+def test_gaussian_blur_draws_sigma_uniform_in_the_official_range(monkeypatch):
+    """MSN / DINO GaussianBlur: with probability p, PIL's blur with radius sigma ~ U[0.1, 2]."""
+    from PIL import ImageFilter
+    radii = []
+    monkeypatch.setattr(ImageFilter, "GaussianBlur", lambda radius: radii.append(radius) or ImageFilter.BLUR)
+    img = S.SyntheticImages().load(0)[0]
+    torch.manual_seed(0)
+    blur = C.GaussianBlur(p=0.5)
+    for _ in range(400):
+        blur(img)
+    assert 150 < len(radii) < 250                                            # applied with p = 0.5
+    assert 0.1 <= min(radii) < 0.15 and 1.95 < max(radii) <= 2.0
+    assert 0.9 < sum(radii) / len(radii) < 1.2                                # mean of U[0.1, 2]: 1.05
 
 
 def test_image_files_layouts(tmp_path):
@@ -238,6 +257,15 @@ def test_the_training_loader_needs_one_full_batch_per_process():
     assert len(batches) == 1 and sorted(batches[0][:, 0].tolist()) == list(range(8)) and (batches[0][:, 1] == 0).all()
     with pytest.raises(C.UserError, match="dataset has 7 images: too few for --batch-size 8 x 1 process"):
         C.make_loader(Keys(7), 8, workers=0, seed=0)
+    order = torch.cat([b[:, 0] for b in C.make_loader(Keys(64), 8, workers=0, seed=0)])   # an image folder
+    assert sorted(order.tolist()) == list(range(64)) and order.tolist() != list(range(64))  # is class-sorted
+
+
+def test_to_uint8_gives_three_channels_for_any_pil_mode():
+    from PIL import Image
+    for mode in ("L", "RGBA", "P", "CMYK", "RGB"):
+        x = C.to_uint8(Image.new(mode, (5, 4)))
+        assert x.shape == (3, 4, 5) and x.dtype == torch.uint8
 
 # ---------------------------------------------------------------------------------------------
 # Run plumbing, one rule at a time (each broken on purpose once: every test below failed then)

@@ -132,6 +132,19 @@ def test_color_jitter_order_is_a_uniform_random_permutation_per_image(monkeypatc
     assert len(counts) == 24 and counts.min() > 120 and counts.max() < 280          # 200 each expected
 
 
+def test_blur_sigma_is_uniform_in_the_official_range_with_probability_p_blur(monkeypatch):
+    """As common.GaussianBlur (MSN / DINO): with probability p_blur, sigma ~ U[0.1, 2]; else 0 (off)."""
+    seen = []
+    real = GA.blur_batch
+    monkeypatch.setattr(GA, "blur_batch", lambda x, sigma, k: (seen.append(sigma), real(x, sigma, k))[1])
+    torch.manual_seed(0)
+    GA.color_augment_batch(torch.rand(2000, 3, 2, 2), p_jitter=0.0, p_blur=0.5)
+    sigma = seen[0]
+    on = sigma[sigma > 0]
+    assert 900 < len(on) < 1100                                                    # 1000 expected
+    assert 0.1 <= on.min() < 0.11 and 1.99 < on.max() <= 2.0 and abs(on.mean() - 1.05) < 0.05
+
+
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_gpu_aug_reaches_the_right_views_with_the_method_parameters(method, tmp_path, monkeypatch):
     mod, args, n_views, params, augmented, plain = CASES[method]
