@@ -216,6 +216,12 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 
 
+def frame_order(name):
+    """Sort key of a video's frame files: digit runs compared as numbers, so frame_2.jpg comes before
+    frame_10.jpg (ffmpeg's unpadded %d names); zero-padded names keep their plain order."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
 def normalize(x):
     """uint8 (or float in [0, 1]) (..., 3, H, W) on any device -> float, ImageNet mean/std."""
     mean, std = (torch.tensor(v, device=x.device).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))

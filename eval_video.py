@@ -177,7 +177,8 @@ def davis_videos(root, split):
     for v in names:
         if not os.path.isdir(os.path.join(img_root, v)):
             raise C.UserError(f"video {v} listed in {lst} has no folder {os.path.join(img_root, v)}")
-        frames = sorted(f for f in os.listdir(os.path.join(img_root, v)) if f.lower().endswith(C.IMG_EXTS))
+        frames = sorted((f for f in os.listdir(os.path.join(img_root, v)) if f.lower().endswith(C.IMG_EXTS)),
+                        key=C.frame_order)                        # 2.jpg before 10.jpg
         if not frames:
             raise C.UserError(f"video {v}: no frames in {os.path.join(img_root, v)}")
         ann = [os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png") for f in frames]

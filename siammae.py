@@ -14,8 +14,9 @@ H100, twice the 25 GB measured at 256; README). The loss is per pair: accumulati
   python siammae.py --data /kinetics_frames                   # ViT-S/16 ablation recipe on 1 GPU: 2 x 512 videos
   torchrun --nproc_per_node=8 siammae.py --data /kinetics_frames   # the same objective on 8 GPUs: 8 x 128
 
---data DIR: a directory of videos, each a folder of frames (JPEG/PNG, sorted by file name), found
-at any depth (DAVIS `JPEGImages/480p/<video>/`, Kinetics frame folders, ...).
+--data DIR: a directory of videos, each a folder of frames (JPEG/PNG, in file-name order with frame
+numbers compared as numbers: 2.jpg before 10.jpg), found at any depth (DAVIS
+`JPEGImages/480p/<video>/`, Kinetics frame folders, ...).
 
 Paper -> code.
   Frame pair, gap 4..48, same crop + flip .... FramePair
@@ -95,7 +96,7 @@ class Args(C.RunArgs):
 # Video data: folders of frames (the synthetic clips are in synthetic.py)
 # ----------------------------------------------------------------------------------------------
 class FrameFolder:
-    """One video: sorted frame files. len() = number of frames, load(t) -> PIL RGB. In training (owner:
+    """One video: its frame files in order (C.frame_order). len() = number of frames, load(t) -> PIL RGB. In training (owner:
     the VideoFolders) an unreadable frame is replaced by the nearest readable one (t+1, t-1, t+2, ...:
     deterministic, so resume stays exact) and the video is counted as unreadable once per run."""
 
@@ -130,7 +131,7 @@ class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
             raise C.UserError(f"--data {root}: no such directory (give a folder of frame folders or 'synthetic')")
         self.videos, short, bad = [], 0, 0
         for dirpath, _, files in sorted(os.walk(root, followlinks=True)):
-            frames = sorted(f for f in files if f.lower().endswith(C.IMG_EXTS))
+            frames = sorted((f for f in files if f.lower().endswith(C.IMG_EXTS)), key=C.frame_order)
             if not frames:
                 continue
             if len(frames) < min_frames:

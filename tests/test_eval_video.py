@@ -125,18 +125,28 @@ def test_static_clip_at_davis_geometry_keeps_labels_in_place():
     assert pred.shape == (3, H, W)
 
 
-def davis_folder(root, frames=5):
+def davis_folder(root, frames=5, name="{:05d}"):
     """A DAVIS-2017 layout holding one synthetic clip, video "v", listed in ImageSets/2017/val.txt."""
     clip = S.SyntheticClip(3, "val", n_frames=frames, size=32)
     for sub in ("JPEGImages/480p/v", "Annotations/480p/v", "ImageSets/2017"):
         os.makedirs(root / sub)
     for t in range(frames):
-        clip.load(t).save(root / "JPEGImages/480p/v" / f"{t:05d}.jpg")
+        clip.load(t).save(root / "JPEGImages/480p/v" / f"{name.format(t)}.jpg")
         m = Image.fromarray(clip.mask(t), mode="P")
         m.putpalette(V.PALETTE)
-        m.save(root / "Annotations/480p/v" / f"{t:05d}.png")
+        m.save(root / "Annotations/480p/v" / f"{name.format(t)}.png")
     (root / "ImageSets/2017/val.txt").write_text("v\n")
     return clip, root
+
+
+def test_frames_named_without_zero_padding_are_read_in_frame_order(tmp_path):
+    """A DAVIS-style folder of a custom video whose frames are 0.jpg .. 11.jpg: propagated in frame
+    order (10.jpg after 9.jpg, not after 1.jpg), each frame with its own annotation."""
+    clip, root = davis_folder(tmp_path / "d", frames=12, name="{}")
+    (_, frames, masks), = V.davis_videos(str(root), "val")
+    assert all(np.array_equal(m, clip.mask(t)) for t, m in enumerate(masks))
+    assert all(np.array_equal(np.array(f), np.array(Image.open(root / "JPEGImages/480p/v" / f"{t}.jpg").convert("RGB")))
+               for t, f in enumerate(frames))
 
 
 def test_a_broken_davis_folder_is_a_one_line_error_naming_what_is_missing(tmp_path):

@@ -114,6 +114,11 @@ def test_video_folders_nested_layout_skips_and_errors(tmp_path, capsys):
     assert [len(v) for v in ds.videos] == [5, 2, 4]              # 2 frames: the fewest a pair needs
     assert "skipped 1 video(s) with < 2 frames and 1 with an unreadable first frame" in capsys.readouterr().out
     assert ds.videos[0].load(4).getpixel((0, 0))[0] == 40        # frames sorted by name
+    for t in range(12):                                           # unpadded numbers (ffmpeg's %d): by number
+        Image.new("RGB", (20, 20), (10 * t, 0, 0)).save(tmp_path / "elsewhere" / f"frame_{t}.jpg")
+    (video,) = siammae.VideoFolders(str(tmp_path / "elsewhere")).videos[:1]
+    assert [os.path.basename(p) for p in video.paths] == [f"frame_{t}.jpg" for t in range(12)]
+    assert video.load(10).getpixel((0, 0))[0] == 100
     with pytest.raises(C.UserError, match="no usable videos"):
         siammae.VideoFolders(str(root / "single"))
     assert "skipped 1 video(s) with < 2 frames and 0 with" in capsys.readouterr().out
