@@ -460,7 +460,7 @@ def train(args):
     C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit)[2].sum(),
                        grid * grid)
     per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {args.batch_size - 1} negatives per image instead "
-                              "of 4095")
+                              "of 4095", batchnorm="the projector's and predictor's")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
     loader = C.make_loader(C.Views(dataset, PixelShiftViews(args, color=not args.gpu_aug), args.seed), per,
                            args.workers, args.seed)

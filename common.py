@@ -736,9 +736,10 @@ def validate(args):
         raise bad(f"master-size {d['master_size']} is smaller than --img-size {d['img_size']}")
 
 
-def batch_plan(args, run, recipe, weakens, unit="images"):
+def batch_plan(args, run, recipe, weakens, unit="images", batchnorm=None):
     """(per-process batch, micro-batch) from the GLOBAL --batch-size, printed; a warning, saying what
-    it weakens, when the global batch is below the recipe's."""
+    it weakens, when the global batch is below the recipe's. batchnorm: the modules whose BatchNorm
+    normalises over the images of one forward (a micro-batch needs 2, unless SyncBN spans processes)."""
     B, W = args.batch_size, run.world
     if B <= 0 or args.micro_batch < 0:
         raise UserError(f"--batch-size must be positive and --micro-batch >= 0, got {B} and {args.micro_batch}")
@@ -748,6 +749,9 @@ def batch_plan(args, run, recipe, weakens, unit="images"):
     micro = min(args.micro_batch or per, per)
     if per % micro:
         raise UserError(f"--micro-batch {micro} must divide the per-process batch {per} (= {B} / {W} processes)")
+    if batchnorm and micro < 2 and not (W > 1 and run.device.type == "cuda"):       # SyncBN: over all processes
+        raise UserError(f"{micro} image per forward (--batch-size {B} / {W} process(es), --micro-batch "
+                        f"{args.micro_batch}): {batchnorm} BatchNorm needs at least 2 in training; raise them")
     print0(f"global batch {B} {unit} = {W} process(es) x {per} per process = {per // micro} micro-batch(es) of "
            f"{micro}{' with activation checkpointing' if args.grad_ckpt else ''}")
     if B < recipe:

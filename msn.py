@@ -434,7 +434,8 @@ def train(args):
                        grid * grid, need_masked=False)                 # no patch drop (0) is valid
     per, micro = C.batch_plan(args, run, 1024, f"Sinkhorn targets and the ME-MAX mean are statistics of the "
                               f"global batch; with {args.batch_size} images against {args.num_prototypes} "
-                              "prototypes the targets flatten and the prototype marginal is noisier")
+                              "prototypes the targets flatten and the prototype marginal is noisier",
+                              batchnorm="the projection head's")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
     if args.gpu_decode:                                              # workers read files and draw the boxes
         if not args.gpu_aug:

@@ -310,6 +310,27 @@ def test_global_batch_must_divide_over_processes():
         C.batch_plan(can_args("/tmp/u", batch_size=8), run, 4096, "")
 
 
+@pytest.mark.parametrize("method", ["msn", "cmae"])
+def test_one_image_per_forward_is_refused_where_batchnorm_normalises_over_images(method, tmp_path):
+    """MSN's heads and CMAE's projector / predictor normalise over the images of a forward: with one
+    image per forward (--micro-batch 1, or --batch-size = processes) training stopped at step 1 with
+    BatchNorm's ValueError traceback. Now a one-line error at start; SyncBN over several CUDA
+    processes normalises over all of them, so one image each is fine there."""
+    mod, make = {"msn": (msn, msn_args), "cmae": (cmae, cmae_args)}[method]
+    for kw in (dict(batch_size=4, micro_batch=1), dict(batch_size=1, micro_batch=0)):
+        with pytest.raises(C.UserError, match=r"1 image per forward .*BatchNorm needs at least 2 in training"):
+            mod.train(make(tmp_path, **kw))
+    a = make(tmp_path, batch_size=2, micro_batch=1)
+    for world, device, ok in ((2, "cuda", True), (2, "cpu", False), (1, "cuda", False)):
+        run = argparse.Namespace(world=world, device=torch.device(device))
+        if ok:
+            assert C.batch_plan(a, run, 1024, "", batchnorm="the head's") == (1, 1)
+        else:
+            with pytest.raises(C.UserError, match="the head's BatchNorm needs at least 2"):
+                C.batch_plan(a, run, 1024, "", batchnorm="the head's")
+    assert C.batch_plan(a, argparse.Namespace(world=1, device=torch.device("cpu")), 1024, "") == (2, 1)
+
+
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     """The disk fills up in the middle of the second write: the half-written temporary file is
     removed and the first checkpoint is intact."""
