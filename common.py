@@ -219,7 +219,7 @@ IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 def frame_order(name):
     """Sort key of a video's frame files: digit runs compared as numbers, so frame_2.jpg comes before
     frame_10.jpg (ffmpeg's unpadded %d names); zero-padded names keep their plain order."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]   # odd: the digit runs
 
 
 def normalize(x):

@@ -261,6 +261,12 @@ def test_the_training_loader_needs_one_full_batch_per_process():
     assert sorted(order.tolist()) == list(range(64)) and order.tolist() != list(range(64))  # is class-sorted
 
 
+def test_frame_order_compares_digit_runs_as_numbers():
+    names = ["f_10.jpg", "f_2.jpg", "f_1.jpg", "f_02b.jpg", "g.jpg", "f_1\u00b23.jpg", "9.jpg", "10.jpg"]
+    assert sorted(names, key=C.frame_order) == ["9.jpg", "10.jpg", "f_1.jpg", "f_1\u00b23.jpg", "f_2.jpg", "f_02b.jpg",
+                                                "f_10.jpg", "g.jpg"]   # a superscript 2 is text: int() of it raised
+
+
 def test_to_uint8_gives_three_channels_for_any_pil_mode():
     from PIL import Image
     for mode in ("L", "RGBA", "P", "CMYK", "RGB"):
