@@ -150,6 +150,11 @@ def test_knn_without_a_val_split_is_a_one_line_error_at_start_not_after_training
     ("can", dict(decoder_depth=0), "--decoder-depth must be >= 1"),
     ("siammae", dict(decoder_depth=-1), "--decoder-depth must be >= 1"),
     ("msn", dict(ipe_scale=0.5), "--ipe-scale must be >= 1 (the schedules span ipe-scale x the run"),
+    ("msn", dict(ema=(0.996, 1.5)), "--ema momentum must be in [0, 1], got (0.996, 1.5)"),
+    ("cmae", dict(ema=-0.1), "--ema momentum must be in [0, 1], got -0.1"),
+    ("cmae", dict(master_size=200), "--master-size 200 is smaller than --img-size 224"),
+    ("can", dict(drop_path=1.0), "--drop-path must be in [0, 1), got 1.0"),
+    ("conmim", dict(max_unreadable=1.0), "--max-unreadable must be in [0, 1), got 1.0"),
 ])
 def test_flags_torch_or_numpy_would_reject_late_or_never(method, kw, msg):
     """Found by passing each Args field a bad value: AdamW's ValueError and numpy's for a negative seed
