@@ -88,6 +88,8 @@ class Args(C.RunArgs):
     tau: float = 0.1
     crop_scale: tuple = (0.08, 1.0)
     drop_path: float = field(default=0.0, metadata={"help": "student only (official pre-training: 0; 0.1 is fine-tuning's)"})
+    layer_scale: float = field(default=None, metadata={"help": "layer scale init of gamma_1 / gamma_2 (default: "
+                               "official 0.1, 1e-5 for --model large)"})
     gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
                           "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial teacher at the end (default: on for synthetic)"})
@@ -100,23 +102,56 @@ class Args(C.RunArgs):
 
 
 # ----------------------------------------------------------------------------------------------
-# Model: ConMIM's BEiT-style ViT: [CLS], learned position embeddings, masked patches replaced by
-# a [MASK] embedding (all N patches enter the encoder). timm's key names: the encoder loads into timm's
-# VisionTransformer and into every other method's ViT (tests/test_interop.py).
+# Model: BEiT's ViT, as ConMIM's official pre-training builds it: NO absolute position embedding
+# (identical [MASK] inputs carry no position, so the dictionary cannot be solved by position alone:
+# tests/test_shortcuts.py), one relative position bias table shared by all blocks, layer scale,
+# q / v biases (no k bias). timm's `Beit` key names: the encoder loads strict into
+# timm.models.beit.Beit(use_abs_pos_emb=False, use_shared_rel_pos_bias=True, init_values=...).
 # ----------------------------------------------------------------------------------------------
 SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small": (384, 12, 6),
          "base": (768, 12, 12), "large": (1024, 24, 16)}                # width, depth, heads
 
 
+def relative_position_index(grid):
+    """BEiT's index (1 + N, 1 + N) into the ((2g - 1)^2 + 3)-row table: token i -> token j reads the row
+    of their offset (dy, dx); the last three rows are CLS -> token, token -> CLS and CLS -> CLS."""
+    yx = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")).flatten(1)  # (2, N)
+    rel = (yx[:, :, None] - yx[:, None, :]).permute(1, 2, 0) + (grid - 1)                              # (N, N, 2)
+    n_rel = (2 * grid - 1) ** 2 + 3
+    index = torch.zeros(grid * grid + 1, grid * grid + 1, dtype=torch.long)
+    index[1:, 1:] = rel[..., 0] * (2 * grid - 1) + rel[..., 1]
+    index[0, :], index[:, 0], index[0, 0] = n_rel - 3, n_rel - 2, n_rel - 1
+    return index
+
+
+class RelativePositionBias(nn.Module):
+    """One learned bias per head and relative offset, zero-initialised (official); forward() -> the
+    (heads, 1 + N, 1 + N) attention bias every block adds to q k^T / sqrt(d)."""
+
+    def __init__(self, grid, heads):
+        super().__init__()
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * grid - 1) ** 2 + 3, heads))
+        self.register_buffer("relative_position_index", relative_position_index(grid), persistent=False)
+
+    def forward(self):
+        n = self.relative_position_index.shape[0]
+        return self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+
+
 class Attention(nn.Module):
+    """BEiT attention: qkv without bias plus learned q and v biases (k bias fixed at 0)."""
+
     def __init__(self, dim, heads):
         super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.q_bias, self.v_bias = nn.Parameter(torch.zeros(dim)), nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x):                                            # (B, N, D)
-        B, N, D = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D))
+    def forward(self, x, bias):                                      # (B, T, D), bias (heads, T, T)
+        B, T, D = x.shape
+        qkv_bias = torch.cat((self.q_bias, torch.zeros_like(self.v_bias), self.v_bias))
+        q, k, v = F.linear(x, self.qkv.weight, qkv_bias).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype).unsqueeze(0))
+        return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
 
 class Mlp(nn.Module):
@@ -136,17 +171,19 @@ def drop_path(x, p, training):
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + DP(Attn(LN(x))); x + DP(MLP(LN(x)))."""
+    """Pre-norm block with layer scale: x + DP(gamma_1 Attn(LN(x), bias)); x + DP(gamma_2 MLP(LN(x)))."""
 
-    def __init__(self, dim, heads, drop_path=0.0):
+    def __init__(self, dim, heads, layer_scale, drop_path=0.0):
         super().__init__()
         self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
         self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, 4 * dim)
+        self.gamma_1 = nn.Parameter(torch.full((dim,), float(layer_scale)))
+        self.gamma_2 = nn.Parameter(torch.full((dim,), float(layer_scale)))
         self.drop_path = drop_path
 
-    def forward(self, x):
-        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
-        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+    def forward(self, x, bias):
+        x = x + drop_path(self.gamma_1 * self.attn(self.norm1(x), bias), self.drop_path, self.training)
+        return x + drop_path(self.gamma_2 * self.mlp(self.norm2(x)), self.drop_path, self.training)
 
 
 class PatchEmbed(nn.Module):
@@ -174,20 +211,24 @@ def beit_token(t):
 
 class ViT(nn.Module):
     """forward(x, mask=None, mask_token=None, norm=True) -> (B, 1 + N, D), [CLS] first; mask (B, N),
-    1 = masked: those patch embeddings are replaced by mask_token (1, 1, D) before the position
-    embeddings are added (BEiT / SimMIM). The [MASK] parameter lives in Net, so the checkpoint's
-    encoder is a plain ViT. Init: beit_init, then each block's attn.proj and mlp.fc2 divided by
-    sqrt(2 layer) (BEiT's fix_init_weight)."""
+    1 = masked: those patch embeddings are replaced by mask_token (1, 1, D), and nothing is added to
+    any token (no absolute position embedding: position enters only through the shared relative
+    position bias inside attention). The [MASK] parameter lives in Net, so the checkpoint's encoder is
+    a plain BEiT. Init: beit_init, cls token trunc-normal, then each block's attn.proj and mlp.fc2
+    divided by sqrt(2 layer) (BEiT's fix_init_weight); the bias table starts at 0, gammas at
+    layer_scale. The input must be img_size (the bias table is tied to the patch grid)."""
 
-    def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0):
+    def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0, layer_scale=0.1):
         super().__init__()
         self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
-                           mlp_ratio=4.0, pos_embed="learned", init="beit")      # the checkpoint's `vit`
+                           mlp_ratio=4.0, pos_embed="none", rel_pos_bias="shared", layer_scale=layer_scale,
+                           qkv_bias="qv", init="beit")                # the checkpoint's `vit`
         self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
         self.patch_embed = PatchEmbed(patch_size, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        self.pos_embed = nn.Parameter(beit_token(torch.zeros(1, 1 + self.grid ** 2, dim)))
-        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in torch.linspace(0, drop_path, depth).tolist())
+        self.rel_pos_bias = RelativePositionBias(self.grid, heads)
+        self.blocks = nn.ModuleList(Block(dim, heads, layer_scale, p)
+                                    for p in torch.linspace(0, drop_path, depth).tolist())
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.grad_ckpt = False                                       # C.set_grad_checkpointing
         beit_init(self)
@@ -198,13 +239,15 @@ class ViT(nn.Module):
                 blk.mlp.fc2.weight.div_(math.sqrt(2.0 * layer))
 
     def forward(self, x, mask=None, mask_token=None, norm=True):
+        if x.shape[-2:] != (self.grid * self.patch_size,) * 2:
+            raise C.UserError(f"ConMIM's ViT takes {self.grid * self.patch_size}px images (its relative position "
+                              f"bias is tied to the {self.grid}x{self.grid} patch grid), got {tuple(x.shape[-2:])}")
         x = self.patch_embed(x)                                      # (B, N, D)
         if mask is not None:                                         # corrupt: masked -> [MASK]
             w = mask.unsqueeze(-1).to(x.dtype)
             x = x * (1 - w) + mask_token.to(x.dtype) * w
-        x = x + self.pos_embed[:, 1:]
-        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
-        x = C.run_blocks(self.blocks, x, self.grad_ckpt)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)   # no position added
+        x = C.run_blocks(self.blocks, x, self.grad_ckpt, self.rel_pos_bias())
         return self.norm(x) if norm else x
 
 
@@ -212,7 +255,12 @@ def make_vit(a):
     if a.model not in SIZES:
         raise C.UserError(f"--model must be one of {', '.join(SIZES)}, got {a.model!r}")
     dim, depth, heads = SIZES[a.model]
-    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path)
+    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path, layer_scale(a))
+
+
+def layer_scale(a):
+    """--layer-scale, or the official value for the size: 1e-5 for ViT-L (README command), 0.1 otherwise."""
+    return a.layer_scale if a.layer_scale is not None else (1e-5 if a.model == "large" else 0.1)
 
 
 def random_masking(batch, grid, ratio, unit=2, device=None):
@@ -277,9 +325,10 @@ class Net(nn.Module):
 
 
 def no_decay(name, p):
-    """Official (BEiT get_parameter_groups): biases, 1-d tensors and no_weight_decay() = {pos_embed,
-    cls_token}; the mask token is decayed."""
-    return C.no_decay_1d(name, p) or name in ("encoder.pos_embed", "encoder.cls_token")
+    """Official (BEiT get_parameter_groups): biases, 1-d tensors (q / v biases, gammas, norms) and
+    no_weight_decay() = {pos_embed (absent here), cls_token}; the mask token and the shared relative
+    position bias table (2-d) are decayed."""
+    return C.no_decay_1d(name, p) or name == "encoder.cls_token"
 
 
 # ----------------------------------------------------------------------------------------------
