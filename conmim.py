@@ -16,7 +16,9 @@ an 80 GB H100; README). The loss is per image, so accumulation is exact by const
 
 Paper -> code.
   Corrupted input x^ (masked patches -> [MASK]) ... random_masking, Net.mask_token, ViT.forward(mask=, mask_token=)
-  Backbone f and slowly progressing teacher ......... Net (student) / make_teacher (EMA, cosine momentum)
+  Backbone f: BEiT's ViT (official) ................. ViT: no absolute position, RelativePositionBias shared
+                                                      by all blocks, layer scale (Block.gamma_1/2), q / v biases
+  Slowly progressing teacher ........................ make_teacher (EMA copy), ema_update (cosine momentum)
   Patch-level dynamic dictionary, Eq. (2) ........... conmim_loss (keys: the image's own patches)
   Asymmetric augmentation (strong teacher input) ..... WeakStrongViews
   Evaluated network: the teacher ..................... checkpoint["encoder"] = teacher encoder
@@ -36,12 +38,16 @@ Where this file follows the official code (TencentARC/ConMIM) rather than the pa
   - Teacher: an EMA copy of encoder + projector with drop path switched off whatever --drop-path
     says (DINO / iBOT teachers), so its targets are deterministic in train mode. Official deep-copies
     the student; with its pre-training drop_path 0 (our default too) the two agree.
+  - Backbone as official (modeling_pretrain.py with run_conmim_pretraining.py's defaults): no absolute
+    position embedding (the [CLS] gets none either), so identical [MASK] inputs carry no position and
+    the patch dictionary cannot be solved by position alone (tests/test_shortcuts.py); one relative
+    position bias table ((2g-1)^2 + 3 rows per head) shared by all blocks, zero-initialised; layer
+    scale --layer-scale 0.1 (1e-5 for ViT-L, the README command); qkv without bias plus q / v biases.
+    Attention through F.scaled_dot_product_attention with the bias as attn_mask (same function).
   - Initialisation as official (BEiT): trunc-normal(0.02) cut at +-1 std for every Linear, the
-    patch embedding, cls / mask tokens and pos-embeds, then each block's attn.proj and mlp.fc2
-    divided by sqrt(2 * layer). Weight decay as official: all but biases, 1-d tensors, pos_embed and
-    cls_token (the mask token is decayed).
-  - DEVIATION: a plain ViT with learned absolute position embeddings and no layer scale; official
-    uses BEiT's relative position bias and layer scale 0.1.
+    patch embedding, cls / mask tokens, then each block's attn.proj and mlp.fc2 divided by
+    sqrt(2 * layer). Weight decay as official: all but biases, 1-d tensors (q / v biases, gammas,
+    norms) and cls_token; the mask token and the relative position bias table are decayed.
   - Default lr 7.5e-4 (absolute, for a 2048 global batch) and clip 1.0 are the official ViT-L
     recipe; we use them for the default ViT-B as well. Warm-up 0 -> lr as lr k / W at step k
     (official np.linspace: k / (W - 1), the peak one step earlier); cosine after it and the teacher's
@@ -146,11 +152,11 @@ class Attention(nn.Module):
         self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
         self.q_bias, self.v_bias = nn.Parameter(torch.zeros(dim)), nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x, bias):                                      # (B, T, D), bias (heads, T, T)
+    def forward(self, x, bias=None):                                 # (B, T, D), bias (heads, T, T)
         B, T, D = x.shape
         qkv_bias = torch.cat((self.q_bias, torch.zeros_like(self.v_bias), self.v_bias))
         q, k, v = F.linear(x, self.qkv.weight, qkv_bias).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype).unsqueeze(0))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype).unsqueeze(0))
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
 
@@ -181,7 +187,7 @@ class Block(nn.Module):
         self.gamma_2 = nn.Parameter(torch.full((dim,), float(layer_scale)))
         self.drop_path = drop_path
 
-    def forward(self, x, bias):
+    def forward(self, x, bias=None):
         x = x + drop_path(self.gamma_1 * self.attn(self.norm1(x), bias), self.drop_path, self.training)
         return x + drop_path(self.gamma_2 * self.mlp(self.norm2(x)), self.drop_path, self.training)
 
@@ -290,7 +296,7 @@ def ema_update(teacher, student, m):
 
 
 # ----------------------------------------------------------------------------------------------
-# Model
+# Heads: the per-token projector and the student / teacher network
 # ----------------------------------------------------------------------------------------------
 class Projector(nn.Module):
     """Per-token 3-layer MLP with BN, no Linear bias (official ConMIM head), (B, T, D) -> (B, T, d)."""
@@ -309,7 +315,7 @@ class Projector(nn.Module):
 
 class Net(nn.Module):
     """Student f (and, as an EMA copy, the teacher): ViT with a [MASK] token -> per-token projector.
-    The [MASK] embedding lives here, not in the encoder, so the checkpoint's encoder is a plain ViT."""
+    The [MASK] embedding lives here, not in the encoder, so the checkpoint's encoder is a plain BEiT."""
 
     def __init__(self, a):
         super().__init__()

@@ -37,7 +37,12 @@ Where torchvision's operations differ from the official timm ones (listed, not f
     (timm: mode "batch", switch_prob 0.5, same), pairing image i with i - 1 (timm: with B - 1 - i,
     the flipped batch); label smoothing applied to the mixed one-hot
     target (equal to timm's mixing of smoothed targets, mixing being linear).
-  - ConMIM's BEiT backbone has relative position bias and layer scale 0.1; this ViT has neither.
+ConMIM's BEiT encoder (no absolute position embedding, layer scale, q / v biases) is fine-tuned as
+BEiT's run_class_finetuning does it: the pre-trained shared relative position bias table is copied
+into every block (blocks.i.attn.relative_position_bias_table, layer id i + 1, weight-decayed like
+any 2-d tensor: --disable_weight_decay_on_rel_pos_bias is off by default); gammas and q / v biases
+are 1-d (no decay). It takes only its pre-training image size (BEiT would interpolate the tables):
+another --img-size is a one-line error.
   - Evaluation each epoch on val/ (Resize img*256/224 bicubic + CenterCrop), top-1 / top-5.
 
 Output: <output-dir>/checkpoint.pth (resumable, method "finetune", the fine-tuned encoder under
@@ -225,7 +230,8 @@ def finetune(args):
         raise C.UserError("--mixup and --cutmix must be >= 0 and --eval-batch positive")
     if not -1 <= args.randaug_magnitude <= 30:
         raise C.UserError(f"--randaug-magnitude must be in 0..30 (RandAugment's 31 bins) or -1 (off), got {args.randaug_magnitude}")
-    enc, ckpt = E.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size, args.drop_path)
+    enc, ckpt = E.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size, args.drop_path,
+                                per_block_rel_pos=True)
     recipe = args.recipe or METHOD_RECIPE.get(ckpt["method"], "mae")
     if recipe not in RECIPES:
         raise C.UserError(f"--recipe must be mae or beit, got {recipe!r}")
@@ -235,7 +241,7 @@ def finetune(args):
     for k in ("warmup_epochs", "warmup_lr"):
         if getattr(args, k) is None:
             setattr(args, k, rec[k])
-    size = args.img_size or ckpt["vit"]["img_size"]
+    size = E.check_size(enc, args.img_size or ckpt["vit"]["img_size"])
     if size % enc.patch_size:
         raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size {enc.patch_size}")
     run = C.setup(args, "finetune")

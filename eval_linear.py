@@ -97,14 +97,53 @@ POOLS = ("cls", "cls-prenorm", "mean")
 
 
 class Attention(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+    """qkv_bias "qkv": one qkv bias (timm ViT); "qv": BEiT's learned q and v biases, k bias 0.
+    rel_pos: this block's own BEiT relative position bias table (fine-tuning expands the shared one)."""
 
-    def forward(self, x):                                            # (B, N, D)
-        B, N, D = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D))
+    def __init__(self, dim, heads, qkv_bias="qkv", rel_pos=None):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim, bias=qkv_bias == "qkv"), nn.Linear(dim, dim)
+        if qkv_bias == "qv":
+            self.q_bias, self.v_bias = nn.Parameter(torch.zeros(dim)), nn.Parameter(torch.zeros(dim))
+        if rel_pos is not None:                                      # timm Beit's per-block names
+            self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * rel_pos - 1) ** 2 + 3, heads))
+            self.register_buffer("relative_position_index", relative_position_index(rel_pos), persistent=False)
+
+    def forward(self, x, bias=None):                                 # (B, T, D), bias (heads, T, T)
+        B, T, D = x.shape
+        b = self.qkv.bias if self.qkv.bias is not None else torch.cat((self.q_bias, torch.zeros_like(self.v_bias), self.v_bias))
+        q, k, v = F.linear(x, self.qkv.weight, b).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        if hasattr(self, "relative_position_bias_table"):
+            bias = relative_bias(self.relative_position_bias_table, self.relative_position_index)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype).unsqueeze(0))
+        return self.proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+def relative_position_index(grid):
+    """BEiT's index (1 + N, 1 + N) into the ((2g - 1)^2 + 3)-row table (same as conmim.py's)."""
+    yx = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")).flatten(1)
+    rel = (yx[:, :, None] - yx[:, None, :]).permute(1, 2, 0) + (grid - 1)
+    n_rel = (2 * grid - 1) ** 2 + 3
+    index = torch.zeros(grid * grid + 1, grid * grid + 1, dtype=torch.long)
+    index[1:, 1:] = rel[..., 0] * (2 * grid - 1) + rel[..., 1]
+    index[0, :], index[:, 0], index[0, 0] = n_rel - 3, n_rel - 2, n_rel - 1
+    return index
+
+
+def relative_bias(table, index):
+    """(heads, 1 + N, 1 + N) attention bias: the table's row for each token pair's relative offset."""
+    n = index.shape[0]
+    return table[index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+
+
+class RelativePositionBias(nn.Module):
+    def __init__(self, grid, heads):
+        super().__init__()
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * grid - 1) ** 2 + 3, heads))
+        self.register_buffer("relative_position_index", relative_position_index(grid), persistent=False)
+
+    def forward(self):                                               # (heads, 1 + N, 1 + N)
+        return relative_bias(self.relative_position_bias_table, self.relative_position_index)
 
 
 class Mlp(nn.Module):
@@ -124,17 +163,27 @@ def drop_path(x, p, training):
 
 
 class Block(nn.Module):
-    """Pre-norm block; drop_path: stochastic depth (used by eval_finetune.py only)."""
+    """Pre-norm block; drop_path: stochastic depth (used by eval_finetune.py only); layer_scale: BEiT's
+    gamma_1 / gamma_2 (None: none); qkv_bias / rel_pos: see Attention."""
 
-    def __init__(self, dim, heads, mlp_ratio=4.0, drop_path=0.0):
+    def __init__(self, dim, heads, mlp_ratio=4.0, drop_path=0.0, layer_scale=None, qkv_bias="qkv", rel_pos=None):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
+        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads, qkv_bias, rel_pos)
         self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, int(dim * mlp_ratio))
+        if layer_scale is not None:
+            self.gamma_1 = nn.Parameter(torch.full((dim,), float(layer_scale)))
+            self.gamma_2 = nn.Parameter(torch.full((dim,), float(layer_scale)))
         self.drop_path = drop_path
 
-    def forward(self, x):
-        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
-        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+    def forward(self, x, bias=None):
+        a, m = self.attn(self.norm1(x), bias), None
+        if hasattr(self, "gamma_1"):
+            a = self.gamma_1 * a
+        x = x + drop_path(a, self.drop_path, self.training)
+        m = self.mlp(self.norm2(x))
+        if hasattr(self, "gamma_2"):
+            m = self.gamma_2 * m
+        return x + drop_path(m, self.drop_path, self.training)
 
 
 class PatchEmbed(nn.Module):
@@ -157,24 +206,36 @@ def sincos_pos_embed(dim, grid):
 class ViT(nn.Module):
     """forward(x, norm=True) -> (B, 1+N, D), [CLS] first. The position table is a parameter here
     (a checkpoint's fixed sin-cos buffer loads into it), interpolated bicubically at other sizes.
+    BEiT (ConMIM): pos_embed "none", rel_pos_bias "shared" (one table, pre-training's layout, key
+    rel_pos_bias.*) or "block" (one per block, fine-tuning's: load_encoder(per_block_rel_pos=True)
+    copies the shared table into every block, as BEiT's run_class_finetuning), layer_scale, qkv_bias
+    "qv"; such an encoder takes only its training image size (the bias is tied to the patch grid).
     --random-init draws the weights as the method's own ViT does (init "trunc": DeiT / MSN,
     "xavier": MAE / CMAE / CAN / SiamMAE, "beit": ConMIM), in the same order, so the baseline is
     that method's initialisation for the same seed."""
 
     def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, mlp_ratio=4.0,
-                 pos_embed="learned", init="trunc", drop_path=0.0, **_):
+                 pos_embed="learned", init="trunc", drop_path=0.0, rel_pos_bias=None, layer_scale=None,
+                 qkv_bias="qkv", **_):
         super().__init__()
         self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
-                           mlp_ratio=mlp_ratio, pos_embed="learned", init=init)
+                           mlp_ratio=mlp_ratio, pos_embed="none" if pos_embed == "none" else "learned", init=init)
+        if pos_embed == "none":
+            self.config.update(rel_pos_bias=rel_pos_bias, layer_scale=layer_scale, qkv_bias=qkv_bias)
         self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
         self.patch_embed = PatchEmbed(patch_size, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid ** 2, dim))
-        if pos_embed == "sincos":
-            self.pos_embed.data[0, 1:] = sincos_pos_embed(dim, self.grid)
-        else:
-            self.init_token(self.pos_embed, init)
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, p) for p in torch.linspace(0, drop_path, depth).tolist())
+        if pos_embed != "none":
+            self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid ** 2, dim))
+            if pos_embed == "sincos":
+                self.pos_embed.data[0, 1:] = sincos_pos_embed(dim, self.grid)
+            else:
+                self.init_token(self.pos_embed, init)
+        if rel_pos_bias == "shared":
+            self.rel_pos_bias = RelativePositionBias(self.grid, heads)
+        block_rel = self.grid if rel_pos_bias == "block" else None
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, p, layer_scale, qkv_bias, block_rel)
+                                    for p in torch.linspace(0, drop_path, depth).tolist())
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Conv2d)):
@@ -187,7 +248,7 @@ class ViT(nn.Module):
                     nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
                 else:
                     nn.init.trunc_normal_(m.weight, std=0.02)
-                if not (conv and init == "xavier"):
+                if m.bias is not None and not (conv and init == "xavier"):
                     nn.init.zeros_(m.bias)
         self.init_token(self.cls_token, init)
         if init == "beit":                                           # BEiT's fix_init_weight
@@ -204,14 +265,32 @@ class ViT(nn.Module):
 
     def forward(self, x, norm=True):
         gh, gw = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
+        x = self.patch_embed(x)
+        if not hasattr(self, "pos_embed"):                           # BEiT: no position added to any token
+            if (gh, gw) != (self.grid, self.grid):
+                raise C.UserError(f"this BEiT encoder takes {self.grid * self.patch_size}px images (its relative "
+                                  f"position bias is tied to the {self.grid}x{self.grid} patch grid), got "
+                                  f"{gh * self.patch_size}x{gw * self.patch_size}; leave --img-size at the checkpoint's")
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
+            bias = self.rel_pos_bias() if hasattr(self, "rel_pos_bias") else None
+            x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False), bias)
+            return self.norm(x) if norm else x
         pe = self.pos_embed[:, 1:]
         if (gh, gw) != (self.grid, self.grid):
             pe = F.interpolate(pe.reshape(1, self.grid, self.grid, -1).permute(0, 3, 1, 2).float(), size=(gh, gw),
                                mode="bicubic", align_corners=False).permute(0, 2, 3, 1).reshape(1, gh * gw, -1)
-        x = self.patch_embed(x) + pe.to(x.dtype)
+        x = x + pe.to(x.dtype)
         x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
         x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False))
         return self.norm(x) if norm else x
+
+
+def check_size(encoder, size):
+    """size, or a one-line error where the encoder cannot take it (BEiT: its training size only)."""
+    if not hasattr(encoder, "pos_embed") and size != encoder.grid * encoder.patch_size:
+        raise C.UserError(f"--img-size {size}: this BEiT encoder takes {encoder.grid * encoder.patch_size}px images only "
+                          "(its relative position bias is tied to the patch grid)")
+    return size
 
 
 def features_of(encoder, x, how):
@@ -255,11 +334,13 @@ def foreign_encoder(obj, path, model=None):
     return {"target_encoder": "msn", "model": "mae-style"}.get(layout, "timm"), config, vit
 
 
-def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path=0.0):
+def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path=0.0, per_block_rel_pos=False):
     """(encoder, checkpoint) of a checkpoint file: this project's format, or (see foreign_encoder)
     the official MSN layout, an MAE-style `model` dict or a timm/DeiT state dict, whose `method` is
     then "msn", "mae-style" or "timm". random_init: the same ViT at its default initialisation drawn
-    with the run's seed (weights not loaded). Returned in eval mode."""
+    with the run's seed (weights not loaded). per_block_rel_pos: a BEiT encoder's shared relative
+    position bias becomes one table per block, each a copy (fine-tuning, as BEiT / ConMIM's
+    run_class_finetuning). Returned in eval mode."""
     obj = C.read_checkpoint_file(path)
     if isinstance(obj, dict) and "method" in obj and "encoder" in obj:
         ckpt = C.load_checkpoint(path)
@@ -271,11 +352,21 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
         ckpt = {"method": method, "vit": config, "encoder": sd, "args": {"seed": 0}}
     if patch_size is not None and patch_size != ckpt["vit"]["patch_size"]:      # any checkpoint
         raise C.UserError(f"--patch-size {patch_size} does not match {path} (patch {ckpt['vit']['patch_size']})")
+    if ckpt["method"] == "conmim" and ckpt["vit"].get("pos_embed") != "none":
+        print(f"{path}: a ConMIM checkpoint from before its BEiT backbone (learned absolute position "
+              "embeddings, which let its objective be solved by position alone): evaluated as the plain ViT it is")
+    vit, sd = dict(ckpt["vit"]), ckpt["encoder"]
+    if per_block_rel_pos and vit.get("rel_pos_bias") == "shared":
+        vit["rel_pos_bias"] = "block"
+        sd = dict(sd)
+        table = sd.pop("rel_pos_bias.relative_position_bias_table", None)
+        if table is not None:
+            sd |= {f"blocks.{i}.attn.relative_position_bias_table": table.clone() for i in range(vit["depth"])}
     torch.manual_seed(ckpt["args"].get("seed", 0))
-    enc = ViT(**ckpt["vit"], drop_path=drop_path)
+    enc = ViT(**vit, drop_path=drop_path)
     if not random_init:
         try:
-            enc.load_state_dict(ckpt["encoder"])
+            enc.load_state_dict(sd)
         except RuntimeError as e:
             raise C.UserError(f"{path}: the encoder does not fit a ViT ({' '.join(str(e).split())[:300]})") from None
     return enc.eval(), ckpt
@@ -361,7 +452,7 @@ def features(a, enc, ckpt, split, ds, device):
     (pooling, size, --random-init, --model, --patch-size) and the split's images (class names and
     file list), so a dataset changed in place is never served another's features and labels."""
     pool = a.pool or DEFAULT_POOL.get(ckpt["method"], "cls")
-    size = a.img_size or ckpt["vit"]["img_size"]
+    size = check_size(enc, a.img_size or ckpt["vit"]["img_size"])
     st = os.stat(a.ckpt)
     files = [p for p, _ in getattr(ds, "samples", [])]
     key = hashlib.sha1(json.dumps([os.path.abspath(a.ckpt), st.st_size, st.st_mtime_ns, pool, size, a.data,

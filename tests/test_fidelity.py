@@ -114,7 +114,9 @@ def test_conmim_uses_beit_init():
     torch.manual_seed(0)
     model = conmim.Net(conmim_args("/tmp/unused", model="micro"))
     enc = model.encoder
-    for t in (enc.patch_embed.proj.weight, enc.cls_token, enc.pos_embed, model.mask_token,
+    assert not enc.rel_pos_bias.relative_position_bias_table.any()   # official: zeros (its trunc_normal_ is commented out)
+    assert all(not (b.attn.q_bias.any() or b.attn.v_bias.any()) for b in enc.blocks)
+    for t in (enc.patch_embed.proj.weight, enc.cls_token, model.mask_token,
               enc.blocks[0].attn.qkv.weight, model.projector.mlp[0].weight):
         assert 0.9 * 0.02 < t.abs().max() <= 0.02 + 1e-7     # trunc-normal(0.02) cut at +-1 std (not zeros)
     for layer, blk in enumerate(enc.blocks, start=1):        # fix_init_weight
@@ -192,7 +194,9 @@ def _groups(model, no_decay=C.no_decay_1d):
 
 def test_weight_decay_groups_follow_each_official_code():
     decay, skip = _groups(conmim.Net(conmim_args("/tmp/unused")), conmim.no_decay)
-    assert "mask_token" in decay and {"encoder.pos_embed", "encoder.cls_token"} <= skip
+    assert {"mask_token", "encoder.rel_pos_bias.relative_position_bias_table"} <= decay   # 2-d: decayed (official)
+    assert {"encoder.cls_token", "encoder.blocks.0.gamma_1", "encoder.blocks.0.attn.q_bias",
+            "encoder.blocks.0.attn.v_bias"} <= skip
     model = cmae.CMAE(cmae_args("/tmp/unused"))
     decay, skip = _groups(model, cmae.no_decay_rule(model))
     assert {"projector.1.weight", "predictor.1.weight"} <= decay      # BatchNorm weights: decayed

@@ -25,24 +25,72 @@ def timm_keys(depth):
     return keys
 
 
+def beit_keys(depth, shared=True):
+    """timm Beit(use_abs_pos_emb=False, init_values>0, global_pool="token", num_classes=0) keys, written
+    out: shared (use_shared_rel_pos_bias, pre-training) or per-block (use_rel_pos_bias, fine-tuning) table."""
+    keys = {"cls_token", "patch_embed.proj.weight", "patch_embed.proj.bias", "norm.weight", "norm.bias"}
+    keys |= {"rel_pos_bias.relative_position_bias_table"} if shared else set()
+    for i in range(depth):
+        keys |= {f"blocks.{i}.{k}" for k in ("norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.q_bias", "attn.v_bias",
+                                             "attn.proj.weight", "attn.proj.bias", "norm2.weight", "norm2.bias",
+                                             "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias",
+                                             "gamma_1", "gamma_2")}
+        keys |= set() if shared else {f"blocks.{i}.attn.relative_position_bias_table"}
+    return keys
+
+
+def timm_beit(shared=True, layer_scale=0.1):
+    from timm.models.beit import Beit
+    return Beit(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=2, num_classes=0, global_pool="token",
+                use_abs_pos_emb=False, use_shared_rel_pos_bias=shared, use_rel_pos_bias=not shared,
+                init_values=layer_scale).eval()
+
+
 @pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can"])
 def test_every_checkpoint_encoder_has_timm_keys_only(method, tmp_path):
     mod = importlib.import_module(method)
     mod.train(mod.Args(data="synthetic", output_dir=str(tmp_path), model="nano", patch_size=4, img_size=16,
                        epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, warmup_epochs=0, **TINY[method]))
     ckpt = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), method)
-    assert set(ckpt["encoder"]) == timm_keys(2)                     # no mask token, no head
+    beit = method == "conmim"                                       # ConMIM's backbone is BEiT's
+    assert set(ckpt["encoder"]) == (beit_keys(2) if beit else timm_keys(2))     # no mask token, no head
     pytest.importorskip("timm")
     from timm.models.vision_transformer import VisionTransformer
     enc = E.ViT(**ckpt["vit"]).eval()
     enc.load_state_dict(ckpt["encoder"])
-    tm = VisionTransformer(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=2, num_classes=0).eval()
+    tm = (timm_beit() if beit else
+          VisionTransformer(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=2, num_classes=0).eval())
     tm.load_state_dict(ckpt["encoder"], strict=True)
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(tm(x), enc(x)[:, 0], atol=1e-5, rtol=1e-5)
 
 
-VITS = ["msn", "cmae", "conmim", "can", "siammae", "eval_linear"]
+def test_conmim_encoder_is_timm_beit_shared_and_per_block(tmp_path):
+    """ConMIM's BEiT (trained-looking weights: random bias table, q / v biases, gammas) gives the same
+    tokens as eval_linear's ViT built from its config, as timm's Beit with the shared table, and, with
+    the table copied into every block (fine-tuning's load_encoder(per_block_rel_pos=True)), as timm's
+    per-block Beit; the per-block state dict has timm's per-block keys."""
+    import conmim
+    torch.manual_seed(0)
+    enc = conmim.ViT(16, 4, 64, 2, 2, layer_scale=0.1).eval()
+    enc.load_state_dict({k: v + 0.05 * torch.randn_like(v) for k, v in enc.state_dict().items()})
+    C.save_checkpoint(str(tmp_path / "c.pth"), {"method": "conmim", "vit": enc.config, "encoder": enc.state_dict(),
+                                                "args": {"seed": 0}, "epoch": 1, "step": 1})
+    x = torch.randn(2, 3, 16, 16)
+    shared, _ = E.load_encoder(str(tmp_path / "c.pth"))
+    block, _ = E.load_encoder(str(tmp_path / "c.pth"), per_block_rel_pos=True)
+    assert set(block.state_dict()) == beit_keys(2, shared=False)
+    with torch.no_grad():
+        ref = enc(x)
+        torch.testing.assert_close(shared(x), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(block(x), ref, atol=1e-5, rtol=1e-5)
+        pytest.importorskip("timm")
+        for sd, tm in ((enc.state_dict(), timm_beit(True)), (block.state_dict(), timm_beit(False))):
+            tm.load_state_dict(sd, strict=True)
+            torch.testing.assert_close(tm.forward_features(x), ref, atol=1e-5, rtol=1e-5)
+
+
+VITS = ["msn", "cmae", "can", "siammae", "eval_linear"]          # the ViT family (ConMIM's BEiT: above)
 
 
 @pytest.mark.parametrize("src", VITS)
@@ -88,27 +136,29 @@ def _old_format(sd):
     return {k.replace(".mlp.fc1.", ".mlp.0.").replace(".mlp.fc2.", ".mlp.2."): v for k, v in sd.items()}
 
 
-def test_checkpoints_written_before_the_renaming_still_load(tmp_path):
+def test_conmim_checkpoints_from_before_the_beit_backbone_still_load_for_evaluation(tmp_path, capsys):
+    """ConMIM checkpoints written before its BEiT backbone (a plain ViT with learned absolute position
+    embeddings, in either key naming: Sequential MLP and encoder.mask_token before timm's names)
+    evaluate as the plain ViT they are, with a line saying they predate the fix; resuming one with
+    today's conmim.py is a one-line error (the backbones differ)."""
     import conmim
     from test_conmim import tiny_args
-    conmim.train(tiny_args(tmp_path, epochs=1, steps_per_epoch=1))
-    new = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
-    old = dict(new)                                                 # old configs: mask_token, no init
-    old["vit"] = {k: v for k, v in new["vit"].items() if k != "init"} | {"mask_token": True}
-    old["encoder"] = _old_format(new["encoder"]) | {"mask_token": new["model"]["mask_token"]}
-    for key in ("model", "target"):
-        sd = _old_format(new[key])
-        sd["encoder.mask_token"] = sd.pop("mask_token")
-        old[key] = sd
+    torch.manual_seed(0)
+    plain = E.ViT(16, 4, 64, 2, 2, init="beit").eval()              # the old ConMIM encoder
+    vit = {k: v for k, v in plain.config.items() if k != "init"} | {"mask_token": True}
+    mask_token = torch.randn(1, 1, 64)
+    old = {"method": "conmim", "vit": vit, "args": {"seed": 0}, "epoch": 1, "step": 1,
+           "encoder": _old_format(plain.state_dict()) | {"mask_token": mask_token},
+           "model": {"encoder." + k: v for k, v in _old_format(plain.state_dict()).items()} | {"encoder.mask_token": mask_token}}
     torch.save(old, tmp_path / "old.pth")
     enc, _ = E.load_encoder(str(tmp_path / "old.pth"))
-    ref, _ = E.load_encoder(str(tmp_path / "checkpoint.pth"))
+    assert "from before its BEiT backbone" in capsys.readouterr().out
     x = torch.randn(2, 3, 16, 16)
-    torch.testing.assert_close(enc(x), ref(x))
-    ck = C.load_checkpoint(str(tmp_path / "old.pth"), "conmim")     # resume path: model / target keys
-    model = conmim.Net(tiny_args(tmp_path))
-    model.load_state_dict(ck["model"])
-    model.load_state_dict(ck["target"])
+    torch.testing.assert_close(enc(x), plain(x))
+    os.makedirs(tmp_path / "run")
+    torch.save(old, tmp_path / "run" / "checkpoint.pth")
+    with pytest.raises(C.UserError, match="does not fit this model"):
+        conmim.train(tiny_args(tmp_path / "run"))
 
 
 def _layouts(enc):

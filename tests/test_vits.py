@@ -148,14 +148,48 @@ def test_conmim_mask_token_replaces_masked_patches():
     assert torch.allclose(vit(x, mask=mask, mask_token=tok), vit(x2, mask=mask, mask_token=tok), atol=1e-6)
     assert not torch.allclose(vit(x, mask=mask, mask_token=tok), vit(x, mask=mask, mask_token=torch.randn(1, 1, 16)))
     assert not torch.allclose(vit(x), vit(x2))
-    # BEiT's order: the [MASK] embedding replaces the patch embedding, then every patch slot gets its
-    # position embedding (a masked slot too: the mask token alone would not say where it is)
+    # BEiT as ConMIM pre-trains it: the [MASK] embedding replaces the patch embedding and nothing is
+    # added to any token (no absolute position embedding); position enters only as the shared
+    # relative position bias, the same (heads, 1+N, 1+N) bias in every block
+    assert not hasattr(vit, "pos_embed") and not any("pos_embed" in k for k in vit.state_dict())
+    with torch.no_grad():
+        vit.rel_pos_bias.relative_position_bias_table.normal_()
     mask = torch.tensor([[1.0, 0, 1, 0], [0, 1, 1, 0]])
-    emb = torch.where(mask.bool()[..., None], tok, vit.patch_embed(x)) + vit.pos_embed[:, 1:]
-    seq = torch.cat([(vit.cls_token + vit.pos_embed[:, :1]).expand(2, -1, -1), emb], 1)
+    emb = torch.where(mask.bool()[..., None], tok, vit.patch_embed(x))
+    seq = torch.cat([vit.cls_token.expand(2, -1, -1), emb], 1)
+    bias = vit.rel_pos_bias()
+    assert bias.shape == (2, 5, 5)
     for blk in vit.blocks:
-        seq = blk(seq)
+        seq = blk(seq, bias)
     torch.testing.assert_close(vit(x, mask=mask, mask_token=tok), vit.norm(seq))
+
+
+def test_beit_relative_position_index_against_a_loop():
+    """BEiT's index: token (y1, x1) -> (y2, x2) reads row (y1 - y2 + g - 1) (2g - 1) + (x1 - x2 + g - 1);
+    CLS -> token, token -> CLS, CLS -> CLS the last three rows (conmim.py and eval_linear.py alike)."""
+    g = 3
+    n_rel = (2 * g - 1) ** 2 + 3
+    ref = torch.zeros(g * g + 1, g * g + 1, dtype=torch.long)
+    for i in range(g * g):
+        for j in range(g * g):
+            (y1, x1), (y2, x2) = divmod(i, g), divmod(j, g)
+            ref[1 + i, 1 + j] = (y1 - y2 + g - 1) * (2 * g - 1) + (x1 - x2 + g - 1)
+    ref[0, 1:], ref[1:, 0], ref[0, 0] = n_rel - 3, n_rel - 2, n_rel - 1
+    assert torch.equal(conmim.relative_position_index(g), ref)
+    assert torch.equal(E.relative_position_index(g), ref)
+    assert conmim.ViT(24, 8, 16, 1, 2).rel_pos_bias.relative_position_bias_table.shape == (n_rel, 2)
+
+
+@pytest.mark.parametrize("model,scale", [("small", 0.1), ("base", 0.1), ("large", 1e-5), ("micro", 0.1)])
+def test_conmim_layer_scale_defaults_are_official(model, scale):
+    """run_conmim_pretraining.py: --layer_scale_init_value 0.1 ("0.1 for base, 1e-5 for large"; the
+    README's ViT-L command passes 1e-5); gammas start there; --layer-scale overrides."""
+    from test_conmim import tiny_args
+    assert conmim.layer_scale(tiny_args("/tmp/u", model=model)) == scale
+    assert conmim.layer_scale(tiny_args("/tmp/u", model=model, layer_scale=0.5)) == 0.5
+    vit = conmim.ViT(16, 8, 16, 2, 2, layer_scale=scale)
+    assert all(torch.equal(b.gamma_1, torch.full((16,), scale)) and torch.equal(b.gamma_2, torch.full((16,), scale))
+               for b in vit.blocks)
 
 
 @pytest.mark.parametrize("method", ["msn", "cmae", "conmim"])
