@@ -456,7 +456,7 @@ def test_resume_restores_this_ranks_rng_and_rescales_the_step_for_a_new_batch(tm
 
 def _init_worker(rank, world, out):
     os.environ["WORLD_SIZE"] = str(world)                                           # as torchrun sets it
-    args = msn_args(f"{out}/{rank}", seed=3)
+    args = msn_args(f"{out}/{rank}", seed=3, device="cpu")   # gloo ranks on CPU, also on a 1-GPU host
     C.setup(args, "msn")
     return torch.cat([p.flatten() for p in msn.MSN(args).parameters()])
 

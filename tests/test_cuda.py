@@ -93,8 +93,10 @@ def test_gpu_augmentation_ops_on_cuda_equal_the_cpu_ops():
 
 def test_gpu_decode_on_cuda_gives_the_cpu_views(tmp_path):
     """--gpu-decode on CUDA (nvJPEG, roi_align's CUDA kernel) against the same code on CPU (libjpeg-turbo):
-    every view within 2 levels of 255 on average (nvJPEG's IDCT and upsampling may round differently; a
-    wrong box or flip is > 20 levels off, tests/test_gpu_decode.py), RGB and grey JPEGs and a PNG in one batch."""
+    every view within 4 levels of 255 on average (nvJPEG's IDCT and chroma upsampling round differently
+    from libjpeg-turbo; measured on an H200, torch 2.11: 1.10, 1.02, 2.85 levels for the 500x375, 375x500
+    and 131x97 RGB JPEGs, the small one magnified by the upscaling crop, 0.00 for the grey JPEG and the
+    PNG; a wrong box or flip is > 20 levels off, tests/test_gpu_decode.py), RGB and grey JPEGs and a PNG."""
     import gpu_decode as G
     from test_gpu_decode import photo, views_pair
     rng = torch.Generator().manual_seed(0)
@@ -107,4 +109,4 @@ def test_gpu_decode_on_cuda_gives_the_cpu_views(tmp_path):
     on_cpu, on_gpu = G.views(batch, torch.device("cpu"), sizes), G.views(batch, torch.device("cuda"), sizes)
     for c, g in zip(on_cpu, on_gpu):
         assert g.device.type == "cuda" and g.shape == c.shape
-        assert (g.cpu() - c).abs().mean(dim=(1, 2, 3)).max() * 255 <= 2.0
+        assert (g.cpu() - c).abs().mean(dim=(1, 2, 3)).max() * 255 <= 4.0

@@ -118,7 +118,7 @@ def test_msn_step_gets_the_same_views_with_and_without_gpu_decode(folder, tmp_pa
     for flag in (False, True):
         msn.train(tiny_args(tmp_path / str(flag), data=folder, img_size=224, focal_size=96, patch_size=16, batch_size=4, epochs=1,
                             steps_per_epoch=1, warmup_epochs=0, gpu_aug=True, gpu_decode=flag, resume=False,
-                            max_unreadable=0.5))
+                            max_unreadable=0.5, device="cpu"))   # the wiring; nvJPEG vs libjpeg: test_cuda.py
     (cpu, dev) = got
     for name, c, d in zip(("target", "random anchors", "focal anchors"), cpu, dev):
         assert c.shape == d.shape, name
