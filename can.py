@@ -450,6 +450,8 @@ def train(args):
     start = C.resume_run(run, "can", args, model, opt)                # global step
     net, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
+    if log.done:                                                    # a finished or stopped run, rerun
+        return
     save = lambda s: C.save_run(run, "can", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
              + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"))

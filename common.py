@@ -526,7 +526,8 @@ class RunArgs:
     """Run plumbing shared by every method's Args (its hyper-parameters live in the method file)."""
     workers: int = arg(10, "DataLoader workers per process")
     seed: int = 0
-    resume: bool = arg(True, "continue from <output-dir>/checkpoint.pth")
+    resume: bool = arg(True, "continue from <output-dir>/checkpoint.pth when it exists (rerunning a command resumes "
+                       "it; a rerun with other model / objective / data / recipe flags is refused): --no-resume starts over")
     precision: str = arg(None, "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)")
     compile: bool = arg(None, "torch.compile the networks (default: on with CUDA, off on CPU)")
     log_every: int = 50
@@ -1005,7 +1006,8 @@ def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=N
 
 RUN_ONLY = {"workers", "resume", "compile", "log_every", "device", "micro_batch", "grad_ckpt", "stop_epoch",
             "stop_step", "save_every", "save_every_minutes", "max_unreadable", "allow_batch_change", "batch_size",
-            "output_dir", "knn"}                       # flags a resumed run may change without a word
+            "output_dir", "knn", "precision", "tensorboard"}   # run control: a resumed run may change them silently
+SCHEDULE = {"epochs"}                                  # may change on resume, with a line (the schedules follow)
 
 
 def resume_run(run, method, args, model, optimizer, target=None):
@@ -1023,11 +1025,14 @@ def resume_run(run, method, args, model, optimizer, target=None):
                             "continue from the same number of images seen, or use another --output-dir")
         print0(f"warning: {changes}; continuing from the same number of images seen (--allow-batch-change)")
     old = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["args"].items()}
-    changed = [f"--{k.replace('_', '-')} {old[k]} -> {v}" for k, v in vars(args).items()
-               if k in old and old[k] != v and k not in RUN_ONLY]
-    if changed:                                                          # allowed (MAE, MSN do), but said
-        print0(f"warning: resuming with flags that differ from the checkpoint's: {', '.join(changed)}; "
-               "the run goes on with the new values (schedules follow them from this step)")
+    changed = {k: f"--{k.replace('_', '-')} {old[k]} -> {v}" for k, v in vars(args).items()
+               if k in old and old[k] != v and k not in RUN_ONLY}
+    other = [c for k, c in changed.items() if k not in SCHEDULE]
+    if other:                                   # another experiment in the same directory: never silently continued
+        raise UserError(f"{run.ckpt} was trained with other settings ({', '.join(other)}): rerun with its flags to "
+                        "resume it, or start a new run with --no-resume (overwrites it) or another --output-dir")
+    if changed:
+        print0(f"warning: resuming with {', '.join(changed.values())}: the schedules follow the new length from this step")
     try:
         unwrap(model).load_state_dict(ckpt["model"])
         if target is not None:
@@ -1074,10 +1079,16 @@ class Logger:
         self.path = os.path.join(run.out, "log.jsonl")
         self.t, self.last = time.time(), start_step
         DATA_WAIT[0] = 0.0
-        end = min(total_steps, stop or total_steps)
-        if start_step >= end:
-            print0(f"the checkpoint is at step {start_step}; this run ends at step {end} (--epochs, --stop-epoch): "
-                   "nothing to train")
+        stop_step = run.control.args.stop_step
+        ends = {"--epochs": total_steps, "--stop-epoch": stop or total_steps, "--stop-step": stop_step or total_steps}
+        end = min(ends.values())
+        self.done = start_step >= end                                    # a finished or stopped run, rerun
+        if self.done:
+            a = run.control.args
+            flag = {"--epochs": a.epochs, "--stop-epoch": a.stop_epoch, "--stop-step": a.stop_step}
+            why = ", ".join(f"{k} {flag[k]}" for k, v in ends.items() if v == end and (k == "--epochs" or v != total_steps))
+            print0(f"the checkpoint is at step {start_step} and this run ends at step {end} ({why}): nothing to "
+                   "train; raise --epochs / --stop-epoch / --stop-step to train on")
         if start_step and is_main() and os.path.isfile(self.path):
             lines = open(self.path).readlines()
             keep = [ln for ln in lines if _logged_step(ln) <= start_step]

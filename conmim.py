@@ -428,6 +428,8 @@ def train(args):
     student, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
     teacher_fwd = torch.compile(teacher) if args.compile else teacher
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
+    if log.done:                                                    # a finished or stopped run, rerun
+        return
     save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, teacher)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute, for the "
              "official global batch 2048; not rescaled)")

@@ -280,7 +280,7 @@ def finetune(args):
     pending = torch.tensor(float(bool(start) and start % ipe == 0 and start // ipe - 1 not in vals), device=run.device)
     if C.all_reduce_sum_(pending) > 0:             # stopped at an epoch's last step (--stop-step, a signal) before its
         evaluate_epoch(start // ipe - 1)           # evaluation: evaluate it now (agreed: evaluate() is collective)
-    for epoch in range(start // ipe, args.stop_epoch or args.epochs):
+    for epoch in range(start // ipe, 0 if log.done else args.stop_epoch or args.epochs):   # done: nothing to train
         bad0 = C.bad_reads(train)
         for it, (x, y) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
             step = epoch * ipe + it

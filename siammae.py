@@ -502,6 +502,8 @@ def train(args):
     start = C.resume_run(run, "siammae", args, model, opt)            # global step
     net, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
     log = C.Logger(run, total, pairs, args.log_every, start, args.stop_epoch * ipe)
+    if log.done:                                                    # a finished or stopped run, rerun
+        return
     save = lambda s: C.save_run(run, "siammae", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
     C.print0(f"{len(dataset)} videos, {args.epochs} effective epochs = {passes} passes of {ipe} steps, {total} steps, "
              f"{videos} videos = {pairs} pairs/step, lr {lr:.3g} (blr x {videos} videos / 256)")

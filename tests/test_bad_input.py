@@ -95,20 +95,42 @@ def test_resuming_with_another_batch_size_is_refused_unless_asked(tmp_path, caps
     assert ck["step"] == 8 and ck["args"]["batch_size"] == 4     # resumed at step 2 x 8 / 4 = 4, ran to 8
 
 
-def test_a_resume_says_which_flags_changed_and_when_nothing_is_left_to_train(tmp_path, capsys):
-    """Changing --epochs or a hyper-parameter on resume is allowed (as MAE's and MSN's code allow it) but
-    was silent; a rerun past the end trained nothing and said nothing."""
+def test_a_rerun_resumes_only_the_same_experiment_and_says_when_nothing_is_left_to_train(tmp_path, capsys):
+    """Rerunning a command resumes it (preemption needs that); --epochs may grow (said: the schedules follow);
+    run-control flags change silently; any other flag (here --weight-decay, --mask-ratio) is another
+    experiment: refused in one line naming the flags and the two ways out, and --no-resume starts over.
+    A rerun past the end trains nothing and says so."""
     can.train(tiny_args(tmp_path, epochs=2, steps_per_epoch=2, stop_epoch=1))
     capsys.readouterr()
     wd = can.Args.weight_decay
-    can.train(tiny_args(tmp_path, epochs=3, steps_per_epoch=2, weight_decay=2 * wd, log_every=5, workers=1))
+    for kw, flags in ((dict(weight_decay=2 * wd), f"--weight-decay {wd} -> {2 * wd}"),
+                      (dict(mask_ratio=0.75, epochs=3), f"--mask-ratio {can.Args.mask_ratio} -> 0.75")):
+        with pytest.raises(C.UserError, match="was trained with other settings") as e:
+            can.train(tiny_args(tmp_path, **{"epochs": 2, "steps_per_epoch": 2, **kw}))
+        assert flags in str(e.value) and "--no-resume" in str(e.value) and "--output-dir" in str(e.value)
+        assert "--epochs" not in str(e.value)
+    assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 2      # untouched
+    can.train(tiny_args(tmp_path, epochs=3, steps_per_epoch=2, log_every=5, workers=1))
     said = capsys.readouterr().out
-    assert f"flags that differ from the checkpoint's: --epochs 2 -> 3, --weight-decay {wd} -> {2 * wd}; " in said
+    assert "resuming with --epochs 2 -> 3: the schedules follow" in said
     assert "--log-every" not in said and "--workers" not in said     # run-only flags change without a word
     assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 6
-    can.train(tiny_args(tmp_path, epochs=3, steps_per_epoch=2, weight_decay=2 * wd))
+    can.train(tiny_args(tmp_path, epochs=3, steps_per_epoch=2))
     said = capsys.readouterr().out
-    assert "differ" not in said and "the checkpoint is at step 6; this run ends at step 6" in said
+    assert "resuming with" not in said and "the checkpoint is at step 6 and this run ends at step 6 (--epochs 3)" in said
+    can.train(tiny_args(tmp_path, epochs=1, steps_per_epoch=2, weight_decay=2 * wd, resume=False))
+    assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 2      # --no-resume: a new run
+
+
+def test_a_rerun_after_stop_step_trains_nothing(tmp_path, capsys):
+    """--stop-step N, then the same command again: the checkpoint stays at N and the run says so (it
+    trained one more step per rerun: 'stopping after step 31 (--stop-step 31)')."""
+    for _ in range(3):
+        can.train(tiny_args(tmp_path, epochs=2, steps_per_epoch=3, stop_step=2))
+        assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 2
+    said = capsys.readouterr().out
+    assert said.count("stopping after step 2 (--stop-step 2)") == 1
+    assert "the checkpoint is at step 2 and this run ends at step 2 (--stop-step 2): nothing to train" in said
 
 
 @pytest.mark.parametrize("kw,msg", [
