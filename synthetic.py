@@ -116,6 +116,28 @@ class SyntheticClip:
     def mask(self, t):
         return self._render(t)[1]
 
+    def source(self, t1, t2):
+        """Ground-truth motion: for every pixel of frame t2, (H, W, 2) its (x, y) position in frame t1 in
+        pixels (float, may lie outside the frame), and frame t2's object ids (H, W). An object pixel
+        keeps its place in its object's own frame (translation of the centre + rotation about it); a
+        background pixel moves with the texture's drift. Occlusion is not modelled: the source of a
+        point that is hidden in t1 is where it would be."""
+        size = self.size
+        yy, xx = np.mgrid[-1:1:size * 1j, -1:1:size * 1j]
+        drift = self.bg[3]
+        x1, y1 = xx + drift[0] * (t2 - t1), yy + drift[1] * (t2 - t1)           # texture at x + d t is fixed
+        ids = self.mask(t2)
+        for k, o in enumerate(self.objs):
+            c1, c2 = (np.clip(o["p0"] + o["vel"] * t, -0.8, 0.8) for t in (t1, t2))
+            r1, r2 = o["rot0"] + o["w"] * t1, o["rot0"] + o["w"] * t2
+            x0, y0 = (xx - c2[0]) / o["s"], (yy - c2[1]) / o["s"]
+            u, v = x0 * np.cos(r2) + y0 * np.sin(r2), -x0 * np.sin(r2) + y0 * np.cos(r2)   # object frame
+            on = ids == k + 1
+            x1 = np.where(on, c1[0] + o["s"] * (u * np.cos(r1) - v * np.sin(r1)), x1)
+            y1 = np.where(on, c1[1] + o["s"] * (u * np.sin(r1) + v * np.cos(r1)), y1)
+        to_px = lambda z: (z + 1) * (size - 1) / 2                               # noqa: E731  [-1, 1] -> pixels
+        return np.stack([to_px(x1), to_px(y1)], -1), ids
+
 
 class SyntheticVideos(torch.utils.data.Dataset):
     def __init__(self, split="train", n=None):
