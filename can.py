@@ -431,6 +431,9 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = C.setup(args, "can")
+    if args.gpu_aug:                                                 # colour ops batched on the device
+        from gpu_aug import color_augmenter
+        color_augment = color_augmenter(args.compile)
     dev = run.device
     grid = args.img_size // args.patch_size
     C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio)[2].sum(), grid * grid)
@@ -465,7 +468,7 @@ def train(args):
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             v1, v2 = v1.to(dev, non_blocking=True), v2.to(dev, non_blocking=True)
             if args.gpu_aug:                                          # colour ops batched on the device
-                v1, v2 = run.color_augment(v1), run.color_augment(v2)
+                v1, v2 = color_augment(v1), color_augment(v2)
             x = C.normalize(torch.stack([v1, v2]))                            # (2, B, 3, H, W), clean
             B = x.shape[1]
             sigma = torch.rand(2 * B, device=dev).view(2, B) * args.sigma_max   # sigma_v ~ U[0, sigma_max]
@@ -489,7 +492,9 @@ def train(args):
             x[0, :n], unpatchify(patchify(x[0, :n] + noise[0, :n], p) * (1 - m), p),
             unpatchify(torch.where(m.bool(), pr_px, xp), p), unpatchify(pr * (1 - m) / args.sigma_max, p)])
 
-    C.knn_report(args, run, log, model.encoder, lambda: CAN(args).encoder, "mean", "encoder, mean patch token")
+    if C.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+        from eval_linear import knn_report
+        knn_report(args, run, log, model.encoder, lambda: CAN(args).encoder, "mean", "encoder, mean patch token")
 
 
 if __name__ == "__main__":

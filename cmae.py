@@ -1,5 +1,5 @@
 """CMAE: Contrastive Masked Autoencoders are Stronger Vision Learners.
-Huang, Xie, Zhu, Wang, Ren, Zhou, Ye, Feng. TPAMI 2023. arXiv:2207.13532.
+Huang, Jin, Lu, Hou, Cheng, Fu, Shen, Feng. TPAMI 2023. arXiv:2207.13532.
 
 Idea. An MAE (encoder on the visible 35% of patches, pixel decoder reconstructing the masked
 ones) gets a second, contrastive task: a shallow feature decoder turns the same visible latents +
@@ -455,6 +455,9 @@ def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=N
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = C.setup(args, "cmae")
+    if args.gpu_aug:                                                 # colour ops batched on the device
+        from gpu_aug import color_augmenter
+        color_augment = color_augmenter(args.compile)
     dev = run.device
     grid = args.img_size // args.patch_size
     C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit)[2].sum(),
@@ -493,7 +496,7 @@ def train(args):
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             x_s, x_t = x_s.to(dev, non_blocking=True), x_t.to(dev, non_blocking=True)
             if args.gpu_aug:                                          # the target's colour augmentation
-                x_t = run.color_augment(x_t)
+                x_t = color_augment(x_t)
             x_s, x_t = C.normalize(x_s), C.normalize(x_t)
             ids_keep, ids_restore, mask = random_masking(x_s.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)
@@ -514,7 +517,9 @@ def train(args):
         C.save_image_grid(f"{run.out}/recon_ep{epoch + 1:04d}.png",
                           [x_s[:n], unpatchify(target_px * (1 - mask[:n, :, None]), p), recon])
 
-    C.knn_report(args, run, log, model.encoder, lambda: CMAE(args).encoder, "mean", "online encoder, mean patch token")
+    if C.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+        from eval_linear import knn_report
+        knn_report(args, run, log, model.encoder, lambda: CMAE(args).encoder, "mean", "online encoder, mean patch token")
 
 
 if __name__ == "__main__":

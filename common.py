@@ -619,8 +619,7 @@ def setup(args, method):
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
-                              ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device),
-                              color_augment=gpu_augmenter(args))
+                              ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device))
 
 
 def device_defaults(args, device):
@@ -638,20 +637,8 @@ def device_defaults(args, device):
         args.gpu_aug = device.type == "cuda" and importlib.util.find_spec("gpu_aug") is not None
         if device.type == "cuda" and not args.gpu_aug:
             print0("no gpu_aug.py next to this file: the colour augmentation runs in the workers")
-
-
-def gpu_augmenter(args):
-    """run.color_augment: with --gpu-aug, gpu_aug.py's batched colour augmentation (compiled with
-    --compile); None without the flag."""
-    if not getattr(args, "gpu_aug", False):
-        return None
-    try:
-        import gpu_aug
-    except ModuleNotFoundError as e:
-        if e.name != "gpu_aug":
-            raise
-        raise UserError("--gpu-aug needs gpu_aug.py next to this file (or --no-gpu-aug: colour in the workers)") from None
-    return gpu_aug.color_augmenter(args.compile)
+    if getattr(args, "gpu_aug", False) and importlib.util.find_spec("gpu_aug") is None:   # the method imports it
+        raise UserError("--gpu-aug needs gpu_aug.py next to this file (or --no-gpu-aug: colour in the workers)")
 
 
 def distribute(net, run):
@@ -1132,19 +1119,14 @@ class Logger:
                             f"the last checkpoint is {self.guard.ckpt if self.guard.saved is not None else 'not written yet'}") from None
 
 
-def knn_report(args, run, log, encoder, build_init, how, what):
-    """End of training (rank 0): k-NN of the learned encoder vs the same architecture at init.
-    On with --knn, or by default for --data synthetic. build_init() must make the encoder with
-    the same RNG draw as at the start of training (seeded in setup)."""
+def knn_wanted(args):
+    """Whether this process runs the end-of-run k-NN monitor (eval_linear.knn_report): on with --knn, or
+    by default for --data synthetic, on rank 0, and only where eval_linear.py is next to this file (a
+    method file copied with common.py alone skips it, with a line). The method file imports it: this
+    module never imports the evaluation (a lower floor does not import a higher one)."""
     if not (args.knn if args.knn is not None else args.data == "synthetic") or not is_main():
-        return
-    try:
-        from eval_linear import knn_accuracy                     # the evaluation's k-NN
-    except ImportError:
-        return print0("k-NN monitor skipped: it is eval_linear.py's, which is not next to this file")
-    torch.manual_seed(args.seed)
-    init = build_init().to(run.device)
-    accs = [knn_accuracy(e, args.data, args.img_size, run.device, how, autocast=run.autocast) for e in (encoder, init)]
-    log.write({"knn_learned": accs[0], "knn_init": accs[1]})
-    print0(f"k-NN top-1 on {args.data} val ({what}): learned {accs[0]:.1f}% vs same architecture at "
-           f"initialisation {accs[1]:.1f}%")
+        return False
+    if importlib.util.find_spec("eval_linear") is None:
+        print0("k-NN monitor skipped: it is eval_linear.py's, which is not next to this file")
+        return False
+    return True

@@ -1,5 +1,5 @@
 """ConMIM: Masked Image Modeling with Denoising Contrast.
-Yi, Ge, Xu, Tang, Zhu, Shan, Zhang, Wang, Ren. ICLR 2023. arXiv:2205.09616.
+Yi, Ge, Li, Yang, Li, Wu, Shan, Qie. ICLR 2023. arXiv:2205.09616.
 
 Idea. Masked image modelling without a tokenizer: the student ViT sees a corrupted image (75% of
 its patches replaced by a learned [MASK] embedding) and, at every masked position j, its patch
@@ -409,6 +409,9 @@ def train_step(student, teacher, x_weak, x_strong, mask, a, micro=None, autocast
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = C.setup(args, "conmim")
+    if args.gpu_aug:                                                 # colour ops batched on the device
+        from gpu_aug import color_augmenter
+        color_augment = color_augmenter(args.compile)
     dev = run.device
     grid = args.img_size // args.patch_size
     C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit).sum(),
@@ -444,7 +447,7 @@ def train(args):
             C.set_hparams(opt, lr)
             x_weak, x_strong = x_weak.to(dev, non_blocking=True), x_strong.to(dev, non_blocking=True)
             if args.gpu_aug:                                          # the strong view's photometric ops
-                x_strong = run.color_augment(x_strong, **STRONG)
+                x_strong = color_augment(x_strong, **STRONG)
             x_weak, x_strong = C.normalize(x_weak), C.normalize(x_strong)
             mask = random_masking(x_weak.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)
@@ -458,7 +461,9 @@ def train(args):
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
 
-    C.knn_report(args, run, log, teacher.encoder, lambda: Net(args).encoder, "mean", "teacher encoder, mean patch token")
+    if C.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+        from eval_linear import knn_report
+        knn_report(args, run, log, teacher.encoder, lambda: Net(args).encoder, "mean", "teacher encoder, mean patch token")
 
 
 if __name__ == "__main__":

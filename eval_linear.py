@@ -430,6 +430,18 @@ def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, wor
     return knn(ftr, ytr, fva, val_to_train(train, val)[yva], len(train.classes), k)["knn_top1"]
 
 
+def knn_report(args, run, log, encoder, build_init, how, what):
+    """The training scripts' end-of-run monitor (where common.knn_wanted(args)): k-NN top-1 of the learned
+    encoder vs the same architecture at init, logged and printed. build_init() must make the encoder
+    with the same RNG draw as at the start of training (seeded in common.setup)."""
+    torch.manual_seed(args.seed)
+    init = build_init().to(run.device)
+    accs = [knn_accuracy(e, args.data, args.img_size, run.device, how, autocast=run.autocast) for e in (encoder, init)]
+    log.write({"knn_learned": accs[0], "knn_init": accs[1]})
+    C.print0(f"k-NN top-1 on {args.data} val ({what}): learned {accs[0]:.1f}% vs same architecture at "
+             f"initialisation {accs[1]:.1f}%")
+
+
 def splits(data, skip_unreadable=False):
     """The train and val datasets, checked before any feature is computed, and val's labels mapped
     to train's class indices BY NAME (a val/ that lacks a class, or orders them otherwise, keeps

@@ -98,8 +98,8 @@ def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2
 
 
 def color_augmenter(compile=False):
-    """What the loops apply with --gpu-aug (run.color_augment, set by common.setup; the benchmarks time
-    the same): with --compile, color_augment_batch compiled, fused elementwise kernels (an H100 took
+    """What the loops apply with --gpu-aug (each method file imports it for the flag; the benchmarks
+    time the same): with --compile, color_augment_batch compiled, fused elementwise kernels (an H100 took
     31.9 ms instead of 74.5 per MSN step, issue #27), one graph per view shape; inductor draws its own
     random numbers (KS-tested)."""
     return torch.compile(color_augment_batch, dynamic=False) if compile else color_augment_batch

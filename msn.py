@@ -428,6 +428,9 @@ def train_step(online, target, x_target, x_rand, x_focal, ids_keep, a, micro=Non
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = C.setup(args, "msn")
+    if args.gpu_aug:                                                 # colour ops batched on the device
+        from gpu_aug import color_augmenter
+        color_augment = color_augmenter(args.compile)
     dev, R = run.device, args.rand_views
     grid = args.img_size // args.patch_size                            # of a random anchor
     C.check_mask_ratio(args.mask_ratio, lambda: grid * grid - random_masking(1, grid, args.mask_ratio).shape[1],
@@ -479,7 +482,7 @@ def train(args):
             views = (G.views(views, dev, boxes.sizes, dataset) if args.gpu_decode   # decoded, cropped, flipped here
                      else [v.to(dev, non_blocking=True) for v in views])
             if args.gpu_aug:                                          # same distribution, batched
-                views = [run.color_augment(v) for v in views]
+                views = [color_augment(v) for v in views]
             views = [C.normalize(v) for v in views]
             x_target, x_rand = views[0], torch.stack(views[1:1 + R])  # (B, ...), (R, B, ...)
             x_focal = torch.stack(views[1 + R:]) if args.focal_views else None
@@ -496,7 +499,9 @@ def train(args):
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
 
-    C.knn_report(args, run, log, target.encoder, lambda: MSN(args).net.encoder, "cls", "target encoder, CLS")
+    if C.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+        from eval_linear import knn_report
+        knn_report(args, run, log, target.encoder, lambda: MSN(args).net.encoder, "cls", "target encoder, CLS")
 
 
 if __name__ == "__main__":

@@ -273,7 +273,8 @@ def test_the_knn_monitor_reads_the_encoder_the_checkpoint_exports(method, how, t
     a fresh one of the same architecture."""
     mod, args, _ = CASES[method]
     calls = []
-    monkeypatch.setattr(C, "knn_report", lambda a, run, log, enc, build, h, what: calls.append(
+    import eval_linear
+    monkeypatch.setattr(eval_linear, "knn_report", lambda a, run, log, enc, build, h, what: calls.append(
         (a.knn, {k: v.clone() for k, v in C.unwrap(enc).state_dict().items()}, build(), h)))
     mod.train(args(tmp_path, knn=True, epochs=1))
     (knn, sd, fresh, h), = calls
