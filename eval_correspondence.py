@@ -19,10 +19,10 @@ at the clips' native size (the training size of the synthetic config), t drawn p
   (b) attn  f2 masked at the checkpoint's --mask-ratio (the training one), the decoder's
             cross-attention from each masked f2 token over f1's patch tokens, averaged over heads
             and blocks: where it peaks, same accuracy (cross-self and cross decoders).
-  (c) loss  the objective (norm-pix MSE) on f2's masked patches for the model and two trivial
-            predictors: f1's patch at the same place ("copy"), and f1 warped by the true motion
-            ("oracle", bilinear; occluded points included). A model that uses f1 must beat "copy"
-            on moving objects.
+  (c) loss  the objective (norm-pix MSE) on f2's masked patches for the model and three trivial
+            predictors: each patch's own mean ("mean": 0 in norm-pix units, a loss of ~1), f1's
+            patch at the same place ("copy"), and f1 warped by the true motion ("oracle", bilinear;
+            occluded points included). A model that uses f1 must beat "copy" on moving objects.
   zero      the "no motion" baseline of (a) and (b): each f2 patch's own position as its source.
 
 Output: one JSON line per gap and a summary line; --output FILE also writes them to FILE.
@@ -130,7 +130,7 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
     rng = np.random.default_rng([seed, gap])
     acc = {k: [] for k in ("enc_obj", "enc_bg", "attn_obj", "attn_bg", "zero_obj", "zero_bg", "zero_attn_obj",
                            "zero_attn_bg")}
-    loss = {k: [] for k in ("model_obj", "copy_obj", "oracle_obj", "model_bg", "copy_bg", "oracle_bg")}
+    loss = {f"{n}_{k}": [] for k in ("obj", "bg") for n in ("model", "mean", "copy", "oracle")}
     for v in range(videos):
         clip = S.SyntheticClip(v, "val")
         if clip.size != a.img_size:
@@ -165,7 +165,8 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
             grid = torch.tensor(src / ((a.img_size - 1) / 2) - 1, dtype=f1.dtype, device=device)[None]
             warped = F.grid_sample(f1, grid, mode="bilinear", padding_mode="border", align_corners=True)
             target = siammae.norm_pix(siammae.patchify(f2, p))[0]
-            for name, y in (("model", pred[0].float()), ("copy", siammae.norm_pix(siammae.patchify(f1, p))[0]),
+            for name, y in (("model", pred[0].float()), ("mean", torch.zeros_like(target)),
+                            ("copy", siammae.norm_pix(siammae.patchify(f1, p))[0]),
                             ("oracle", siammae.norm_pix(siammae.patchify(warped, p))[0])):
                 err = ((y - target) ** 2).mean(-1).cpu().numpy()
                 for kind, sel in (("obj", obj), ("bg", ~obj)):
