@@ -524,7 +524,8 @@ def arg(default, help):
 @dataclasses.dataclass
 class RunArgs:
     """Run plumbing shared by every method's Args (its hyper-parameters live in the method file)."""
-    workers: int = arg(10, "DataLoader workers per process")
+    workers: int = arg(min(10, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1),
+                       "DataLoader workers per process (default: min(10, the CPUs this process may use))")
     seed: int = 0
     resume: bool = arg(True, "continue from <output-dir>/checkpoint.pth when it exists (rerunning a command resumes "
                        "it; a rerun with other model / objective / data / recipe flags is refused): --no-resume starts over")
@@ -596,6 +597,8 @@ def setup(args, method):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
     if not args.data:
         raise UserError("--data is required: an image folder (ImageFolder layout) or 'synthetic'")
+    if args.data != "synthetic" and not os.path.isdir(args.data):                   # before any plan is printed
+        raise UserError(f"--data {args.data}: no such directory (give an image folder or 'synthetic')")
     if (getattr(args, "knn", None) and args.data != "synthetic" and not os.path.isdir(os.path.join(args.data, "val"))
             and importlib.util.find_spec("eval_linear")):                    # else knn_report skips it
         raise UserError(f"--knn: --data {args.data} has no val/ next to train/ (the k-NN's queries, read after "
@@ -616,6 +619,8 @@ def setup(args, method):
         print(f"{method}: {world} process(es) on {device}, precision {precision}, torch.compile "
               f"{'on' if args.compile else 'off'}{aug}, output {out}")
         print(json.dumps(dataclasses.asdict(args)))
+        with open(os.path.join(out, "args.json"), "w") as f:                      # the run's flags, readable
+            json.dump(dataclasses.asdict(args), f, indent=1)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,

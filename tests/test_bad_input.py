@@ -271,3 +271,17 @@ def test_a_log_that_cannot_be_written_is_a_one_line_error(how, tmp_path):
         os.makedirs(tmp_path / "log.jsonl")                       # open(..., "a") fails
     with pytest.raises(C.UserError, match="cannot write the log .*log.jsonl"):
         can.train(tiny_args(tmp_path))
+
+
+def test_a_missing_data_dir_is_the_only_line_and_a_run_writes_its_args(tmp_path):
+    """--data /nonexistent: one line on stderr and nothing printed before it (the batch plan came first);
+    a run writes <output-dir>/args.json with every flag; --workers defaults to min(10, usable CPUs)."""
+    import json
+    from helpers import run_cli
+    r = run_cli("can.py", "--data", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "o"))
+    one_line_error(r, "no such directory")
+    assert r.stdout == ""
+    can.train(tiny_args(tmp_path / "run", epochs=1, steps_per_epoch=1))
+    saved = json.load(open(tmp_path / "run" / "args.json"))
+    assert saved["mask_ratio"] == can.Args.mask_ratio and saved["output_dir"] == str(tmp_path / "run")
+    assert C.RunArgs().workers == min(10, len(os.sched_getaffinity(0)))
