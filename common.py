@@ -525,7 +525,7 @@ def arg(default, help):
 class RunArgs:
     """Run plumbing shared by every method's Args (its hyper-parameters live in the method file)."""
     workers: int = arg(min(10, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1),
-                       "DataLoader workers per process (default: min(10, the CPUs this process may use))")
+                       "DataLoader workers per process (here: min(10, the CPUs this process may use))")
     seed: int = 0
     resume: bool = arg(True, "continue from <output-dir>/checkpoint.pth when it exists (rerunning a command resumes "
                        "it; a rerun with other model / objective / data / recipe flags is refused): --no-resume starts over")
@@ -546,21 +546,79 @@ class RunArgs:
                                    "number of images seen)")
 
 
+HELP = {  # help of the flags several scripts share, where a script gives none of its own
+    "batch_size": "images per batch", "betas": "AdamW betas", "blr": "base lr: lr = blr x global batch / 256",
+    "clip_grad": "max gradient norm (0 = off)", "crop_scale": "RandomResizedCrop area range",
+    "decoder_depth": "decoder blocks", "decoder_dim": "decoder width", "decoder_heads": "decoder attention heads",
+    "device": "cpu | cuda | cuda:N (default: cuda if available)", "drop_path": "stochastic depth rate of the last block",
+    "epochs": "training epochs (the schedules span them)", "eval_batch": "images per evaluation batch",
+    "feature_decoder_depth": "feature decoder blocks", "final_weight_decay": "weight decay at the end (cosine)",
+    "focal_scale": "crop area range of the focal views", "focal_size": "focal view size (px)",
+    "focal_views": "focal views per image", "head_dim": "projection output width", "head_hidden": "projection hidden width",
+    "img_size": "training image size (px)", "k": "neighbours of the k-NN", "layer_decay": "layer-wise lr decay",
+    "linear_batch": "linear probe batch", "linear_epochs": "linear probe epochs", "linear_lr": "linear probe peak lr",
+    "log_every": "steps between log lines", "mask_ratio": "share of patches masked",
+    "me_max_weight": "weight of the ME-MAX regulariser", "min_lr": "lr at the end of the cosine schedule",
+    "num_prototypes": "prototypes K", "patch_size": "ViT patch size (px)", "proj_dim": "projector output width",
+    "proj_hidden": "projector hidden width", "radius": "short-term memory radius (patch cells)",
+    "rand_scale": "crop area range of the random anchor views", "random_init": "evaluate the same ViT at its initialisation",
+    "repeated_sampling": "pairs drawn per video visit (R)", "seed": "random seed (weights, data order, augmentation)",
+    "sigma_max": "noise level sigma ~ U[0, sigma_max]", "sinkhorn_iters": "Sinkhorn-Knopp iterations",
+    "smoothing": "label smoothing", "tau": "softmax temperature of the loss", "temperature": "softmax temperature",
+    "topk": "neighbours voting per patch", "warmup_epochs": "linear lr warm-up epochs",
+    "weight_decay": "AdamW weight decay", "output_dir": "where checkpoint.pth, log.jsonl, args.json and pictures go",
+    "ckpt": "checkpoint to evaluate",
+}
+GROUPS = (  # --help sections, in order; a flag in none of them is the script's own
+    ("data", {"data", "output_dir", "img_size", "crop_scale", "workers", "max_unreadable", "split", "short_side",
+              "subset_file", "videos", "pairs", "gaps"}),
+    ("model", {"model", "patch_size", "drop_path", "init", "layer_scale", "decoder", "decoder_dim", "decoder_depth",
+               "decoder_heads", "feature_decoder_depth", "proj_hidden", "proj_dim", "head_hidden", "head_dim",
+               "num_prototypes", "ckpt", "random_init", "pool"}),
+    ("optimisation", {"epochs", "batch_size", "micro_batch", "grad_ckpt", "lr", "blr", "min_lr", "start_lr", "warmup_lr",
+                      "warmup_epochs", "weight_decay", "final_weight_decay", "betas", "clip_grad", "ema", "layer_decay",
+                      "repeated_sampling", "ipe_scale", "allow_batch_change"}),
+    ("views and masking", {"mask_ratio", "mask_unit", "rand_views", "rand_size", "rand_scale", "focal_views",
+                           "focal_size", "focal_scale", "gap", "master_size", "shift", "gpu_aug", "gpu_decode"}),
+    ("run control", {"output", "seed", "resume", "precision", "compile", "log_every", "device", "steps_per_epoch",
+                     "stop_epoch", "stop_step", "save_every", "save_every_minutes", "knn", "cache", "tensorboard"}),
+)
+
+
 def parse_args(cls, argv=None):
     """`cls` (a dataclass) from the command line, `--field-name value` per field; with `--data synthetic`,
-    fields not given take cls.SYNTHETIC's values (a CPU-sized config)."""
-    p = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().split("\n")[0])
-    for f in dataclasses.fields(cls):
-        flag, kw = "--" + f.name.replace("_", "-"), dict(default=argparse.SUPPRESS, help=f.metadata.get("help"))
+    fields not given take cls.SYNTHETIC's values (a CPU-sized config). --help: the flags in groups, each
+    with its help and default, and the synthetic overrides."""
+    synthetic = getattr(cls, "SYNTHETIC", {})
+    epilog = ("--data synthetic: a CPU-sized config replaces these defaults for every flag not given: "
+              + ", ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
+                          for k, v in synthetic.items())) if synthetic else None
+    p = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().split("\n")[0], epilog=epilog)
+    own = "evaluation" if not issubclass(cls, RunArgs) else "the method's own"
+    groups = {g: p.add_argument_group(g) for g, _ in GROUPS[:3]}
+    groups[own] = p.add_argument_group(own)
+    groups |= {g: p.add_argument_group(g) for g, _ in GROUPS[3:]}
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in ("data", "ckpt")):   # --data / --ckpt first
+        group = groups[next((g for g, members in GROUPS if f.name in members), own)]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
+        text = f.metadata.get("help") or HELP.get(f.name, f.name.replace("_", " "))
+        if text.startswith("default") and f.name in HELP:                            # "default runs/msn": say what
+            text = f"{HELP[f.name]} ({text})"
+        text = text if "default" in text else f"{text} (default: {shown})"                     # said once
+        flag, kw = "--" + f.name.replace("_", "-"), dict(default=argparse.SUPPRESS, help=text.replace("%", "%%"))
         if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif isinstance(f.default, tuple):
-            p.add_argument(flag, type=type(f.default[0]), nargs=len(f.default), **kw)
+            group.add_argument(flag, type=type(f.default[0]), nargs=len(f.default), **kw)
         else:
-            p.add_argument(flag, type={"int": int, "float": float, "str": str}.get(f.type, f.type), **kw)
+            group.add_argument(flag, type={"int": int, "float": float, "str": str}.get(f.type, f.type), **kw)
+    for a in p._actions:
+        if a.dest in ("data", "ckpt"):
+            a.help = a.help.replace("(default: None)", "(required)")
     given = vars(p.parse_args(argv))
     if given.get("data", getattr(cls, "data", None)) == "synthetic":
-        given = {**getattr(cls, "SYNTHETIC", {}), **given}
+        given = {**synthetic, **given}
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
 
 

@@ -52,7 +52,7 @@ class Args:
     """Label-propagation evaluation (J&F) of a checkpoint's encoder."""
     ckpt: str = field(default=None, metadata={"help": "checkpoint.pth (siammae, or any image method)"})
     data: str = field(default=None, metadata={"help": "DAVIS-2017 root, or 'synthetic'"})
-    split: str = field(default="val", metadata={"help": "ImageSets/2017/<split>.txt"})
+    split: str = field(default="val", metadata={"help": "DAVIS split scored: the videos listed in ImageSets/2017/<split>.txt"})
     short_side: int = field(default=480, metadata={"help": "resize frames so the short side is this (0 = native)"})
     n_context: int = field(default=20, metadata={"help": "previous frames in the short-term memory (radius-limited)"})
     topk: int = 7

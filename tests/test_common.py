@@ -1,6 +1,7 @@
 """common.py: schedules, optimiser groups, data, augmentation, CLI, run plumbing (checkpoints, resume, log,
 control) (each method's ViT, masking and EMA: test_vits.py)."""
 import argparse
+import dataclasses
 import itertools
 import math
 import os
@@ -473,3 +474,23 @@ def test_each_log_line_reports_the_data_wait_of_its_own_interval(tmp_path):
     C.DATA_WAIT[0] = 1e9                                                            # a long wait before step 2
     assert log.step(2, 0, {"loss": torch.tensor(1.0)})["data_wait"] == 1.0          # capped at the interval
     assert log.step(4, 0, {"loss": torch.tensor(1.0)})["data_wait"] == 0.0          # not carried over
+
+
+@pytest.mark.parametrize("script", ["msn", "cmae", "conmim", "can", "siammae", "eval_linear", "eval_finetune",
+                                    "eval_video", "eval_correspondence"])
+def test_every_flag_has_help_with_its_default_in_a_group(script, capsys):
+    """--help: every flag has a help line that states its default (or says what decides it), flags are
+    grouped (data first), and a method's help ends with the values --data synthetic swaps in."""
+    import importlib
+    cls = importlib.import_module(script).Args
+    with pytest.raises(SystemExit):
+        C.parse_args(cls, ["--help"])
+    out = capsys.readouterr().out
+    assert "\ndata:\n" in out and "run control" in out or script.startswith("eval_")
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        block = out.split("\n  " + flag, 1)[1].split("\n  --", 1)[0]
+        assert "default" in block or "required" in block, (flag, block)
+        assert len(block.replace("(default:", "").split()) > 3, (flag, block)          # more than a bare default
+    if hasattr(cls, "SYNTHETIC"):
+        assert "--data synthetic: a CPU-sized config replaces these defaults" in out
