@@ -859,6 +859,7 @@ class Control:
         self.args, self.device, self.sync_every = args, device, sync_every
         self.t = time.time()
         _SIGNAL.clear()
+        _TRAINED.clear()
 
     @property
     def signal(self):
@@ -885,6 +886,7 @@ class Control:
 
 
 _SIGNAL = []                                       # the preemption signal received, if any (see main)
+_TRAINED = []                                      # set once the final checkpoint is written: a signal ends the run
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 
@@ -903,6 +905,9 @@ def catch_preemption():
         again = name == "SIGINT" and any(n == "SIGINT" and time.time() - t > 1 for n, t in _SIGNAL)
         if again and "LOCAL_RANK" not in os.environ:
             raise KeyboardInterrupt
+        if _TRAINED:                               # after the final checkpoint (the k-NN report): stop now
+            print0(f"stopped by {name} after training: {_TRAINED[0]} is complete")
+            raise SystemExit(0)
         _SIGNAL.append((name, time.time()))
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), handler)
@@ -1186,7 +1191,9 @@ def knn_wanted(args):
     """Whether this process runs the end-of-run k-NN monitor (eval_linear.knn_report): on with --knn, or
     by default for --data synthetic, on rank 0, and only where eval_linear.py is next to this file (a
     method file copied with common.py alone skips it, with a line). The method file imports it: this
-    module never imports the evaluation (a lower floor does not import a higher one)."""
+    module never imports the evaluation (a lower floor does not import a higher one). Called after the
+    final checkpoint: from here on a stop signal ends the program at once (exit 0)."""
+    _TRAINED[:] = [os.path.join(args.output_dir, "checkpoint.pth") if args.output_dir else "the checkpoint"]
     if not (args.knn if args.knn is not None else args.data == "synthetic") or not is_main():
         return False
     if importlib.util.find_spec("eval_linear") is None:

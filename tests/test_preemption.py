@@ -63,3 +63,22 @@ def test_sigterm_to_a_torchrun_job_stops_every_rank_with_a_checkpoint(tmp_path):
     step = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"]
     assert 3 <= step < 200 and step % 10 == 0               # ranks agree on the stop every 10 steps
     _resumes(tmp_path, step, cmd)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_end_of_run_knn_ends_the_program_promptly(sig, tmp_path):
+    """After the final checkpoint the run computes its k-NN report (minutes on a CPU); a stop signal
+    there was remembered for a training step that never came, so `timeout` waited the report out.
+    Now it ends the program at once, exit 0, the checkpoint complete."""
+    cmd = [sys.executable, *[a for a in RUN if a != "--no-knn"], "--knn", "--steps-per-epoch", "2", "--epochs", "1",
+           "--output-dir", str(tmp_path)]
+    p = _start(cmd, tmp_path / "log.jsonl", lines=2)                    # both steps logged: training is over
+    while not (tmp_path / "checkpoint.pth").exists() or C.load_checkpoint(str(tmp_path / "checkpoint.pth"))["step"] < 2:
+        time.sleep(0.1)
+    time.sleep(1.0)                                                      # into the k-NN's feature extraction
+    t = time.time()
+    os.killpg(p.pid, getattr(signal, sig))
+    out, err = p.communicate(timeout=60)
+    assert time.time() - t < 10 and p.returncode == 0, (time.time() - t, err[-2000:])
+    assert f"stopped by {sig} after training" in out and "k-NN top-1" not in out
+    assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 2
