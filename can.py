@@ -488,9 +488,10 @@ def train(args):
             pr = model.eval()(x[0, :n] + noise[0, :n], sigma[0, :n], ids_keep[0, :n], ids_restore[0, :n])[0].float()
         xp = patchify(x[0, :n], p)
         pr_px = unnorm_pix(pr, xp) if args.norm_pix else pr
-        C.save_image_grid(f"{run.out}/recon_ep{epoch + 1:04d}.png", [
+        C.save_image_grid(f"{run.out}/recon_ep{epoch:04d}_step{(epoch + 1) * ipe:06d}.png", [       # the log's ep, step
             x[0, :n], unpatchify(patchify(x[0, :n] + noise[0, :n], p) * (1 - m), p),
-            unpatchify(torch.where(m.bool(), pr_px, xp), p), unpatchify(pr * (1 - m) / args.sigma_max, p)])
+            unpatchify(torch.where(m.bool(), pr_px, xp), p), unpatchify(pr * (1 - m) / args.sigma_max, p)],
+            ["view", "masked + noise", "reconstruction", "predicted noise / sigma_max"], (epoch + 1) * ipe)
 
     if C.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
         from eval_linear import knn_report

@@ -514,8 +514,9 @@ def train(args):
             pred = model.eval()(x_s[:n], ids_keep[:n], ids_restore[:n])[0].float()
         target_px = patchify(x_s[:n], p)
         recon = unpatchify(torch.where(mask[:n, :, None].bool(), unnorm_pix(pred, target_px), target_px), p)
-        C.save_image_grid(f"{run.out}/recon_ep{epoch + 1:04d}.png",
-                          [x_s[:n], unpatchify(target_px * (1 - mask[:n, :, None]), p), recon])
+        C.save_image_grid(f"{run.out}/recon_ep{epoch:04d}_step{(epoch + 1) * ipe:06d}.png",       # the log's ep, step
+                          [x_s[:n], unpatchify(target_px * (1 - mask[:n, :, None]), p), recon],
+                          ["source view", "masked input", "reconstruction"], (epoch + 1) * ipe)
 
     if C.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
         from eval_linear import knn_report

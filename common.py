@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.utils.checkpoint
 from PIL import Image
 
@@ -64,14 +65,30 @@ def set_grad_checkpointing(model, on=True):
     return model
 
 
-def save_image_grid(path, rows):
-    """rows: list of (B, 3, H, W) ImageNet-normalised tensors -> one PNG, a row per tensor (rank 0)."""
+_TB = [None]                                       # the run's TensorBoard writer (--tensorboard), rank 0
+
+
+def save_image_grid(path, rows, labels, step=None):
+    """rows: list of (B, 3, H, W) ImageNet-normalised tensors -> one PNG (rank 0): a row per tensor, each
+    labelled on its left, tiles upscaled (nearest) to at least 64 px; also to TensorBoard with --tensorboard."""
     if not is_main():
         return
-    from torchvision.utils import save_image
+    from PIL import ImageDraw
+    from torchvision.utils import make_grid
     mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
     imgs = torch.cat([(r.detach().float().cpu() * std + mean).clamp(0, 1) for r in rows])
-    save_image(imgs, path, nrow=rows[0].shape[0], padding=1)
+    k = max(1, math.ceil(64 / imgs.shape[-2]))
+    imgs = F.interpolate(imgs, scale_factor=k, mode="nearest")
+    grid = make_grid(imgs, nrow=rows[0].shape[0], padding=2, pad_value=1.0)              # (3, H', W')
+    tile = imgs.shape[-2] + 2
+    canvas = Image.new("RGB", (grid.shape[-1] + 200, grid.shape[-2]), "white")
+    canvas.paste(Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype("uint8")), (200, 0))
+    draw = ImageDraw.Draw(canvas)
+    for i, text in enumerate(labels):
+        draw.text((6, i * tile + tile // 2 - 6), text, fill="black")
+    canvas.save(path)
+    if _TB[0] is not None:
+        _TB[0].add_image(re.sub(r"_ep\d+.*", "", os.path.basename(path)), grid, step or 0)
 
 
 def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
@@ -544,6 +561,8 @@ class RunArgs:
                                 "epoch is unreadable (they are skipped otherwise)")
     allow_batch_change: bool = arg(False, "resume a checkpoint trained with another --batch-size (from the same "
                                    "number of images seen)")
+    tensorboard: bool = arg(False, "also write every logged scalar and the pictures to <output-dir>/tensorboard "
+                            "(needs the tensorboard package)")
 
 
 HELP = {  # help of the flags several scripts share, where a script gives none of its own
@@ -679,10 +698,20 @@ def setup(args, method):
         print(json.dumps(dataclasses.asdict(args)))
         with open(os.path.join(out, "args.json"), "w") as f:                      # the run's flags, readable
             json.dump(dataclasses.asdict(args), f, indent=1)
+        _TB[0] = tensorboard_writer(out) if getattr(args, "tensorboard", False) else None
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
                               ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device))
+
+
+def tensorboard_writer(out):
+    """A SummaryWriter on <out>/tensorboard (--tensorboard); the tensorboard package is needed only then."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard), or leave the flag out") from None
+    return SummaryWriter(os.path.join(out, "tensorboard"))
 
 
 def device_defaults(args, device):
@@ -1179,6 +1208,11 @@ class Logger:
             self.append(rec)
 
     def append(self, rec):
+        if _TB[0] is not None:                                         # --tensorboard: every numeric scalar
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k not in ("epoch", "step"):
+                    _TB[0].add_scalar(k, v, rec.get("step", self.last))
+            _TB[0].flush()
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")

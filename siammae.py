@@ -531,8 +531,9 @@ def train(args):
         with torch.no_grad(), run.autocast:
             pred = model.eval()(f1[:n], f2[:n], ids_keep[:n], ids_restore[:n]).float()
         xp = patchify(f2[:n], p)
-        C.save_image_grid(f"{run.out}/pairs_ep{epoch + 1:04d}.png", [
-            f1[:n], unpatchify(xp * (1 - m), p), unpatchify(torch.where(m.bool(), unnorm_pix(pred, xp), xp), p)])
+        C.save_image_grid(f"{run.out}/pairs_ep{epoch:04d}_step{(epoch + 1) * ipe:06d}.png", [        # the log's ep, step
+            f1[:n], f2[:n], unpatchify(xp * (1 - m), p), unpatchify(torch.where(m.bool(), unnorm_pix(pred, xp), xp), p)],
+            ["f1 (seen whole)", "f2 (target)", "f2 as encoded (95% masked)", "f2 predicted"], (epoch + 1) * ipe)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """can.py: InfoNCE against a double loop over the 2n embeddings, reconstruction / denoising on the
 right patches, the noise-level embedding, gradients, DDP equivalence (negatives with gradient)."""
+import numpy as np
 import pytest
 import torch
 
@@ -97,7 +98,7 @@ def test_ddp_two_processes_equal_one_process():
 
 def test_end_to_end_resume_and_png(tmp_path):
     full, _ = exact_resume(can.train, tiny_args, tmp_path, "can", ("model", "encoder"))
-    assert (tmp_path / "full" / "recon_ep0002.png").exists()
+    assert (tmp_path / "full" / "recon_ep0001_step000004.png").exists()              # the log's ep 1, step 4
 
 
 def test_bad_input(tmp_path):
@@ -106,3 +107,36 @@ def test_bad_input(tmp_path):
     one_line_error(run_cli("can.py", "--data", str(tmp_path / "nope"), *tiny), "no such directory")
     C.save_checkpoint(str(tmp_path / "checkpoint.pth"), {"method": "msn", "encoder": {}})
     one_line_error(run_cli("can.py", "--data", "synthetic", *tiny, "--output-dir", str(tmp_path)), "msn checkpoint")
+
+
+def test_pictures_are_labelled_upscaled_and_named_by_the_logged_epoch_and_step(tmp_path):
+    """CAN's reconstruction PNG: 4 labelled rows (view, masked + noise, reconstruction, predicted noise),
+    16 px tiles upscaled to 64 px, named by the log's 0-based epoch and the step it was taken at."""
+    from PIL import Image
+    can.train(tiny_args(tmp_path, epochs=1))
+    img = Image.open(tmp_path / "recon_ep0000_step000002.png")
+    B = min(8, 8)
+    assert img.size[1] == 2 + 4 * (64 + 2) and img.size[0] >= 200 + B * (64 + 2)
+    left = np.asarray(img.convert("L"))[:, :200]
+    assert (left < 128).sum() > 50                                     # the row labels are drawn
+
+
+def test_tensorboard_gets_every_scalar_and_the_pictures(tmp_path):
+    """--tensorboard: the logged scalars (loss parts, lr, img/s, the k-NN) and the reconstruction
+    pictures, read back from the event file; without the package it is a one-line error."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    can.train(tiny_args(tmp_path, epochs=1, tensorboard=True))
+    ev = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    ev.Reload()
+    tags = ev.Tags()
+    assert {"loss", "infonce", "rec", "denoise", "lr", "img_s"} <= set(tags["scalars"])
+    assert [e.step for e in ev.Scalars("loss")] == [1, 2]
+    assert tags["images"] == ["recon"]
+
+
+def test_tensorboard_without_the_package_is_a_one_line_error(tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(C.UserError, match="--tensorboard needs the tensorboard package"):
+        can.train(tiny_args(tmp_path, epochs=1, tensorboard=True))

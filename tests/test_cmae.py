@@ -146,7 +146,7 @@ def test_end_to_end_resume_png_and_checkpoint(tmp_path):
     full, _ = exact_resume(cmae.train, tiny_args, tmp_path, "cmae", ("model", "target", "encoder"))
     for k, v in full["encoder"].items():                         # online encoder is evaluated
         assert torch.equal(v, full["model"]["encoder." + k])
-    assert (tmp_path / "full" / "recon_ep0002.png").exists()
+    assert (tmp_path / "full" / "recon_ep0001_step000004.png").exists()              # the log's ep 1, step 4
     torch.load(tmp_path / "full" / "checkpoint.pth", weights_only=True)
 
 
