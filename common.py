@@ -66,6 +66,7 @@ def set_grad_checkpointing(model, on=True):
 
 
 _TB = [None]                                       # the run's TensorBoard writer (--tensorboard), rank 0
+_OUT = [None]                                      # the run's output directory, for main's closing line
 
 
 def save_image_grid(path, rows, labels, step=None):
@@ -89,6 +90,36 @@ def save_image_grid(path, rows, labels, step=None):
     canvas.save(path)
     if _TB[0] is not None:
         _TB[0].add_image(re.sub(r"_ep\d+.*", "", os.path.basename(path)), grid, step or 0)
+
+
+class Progress:
+    """A phase that can take long (feature extraction, a probe's epochs, propagation): `what i/total
+    (pct), elapsed, eta` at most every `every` seconds (rank 0), and a closing line with its time.
+    progress.step(n) after each unit; use as a context manager or call done()."""
+
+    def __init__(self, what, total, every=10.0):
+        self.what, self.total, self.every, self.i = what, max(1, total), every, 0
+        self.t0 = self.t = time.time()
+
+    def step(self, n=1):
+        self.i += n
+        now = time.time()
+        if now - self.t >= self.every and self.i < self.total:
+            self.t = now
+            eta = (now - self.t0) / self.i * (self.total - self.i)
+            print0(f"{self.what}: {self.i}/{self.total} ({100 * self.i / self.total:.0f}%), "
+                   f"{now - self.t0:.0f} s, eta {eta:.0f} s")
+
+    def done(self):
+        if time.time() - self.t0 >= self.every:                     # said only for phases that were long
+            print0(f"{self.what}: done in {time.time() - self.t0:.0f} s")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.done()
 
 
 def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
@@ -646,10 +677,13 @@ def main(train, cls):
     signals are caught here for training runs (RunArgs), not when train() is called from other code."""
     if issubclass(cls, RunArgs):
         catch_preemption()
+    t0 = time.time()
     try:
         train(parse_args(cls))
         if dist.is_initialized():
             dist.barrier()                      # all ranks done before any tears the group down
+        wrote = f": wrote {', '.join(sorted(os.listdir(_OUT[0])))} in {_OUT[0]}" if _OUT[0] and os.path.isdir(_OUT[0]) else ""
+        print0(f"done in {time.time() - t0:.0f} s{wrote}")
     except UserError as e:
         msg = str(e).strip().splitlines()[-1]          # DataLoader workers wrap the message
         print(f"error: {msg.removeprefix('common.UserError: ').removeprefix('UserError: ')}", file=sys.stderr)
@@ -699,6 +733,7 @@ def setup(args, method):
         with open(os.path.join(out, "args.json"), "w") as f:                      # the run's flags, readable
             json.dump(dataclasses.asdict(args), f, indent=1)
         _TB[0] = tensorboard_writer(out) if getattr(args, "tensorboard", False) else None
+    _OUT[0] = out
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
@@ -1091,7 +1126,7 @@ def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=N
 RUN_ONLY = {"workers", "resume", "compile", "log_every", "device", "micro_batch", "grad_ckpt", "stop_epoch",
             "stop_step", "save_every", "save_every_minutes", "max_unreadable", "allow_batch_change", "batch_size",
             "output_dir", "knn", "precision", "tensorboard"}   # run control: a resumed run may change them silently
-SCHEDULE = {"epochs"}                                  # may change on resume, with a line (the schedules follow)
+SCHEDULE = {"epochs", "steps_per_epoch"}              # may change on resume, with a line (the schedules follow)
 
 
 def resume_run(run, method, args, model, optimizer, target=None):
@@ -1161,15 +1196,16 @@ class Logger:
         self.total, self.batch, self.every, self.guard = total_steps, batch_size, every, run.guard
         self.stop = stop
         self.path = os.path.join(run.out, "log.jsonl")
-        self.t, self.last = time.time(), start_step
+        self.t, self.last, self.first = time.time(), start_step, start_step + 1
         DATA_WAIT[0] = 0.0
-        stop_step = run.control.args.stop_step
+        a = getattr(getattr(run, "control", None), "args", None)
+        stop_step = getattr(a, "stop_step", 0)
         ends = {"--epochs": total_steps, "--stop-epoch": stop or total_steps, "--stop-step": stop_step or total_steps}
         end = min(ends.values())
         self.done = start_step >= end                                    # a finished or stopped run, rerun
         if self.done:
-            a = run.control.args
-            flag = {"--epochs": a.epochs, "--stop-epoch": a.stop_epoch, "--stop-step": a.stop_step}
+            flag = {"--epochs": getattr(a, "epochs", "?"), "--stop-epoch": getattr(a, "stop_epoch", 0),
+                    "--stop-step": stop_step}
             why = ", ".join(f"{k} {flag[k]}" for k, v in ends.items() if v == end and (k == "--epochs" or v != total_steps))
             print0(f"the checkpoint is at step {start_step} and this run ends at step {end} ({why}): nothing to "
                    "train; raise --epochs / --stop-epoch / --stop-step to train on")
@@ -1183,7 +1219,8 @@ class Logger:
 
     def step(self, step, epoch, parts, force=False, **scalars):
         """parts: dict of 0-d tensors (loss terms), kept on device until logged."""
-        if step % self.every and step not in (self.total, self.stop) and not force:
+        first = step == self.first and step % self.every and step not in (self.total, self.stop) and not force
+        if step % self.every and step not in (self.total, self.stop) and not force and not first:
             return None
         rec = {k: round(float(v), 5) for k, v in parts.items()}      # the one sync
         self.guard.check()
@@ -1199,8 +1236,9 @@ class Logger:
         if is_main():
             kv = " ".join(f"{k} {v:.4g}" for k, v in rec.items() if k not in ("epoch", "step"))
             print(f"ep {epoch} step {step}/{self.total} {kv} eta {eta / 60:.1f}m", flush=True)
-            self.append(rec)
-        return rec
+            if not first:                         # the run's first step: an early console line and ETA only
+                self.append(rec)
+        return None if first else rec
 
     def write(self, rec):
         if is_main():

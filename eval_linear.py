@@ -402,10 +402,13 @@ def extract_features(encoder, loader, device, features, autocast=contextlib.null
     the (N,) labels; the encoder in eval mode."""
     encoder.eval()
     feats, labels = [], []
-    for x, y in loader:
-        with autocast:
-            feats.append(features(encoder, C.normalize(x.to(device, non_blocking=True))).float().cpu())
-        labels.append(y)
+    n = len(getattr(loader, "dataset", loader))
+    with C.Progress(f"features of {n} images", len(loader)) as progress:
+        for x, y in loader:
+            with autocast:
+                feats.append(features(encoder, C.normalize(x.to(device, non_blocking=True))).float().cpu())
+            labels.append(y)
+            progress.step()
     return torch.cat(feats), torch.cat(labels)
 
 
@@ -513,7 +516,9 @@ def linear_head(xt, train_y, num_classes, epochs=100, lr=0.1, batch=1024, seed=0
     opt = torch.optim.SGD(head.parameters(), lr=lr, momentum=0.9)
     steps = epochs * max(1, (len(xt) + batch - 1) // batch)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    progress = C.Progress("linear probe epochs", epochs)
     for _ in range(epochs):
+        progress.step()
         perm = torch.randperm(len(xt), generator=g)
         for i in range(0, len(xt), batch):
             idx = perm[i:i + batch]
@@ -522,6 +527,7 @@ def linear_head(xt, train_y, num_classes, epochs=100, lr=0.1, batch=1024, seed=0
             loss.backward()
             opt.step()
             sched.step()
+    progress.done()
     return head
 
 

@@ -408,20 +408,24 @@ def test_checkpoints_are_read_without_running_pickled_code(tmp_path):
 
 
 def test_save_image_grid_writes_each_row_unnormalised(tmp_path):
-    """The reconstruction pictures: one row per tensor, its images side by side (1 px padding),
-    pixels = the ImageNet-normalised input mapped back to [0, 1] (clamped), written by rank 0."""
+    """The reconstruction pictures: one row per tensor, its images side by side (2 px padding), tiles
+    upscaled (nearest) to >= 64 px, a 200 px label column on the left, pixels = the ImageNet-normalised
+    input mapped back to [0, 1] (clamped), written by rank 0."""
     from PIL import Image
     g = torch.Generator().manual_seed(0)
     imgs = [torch.rand(3, 3, 4, 4, generator=g) for _ in range(2)]              # 2 rows of 3 images
     imgs[1][0, 0, 0, 0] = 1.5                                                   # out of range: clamped
     rows = [C.normalize(x).requires_grad_() for x in imgs]
-    C.save_image_grid(str(tmp_path / "grid.png"), rows)
+    C.save_image_grid(str(tmp_path / "grid.png"), rows, ["first", "second"])
     png = torch.from_numpy(np.array(Image.open(tmp_path / "grid.png").convert("RGB"))).permute(2, 0, 1).float() / 255
-    assert png.shape == (3, 2 * 5 + 1, 3 * 5 + 1)
+    k, t = 16, 64 + 2                                                           # 4 px -> 64 px, tile pitch
+    assert png.shape == (3, 2 * t + 2, 200 + 3 * t + 2)
     for r in range(2):
         for c in range(3):
-            cell = png[:, 1 + 5 * r:5 + 5 * r, 1 + 5 * c:5 + 5 * c]
-            torch.testing.assert_close(cell, imgs[r][c].clamp(0, 1), atol=1 / 255, rtol=0)
+            cell = png[:, 2 + t * r:2 + t * r + 64, 200 + 2 + t * c:200 + 2 + t * c + 64]
+            want = imgs[r][c].clamp(0, 1).repeat_interleave(k, 1).repeat_interleave(k, 2)
+            torch.testing.assert_close(cell, want, atol=1 / 255, rtol=0)
+    assert (png[:, :, :200] < 0.5).any()                                        # the labels are drawn
 
 
 def test_save_run_never_writes_non_finite_weights(tmp_path):

@@ -32,17 +32,15 @@ CAN_CLI = ["can.py", "--model", "nano", "--patch-size", "4", "--img-size", "16",
 
 def test_non_finite_loss_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
     out = str(tmp_path)
-    r = run_cli(*CAN_CLI, "--data", "synthetic", "--epochs", "3", "--steps-per-epoch", "3", "--stop-epoch", "1",
-                "--output-dir", out)
+    cmd = [*CAN_CLI, "--data", "synthetic", "--epochs", "3", "--steps-per-epoch", "3", "--lr", "1e30", "--output-dir", out]
+    r = run_cli(*cmd, "--stop-step", "1")                  # step 1's update, lr 1e30: weights ~1e30, still finite
     assert r.returncode == 0, r.stderr
     before = open(tmp_path / "checkpoint.pth", "rb").read()
-    r = run_cli(*CAN_CLI, "--data", "synthetic", "--epochs", "3", "--steps-per-epoch", "3", "--lr", "1e30",
-                "--output-dir", out)
-    # step 4 still runs on the finite epoch-1 weights; its update makes step 5's loss non-finite
-    one_line_error(r, "non-finite loss or gradient at step 5", "rec nan", "last finite checkpoint (step 3)")
+    r = run_cli(*cmd)                                      # resumed: step 2's loss is not finite
+    one_line_error(r, "non-finite loss or gradient at step 2", "last finite checkpoint (step 1)")
     assert open(tmp_path / "checkpoint.pth", "rb").read() == before
     ck = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")
-    assert ck["step"] == 3 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+    assert ck["step"] == 1 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
 
 
 def test_no_checkpoint_is_written_after_a_non_finite_step_even_with_finite_weights(tmp_path, monkeypatch):

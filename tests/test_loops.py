@@ -397,11 +397,11 @@ def test_the_reconstruction_picture_shows_the_last_batch_through_the_trained_mod
     a = make(tmp_path, epochs=epochs(method, 1), steps_per_epoch=1, warmup_epochs=0, **kw)
     _, steps, _ = _record(monkeypatch, mod)
     grids = []
-    monkeypatch.setattr(C, "save_image_grid", lambda path, rows: grids.append((os.path.basename(path), rows)))
+    monkeypatch.setattr(C, "save_image_grid", lambda path, rows, labels, step: grids.append((os.path.basename(path), list(rows))))
     mod.train(a)
     s, p = steps[-1], a.patch_size
     (name, rows), = grids
-    assert name == ("pairs" if method == "siammae" else "recon") + "_ep0001.png"
+    assert name == ("pairs" if method == "siammae" else "recon") + "_ep0000_step000001.png"     # the log's ep, step
     net = s[0].eval()
     patches = lambda t: mod.patchify(t, p)                                # noqa: E731
     with torch.no_grad():
@@ -420,6 +420,8 @@ def test_the_reconstruction_picture_shows_the_last_batch_through_the_trained_mod
     assert len(x) == 8 and 0 < mask.float().mean() < 1
     m = mask[:, :, None].bool()
     torch.testing.assert_close(rows[0], inp)
+    if method == "siammae":                                               # SiamMAE shows the real f2 next
+        torch.testing.assert_close(rows.pop(1), x)
     torch.testing.assert_close(patches(rows[1]), torch.where(m, 0.0, patches(shown)))
     xp = patches(x)
     filled = mod.unnorm_pix(pred, xp) if norm_pix else pred
