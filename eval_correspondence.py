@@ -23,6 +23,8 @@ at the clips' native size (the training size of the synthetic config), t drawn p
             predictors: each patch's own mean ("mean": 0 in norm-pix units, a loss of ~1), f1's
             patch at the same place ("copy"), and f1 warped by the true motion ("oracle", bilinear;
             occluded points included). A model that uses f1 must beat "copy" on moving objects.
+            The same loss with f1 replaced by another clip's frame ("other_f1") or a blank frame
+            ("blank_f1") is the shortcut probe: a model that reads f1 gets worse without it.
   zero      the "no motion" baseline of (a) and (b): each f2 patch's own position as its source.
 
 Output: one JSON line per gap and a summary line; --output FILE also writes them to FILE.
@@ -130,7 +132,7 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
     rng = np.random.default_rng([seed, gap])
     acc = {k: [] for k in ("enc_obj", "enc_bg", "attn_obj", "attn_bg", "zero_obj", "zero_bg", "zero_attn_obj",
                            "zero_attn_bg")}
-    loss = {f"{n}_{k}": [] for k in ("obj", "bg") for n in ("model", "mean", "copy", "oracle")}
+    loss = {f"{n}_{k}": [] for k in ("obj", "bg") for n in ("model", "other_f1", "blank_f1", "mean", "copy", "oracle")}
     for v in range(videos):
         clip = S.SyntheticClip(v, "val")
         if clip.size != a.img_size:
@@ -165,7 +167,12 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
             grid = torch.tensor(src / ((a.img_size - 1) / 2) - 1, dtype=f1.dtype, device=device)[None]
             warped = F.grid_sample(f1, grid, mode="bilinear", padding_mode="border", align_corners=True)
             target = siammae.norm_pix(siammae.patchify(f2, p))[0]
-            for name, y in (("model", pred[0].float()), ("mean", torch.zeros_like(target)),
+            other = C.normalize(C.to_uint8(S.SyntheticClip((v + 1) % videos, "val").load(t1)).to(device))[None]
+            with torch.no_grad():
+                pred_other = model(other, f2, ids_keep, ids_restore)[0].float()        # f1 of another clip
+                pred_blank = model(torch.zeros_like(f1), f2, ids_keep, ids_restore)[0].float()
+            for name, y in (("model", pred[0].float()), ("other_f1", pred_other), ("blank_f1", pred_blank),
+                            ("mean", torch.zeros_like(target)),
                             ("copy", siammae.norm_pix(siammae.patchify(f1, p))[0]),
                             ("oracle", siammae.norm_pix(siammae.patchify(warped, p))[0])):
                 err = ((y - target) ** 2).mean(-1).cpu().numpy()

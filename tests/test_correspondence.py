@@ -115,7 +115,7 @@ def test_evaluate_reports_every_measure_for_trained_and_random_init(tiny_siammae
     rows = EC.evaluate(EC.Args(ckpt=tiny_siammae, gaps=(4,), videos=2, pairs=1, device="cpu", output=str(tmp_path / "c.jsonl")))
     r = rows[0]
     for k in ("acc_enc_obj", "acc_enc_bg", "acc_attn_obj", "acc_attn_bg", "acc_zero_obj", "acc_zero_bg",
-              "loss_model_obj", "loss_copy_obj", "loss_oracle_obj"):
+              "loss_model_obj", "loss_other_f1_obj", "loss_blank_f1_obj", "loss_mean_obj", "loss_copy_obj", "loss_oracle_obj"):
         assert r[k] is not None and not (isinstance(r[k], float) and math.isnan(r[k])), k
     assert r["loss_oracle_bg"] < r["loss_copy_bg"]                              # the true motion explains f2
     assert json.loads(open(tmp_path / "c.jsonl").readline()) == r
