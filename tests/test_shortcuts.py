@@ -11,8 +11,8 @@ Methods and their probes:
           with any image's target equals that with another image's
   CAN     InfoNCE with each positive taken from another image: at chance, and above the objective, after
           training on a fixed batch
-Not probed here: CMAE's InfoNCE (its online / target pair is one image by construction; the same
-rolled-positive probe applies and is not yet written). SiamMAE's probe (f1 replaced by another clip's
+  CMAE    the same, with each EMA target taken from another image
+SiamMAE's probe (f1 replaced by another clip's
 frame) runs on a trained checkpoint in eval_correspondence.py: measured, it does NOT need f1 at CPU
 scale (docs/RESULTS.md), so it is not asserted here.
 """
@@ -175,3 +175,33 @@ def test_can_infonce_needs_the_right_positive():
         own, other = can.info_nce(u1, u2, a.tau).item(), can.info_nce(u1, u2.roll(1, 0), a.tau).item()
     assert other > 0.95 * math.log(2 * B - 1) and own < other - 0.5, (own, other, math.log(2 * B - 1))
     print(f"\ncan infonce: own {own:.3f}, positives from other images {other:.3f}, chance {math.log(2 * B - 1):.3f}")
+
+
+def test_cmae_infonce_needs_the_right_positive():
+    """A nano CMAE after 40 steps of its own train_step on a fixed batch of 16 images (a fresh source
+    and target view each step, EMA target at 0.9): its InfoNCE with each target taken from another
+    image stays at least at chance (2 tau ln B, CMAE's scale) and above the objective's."""
+    import cmae
+    from test_cmae import tiny_args
+    torch.manual_seed(0)
+    a = tiny_args("/tmp/unused", lr=3e-3, lambda_c=1.0)
+    model, B = cmae.CMAE(a).train(), 16
+    target = cmae.Target(model).train()
+    opt = C.make_optimizer(model, a.lr, a.weight_decay, a.betas, torch.device("cpu"))
+    x, g = _images(B, a.img_size), torch.Generator().manual_seed(0)
+    grid = a.img_size // a.patch_size
+    for _ in range(40):
+        x_s, x_t = _two_views(x, g)
+        keep, restore, mask = cmae.random_masking(B, grid, a.mask_ratio, a.mask_unit)
+        opt.zero_grad(set_to_none=True)
+        cmae.train_step(model, target, x_s, x_t, keep, restore, mask, a)
+        opt.step()
+        cmae.ema_update(target, target.online_params(model), 0.9)
+    x_s, x_t = _two_views(x, g)
+    keep, restore, mask = cmae.random_masking(B, grid, a.mask_ratio, a.mask_unit)
+    with torch.no_grad():
+        u, v = model(x_s, keep, restore, pixels=False)[1], target(x_t)
+        own, other = cmae.cmae_contrastive_loss(u, v, a.tau).item(), cmae.cmae_contrastive_loss(u, v.roll(1, 0), a.tau).item()
+    chance = 2 * a.tau * math.log(B)
+    print(f"\ncmae infonce: own {own:.3f}, targets from other images {other:.3f}, chance {chance:.3f}")
+    assert other > 0.95 * chance and own < other - 0.1 * chance, (own, other, chance)
