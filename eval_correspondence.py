@@ -26,6 +26,8 @@ at the clips' native size (the training size of the synthetic config), t drawn p
             The same loss with f1 replaced by another clip's frame ("other_f1") or a blank frame
             ("blank_f1") is the shortcut probe: a model that reads f1 gets worse without it.
   zero      the "no motion" baseline of (a) and (b): each f2 patch's own position as its source.
+  moved     (a) and (b) on the patches that moved more than one patch (where "no motion" scores 0):
+            correspondence beyond copying the same place.
 
 Output: one JSON line per gap and a summary line; --output FILE also writes them to FILE.
 """
@@ -130,8 +132,8 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
     import synthetic as S
     p = a.patch_size
     rng = np.random.default_rng([seed, gap])
-    acc = {k: [] for k in ("enc_obj", "enc_bg", "attn_obj", "attn_bg", "zero_obj", "zero_bg", "zero_attn_obj",
-                           "zero_attn_bg")}
+    acc = {k: [] for k in ("enc_obj", "enc_bg", "enc_moved", "attn_obj", "attn_bg", "attn_moved", "zero_obj", "zero_bg",
+                           "zero_attn_obj", "zero_attn_bg")}
     loss = {f"{n}_{k}": [] for k in ("obj", "bg") for n in ("model", "other_f1", "blank_f1", "mean", "copy", "oracle")}
     for v in range(videos):
         clip = S.SyntheticClip(v, "val")
@@ -148,12 +150,14 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
             g = a.img_size // p
             inside = (truth > -0.5).all(1) & (truth < g - 0.5).all(1)
             own = np.arange(g * g)
+            moved = (np.abs(truth - np.stack([own % g, own // g], 1)) > 1).any(1)    # where "no motion" is wrong
             # (a) encoder features
             e1, e2 = model.encoder(f1)[0, 1:], model.encoder(f2)[0, 1:]
             choice = nearest(e1, e2).cpu().numpy()
             for kind, sel in (("obj", obj), ("bg", ~obj)):
                 acc[f"enc_{kind}"].append(accuracy(choice, truth, (g, g), inside & sel))
                 acc[f"zero_{kind}"].append(accuracy(own, truth, (g, g), inside & sel))
+            acc["enc_moved"].append(accuracy(choice, truth, (g, g), inside & moved))
             # (b) decoder cross-attention, (c) the objective and its trivial predictors
             torch.manual_seed(seed * 1000 + v)
             ids_keep, ids_restore, mask = siammae.random_masking(1, g, a.mask_ratio, device=device)
@@ -164,6 +168,7 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
                 for kind, sel in (("obj", obj), ("bg", ~obj)):
                     acc[f"attn_{kind}"].append(accuracy(choice, truth, (g, g), inside & sel & m))
                     acc[f"zero_attn_{kind}"].append(accuracy(own, truth, (g, g), inside & sel & m))
+                acc["attn_moved"].append(accuracy(choice, truth, (g, g), inside & moved & m))
             grid = torch.tensor(src / ((a.img_size - 1) / 2) - 1, dtype=f1.dtype, device=device)[None]
             warped = F.grid_sample(f1, grid, mode="bilinear", padding_mode="border", align_corners=True)
             target = siammae.norm_pix(siammae.patchify(f2, p))[0]
@@ -179,7 +184,7 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
                 for kind, sel in (("obj", obj), ("bg", ~obj)):
                     if (sel & m).any():
                         loss[f"{name}_{kind}"].append(float(err[sel & m].mean()))
-    mean = lambda xs: round(100 * float(np.nanmean(xs)), 1) if xs else None        # noqa: E731
+    mean = lambda xs: round(100 * float(np.nanmean(xs)), 1) if xs and not np.isnan(xs).all() else None  # noqa: E731
     out = {"gap": gap, **{f"acc_{k}": mean(v) for k, v in acc.items()}}
     out |= {f"loss_{k}": round(float(np.mean(v)), 4) if v else None for k, v in loss.items()}
     return out
