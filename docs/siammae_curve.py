@@ -15,6 +15,8 @@ SERIES = [  # (key, label, colour); accuracies in %, losses x 100
     ("acc_enc_obj", "(a) encoder NN, objects %", (31, 119, 180)),
     ("acc_attn_obj", "(b) decoder attention, objects %", (255, 127, 14)),
     ("acc_zero_obj", "no-motion baseline, objects %", (127, 127, 127)),
+    ("acc_enc_moved", "(a) encoder NN, patches moved > 1 %", (23, 190, 207)),
+    ("acc_attn_moved", "(b) attention, patches moved > 1 %", (188, 189, 34)),
     ("jf", "J&F (DAVIS protocol) %", (44, 160, 44)),
     ("loss_model_obj", "(c) loss, objects x100", (214, 39, 40)),
     ("loss_other_f1_obj", "(c) loss with another clip's f1 x100", (148, 103, 189)),
