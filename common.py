@@ -682,7 +682,8 @@ def main(train, cls):
         train(parse_args(cls))
         if dist.is_initialized():
             dist.barrier()                      # all ranks done before any tears the group down
-        wrote = f": wrote {', '.join(sorted(os.listdir(_OUT[0])))} in {_OUT[0]}" if _OUT[0] and os.path.isdir(_OUT[0]) else ""
+        files = sorted(os.listdir(_OUT[0])) if _OUT[0] and os.path.isdir(_OUT[0]) else []
+        wrote = f": {', '.join(files) if len(files) <= 12 else f'{len(files)} files'} in {_OUT[0]}" if files else ""
         print0(f"done in {time.time() - t0:.0f} s{wrote}")
     except UserError as e:
         msg = str(e).strip().splitlines()[-1]          # DataLoader workers wrap the message

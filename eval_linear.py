@@ -474,6 +474,7 @@ def features(a, enc, ckpt, split, ds, device):
                                    a.random_init, a.model, a.patch_size, len(ds), list(ds.classes),
                                    files]).encode()).hexdigest()[:16]
     path = os.path.join(os.path.dirname(os.path.abspath(a.ckpt)), "features", f"{key}_{split}.pt")
+    C._OUT[0] = os.path.dirname(path) if a.cache else None                  # main's closing line: the cache
     if a.cache and os.path.isfile(path):
         return torch.load(path, weights_only=True)
     tf = eval_transform(size, synthetic=a.data == "synthetic")

@@ -287,6 +287,7 @@ def evaluate(a):
     device = C.resolve_device(a.device)
     if a.output:
         C.check_writable(a.output, "--output")
+        C._OUT[0] = a.output                                                  # main's closing line
     enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
     if 0 < a.short_side < enc.patch_size:
         raise C.UserError(f"--short-side {a.short_side} is below the patch size {enc.patch_size}: a frame would "
