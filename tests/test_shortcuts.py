@@ -99,12 +99,6 @@ def test_conmim_blank_and_fully_masked_inputs_give_identical_tokens_at_init():
         torch.testing.assert_close(t[:, 1:], t[:, 1:2].expand_as(t[:, 1:]), atol=1e-5, rtol=1e-5)
 
 
-def test_print_conmim_probe_table(conmim_trained, capsys):
-    with capsys.disabled():
-        for name, losses in zip(("init", "trained"), conmim_trained):
-            print(f"\nconmim probes {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in losses.items()))
-
-
 # ----------------------------------------------------------------------------------------------
 # MSN: an anchor with no patch carries no image
 # ----------------------------------------------------------------------------------------------
