@@ -1201,13 +1201,13 @@ class Logger:
         DATA_WAIT[0] = 0.0
         a = getattr(getattr(run, "control", None), "args", None)
         stop_step = getattr(a, "stop_step", 0)
-        ends = {"--epochs": total_steps, "--stop-epoch": stop or total_steps, "--stop-step": stop_step or total_steps}
-        end = min(ends.values())
+        ends = {"--epochs": (total_steps, getattr(a, "epochs", "?")),            # flag: (last step, its value)
+                "--stop-epoch": (stop or total_steps, getattr(a, "stop_epoch", 0)),
+                "--stop-step": (stop_step or total_steps, stop_step)}
+        end = min(e for e, _ in ends.values())
         self.done = start_step >= end                                    # a finished or stopped run, rerun
         if self.done:
-            flag = {"--epochs": getattr(a, "epochs", "?"), "--stop-epoch": getattr(a, "stop_epoch", 0),
-                    "--stop-step": stop_step}
-            why = ", ".join(f"{k} {flag[k]}" for k, v in ends.items() if v == end and (k == "--epochs" or v != total_steps))
+            why = ", ".join(f"{k} {v}" for k, (e, v) in ends.items() if e == end and (k == "--epochs" or e != total_steps))
             print0(f"the checkpoint is at step {start_step} and this run ends at step {end} ({why}): nothing to "
                    "train; raise --epochs / --stop-epoch / --stop-step to train on")
         if start_step and is_main() and os.path.isfile(self.path):
@@ -1220,8 +1220,9 @@ class Logger:
 
     def step(self, step, epoch, parts, force=False, **scalars):
         """parts: dict of 0-d tensors (loss terms), kept on device until logged."""
-        first = step == self.first and step % self.every and step not in (self.total, self.stop) and not force
-        if step % self.every and step not in (self.total, self.stop) and not force and not first:
+        logged = not step % self.every or step in (self.total, self.stop) or force
+        first = not logged and step == self.first                        # an early console line and ETA only
+        if not (logged or first):
             return None
         rec = {k: round(float(v), 5) for k, v in parts.items()}      # the one sync
         self.guard.check()
@@ -1237,9 +1238,9 @@ class Logger:
         if is_main():
             kv = " ".join(f"{k} {v:.4g}" for k, v in rec.items() if k not in ("epoch", "step"))
             print(f"ep {epoch} step {step}/{self.total} {kv} eta {eta / 60:.1f}m", flush=True)
-            if not first:                         # the run's first step: an early console line and ETA only
+            if logged:
                 self.append(rec)
-        return None if first else rec
+        return rec if logged else None
 
     def write(self, rec):
         if is_main():
@@ -1266,7 +1267,7 @@ def knn_wanted(args):
     method file copied with common.py alone skips it, with a line). The method file imports it: this
     module never imports the evaluation (a lower floor does not import a higher one). Called after the
     final checkpoint: from here on a stop signal ends the program at once (exit 0)."""
-    _TRAINED[:] = [os.path.join(args.output_dir, "checkpoint.pth") if args.output_dir else "the checkpoint"]
+    _TRAINED[:] = [os.path.join(_OUT[0], "checkpoint.pth")]                   # the run's (setup)
     if not (args.knn if args.knn is not None else args.data == "synthetic") or not is_main():
         return False
     if importlib.util.find_spec("eval_linear") is None:

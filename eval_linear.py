@@ -176,7 +176,7 @@ class Block(nn.Module):
         self.drop_path = drop_path
 
     def forward(self, x, bias=None):
-        a, m = self.attn(self.norm1(x), bias), None
+        a = self.attn(self.norm1(x), bias)
         if hasattr(self, "gamma_1"):
             a = self.gamma_1 * a
         x = x + drop_path(a, self.drop_path, self.training)
@@ -256,6 +256,14 @@ class ViT(nn.Module):
                 blk.attn.proj.weight.data.div_(math.sqrt(2.0 * layer))
                 blk.mlp.fc2.weight.data.div_(math.sqrt(2.0 * layer))
 
+    def check_grid(self, gh, gw):
+        """A one-line error where a BEiT encoder gets another patch grid than its training one (its relative
+        position bias is tied to it; BEiT would interpolate the tables, this code does not)."""
+        if not hasattr(self, "pos_embed") and (gh, gw) != (self.grid, self.grid):
+            raise C.UserError(f"this BEiT encoder takes {self.grid * self.patch_size}px images only (its relative "
+                              f"position bias is tied to the {self.grid}x{self.grid} patch grid), got "
+                              f"{gh * self.patch_size}x{gw * self.patch_size}; leave --img-size at the checkpoint's")
+
     @staticmethod
     def init_token(t, init):
         if init == "xavier":
@@ -267,10 +275,7 @@ class ViT(nn.Module):
         gh, gw = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
         x = self.patch_embed(x)
         if not hasattr(self, "pos_embed"):                           # BEiT: no position added to any token
-            if (gh, gw) != (self.grid, self.grid):
-                raise C.UserError(f"this BEiT encoder takes {self.grid * self.patch_size}px images (its relative "
-                                  f"position bias is tied to the {self.grid}x{self.grid} patch grid), got "
-                                  f"{gh * self.patch_size}x{gw * self.patch_size}; leave --img-size at the checkpoint's")
+            self.check_grid(gh, gw)
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
             bias = self.rel_pos_bias() if hasattr(self, "rel_pos_bias") else None
             x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False), bias)
@@ -286,10 +291,8 @@ class ViT(nn.Module):
 
 
 def check_size(encoder, size):
-    """size, or a one-line error where the encoder cannot take it (BEiT: its training size only)."""
-    if not hasattr(encoder, "pos_embed") and size != encoder.grid * encoder.patch_size:
-        raise C.UserError(f"--img-size {size}: this BEiT encoder takes {encoder.grid * encoder.patch_size}px images only "
-                          "(its relative position bias is tied to the patch grid)")
+    """size, or at start the one-line error the encoder's forward would give (BEiT: its training size only)."""
+    encoder.check_grid(size // encoder.patch_size, size // encoder.patch_size)
     return size
 
 
