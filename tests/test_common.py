@@ -498,3 +498,29 @@ def test_every_flag_has_help_with_its_default_in_a_group(script, capsys):
         assert len(block.replace("(default:", "").split()) > 3, (flag, block)          # more than a bare default
     if hasattr(cls, "SYNTHETIC"):
         assert "--data synthetic: a CPU-sized config replaces these defaults" in out
+
+
+def test_progress_lines_and_the_first_training_step_and_the_closing_line(tmp_path, capsys):
+    """A long phase says i/total with an ETA and its time (every=0: every step); a run's first step is a
+    console line before --log-every is reached, not a log.jsonl record; `python method.py` ends with
+    'done in N s' and the files it wrote."""
+    import json
+    import can
+    from helpers import run_cli
+    from test_can import tiny_args
+    p = C.Progress("things", 3, every=0)
+    for _ in range(3):
+        p.step()
+    p.done()
+    out = capsys.readouterr().out
+    assert "things: 1/3 (33%)" in out and "things: 2/3 (67%)" in out and "things: done in" in out
+    can.train(tiny_args(tmp_path / "run", epochs=1, steps_per_epoch=3, log_every=50))
+    out = capsys.readouterr().out
+    assert "ep 0 step 1/3 " in out and "ep 0 step 3/3 " in out and "step 2/3" not in out
+    assert [json.loads(ln)["step"] for ln in open(tmp_path / "run" / "log.jsonl")] == [3]
+    r = run_cli("can.py", "--data", "synthetic", "--model", "nano", "--patch-size", "4", "--img-size", "16",
+                "--batch-size", "8", "--epochs", "1", "--steps-per-epoch", "1", "--warmup-epochs", "0",
+                "--decoder-dim", "32", "--decoder-depth", "1", "--decoder-heads", "2", "--proj-hidden", "32",
+                "--proj-dim", "16", "--no-knn", "--workers", "0", "--output-dir", str(tmp_path / "cli"))
+    last = r.stdout.strip().splitlines()[-1]
+    assert r.returncode == 0 and last.startswith("done in ") and "checkpoint.pth" in last and str(tmp_path / "cli") in last

@@ -80,6 +80,12 @@ def test_conmim_encoder_is_timm_beit_shared_and_per_block(tmp_path):
     shared, _ = E.load_encoder(str(tmp_path / "c.pth"))
     block, _ = E.load_encoder(str(tmp_path / "c.pth"), per_block_rel_pos=True)
     assert set(block.state_dict()) == beit_keys(2, shared=False)
+    for enc_ in (shared, block):                                    # the bias is tied to the grid: other sizes refused
+        with pytest.raises(C.UserError, match="takes 16px images only"):
+            E.check_size(enc_, 24)                                  # at start (eval_linear, eval_finetune)
+        with pytest.raises(C.UserError, match="got 16x24"):
+            enc_(torch.zeros(1, 3, 16, 24))                         # in forward (a non-square video frame)
+    assert E.check_size(shared, 16) == 16
     with torch.no_grad():
         ref = enc(x)
         torch.testing.assert_close(shared(x), ref, atol=1e-5, rtol=1e-5)
