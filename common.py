@@ -621,7 +621,7 @@ HELP = {  # help of the flags several scripts share, where a script gives none o
 }
 GROUPS = (  # --help sections, in order; a flag in none of them is the script's own
     ("data", {"data", "output_dir", "img_size", "crop_scale", "workers", "max_unreadable", "split", "short_side",
-              "subset_file", "videos", "pairs", "gaps"}),
+              "size", "subset_file", "videos", "pairs", "gaps"}),
     ("model", {"model", "patch_size", "drop_path", "init", "layer_scale", "decoder", "decoder_dim", "decoder_depth",
                "decoder_heads", "feature_decoder_depth", "proj_hidden", "proj_dim", "head_hidden", "head_dim",
                "num_prototypes", "ckpt", "random_init", "pool"}),

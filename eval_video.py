@@ -1,13 +1,19 @@
-"""Video label propagation (DAVIS-2017 semi-supervised protocol) for video checkpoints (SiamMAE).
+"""Video label propagation for video checkpoints (SiamMAE): DAVIS-2017 (J&F), VIP (mIoU), JHMDB (PCK).
 
-  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /davis
-  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data synthetic [--random-init]
+  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /davis                  # --task davis
+  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /VIP --task vip
+  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /jhmdb --task jhmdb
+  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data synthetic [--task vip|jhmdb] [--random-init]
 
-The first frame's object masks are propagated through each video with the frozen encoder's
-patch features (last layer, after the final norm, L2-normalised). For frame t, each patch takes a
-soft label from its top-k most similar patches among the context frames, with weights
-softmax(affinity / T). Flags: --n-context 20 --topk 7 --radius 20 --temperature 0.7 (top-k and T
-from ../shared/methods/siammae.md).
+The first frame's labels are propagated through each video with the frozen encoder's patch
+features (last layer, after the final norm, L2-normalised). For frame t, each patch takes a soft
+label from its top-k most similar patches among the context frames, with weights
+softmax(affinity / T). Defaults per task (the settings CropMAE's public evaluation,
+alexandre-eymael/CropMAE downstreams/propagation/util.py, uses for SiamMAE-style ViTs; DAVIS's are
+../shared/methods/siammae.md's): --n-context 20 --radius 20 --temperature 0.7 everywhere,
+--topk 7 (davis, jhmdb) or 10 (vip); frames: DAVIS short side 480 (--short-side, aspect kept),
+VIP long side 880 with the short side scaled and floored to a multiple of 64 (--size), JHMDB
+stretched to 320 x 320 (--size).
 
 Context (as CRW's test.py, which SiamMAE / CropMAE evaluate with): the first frame as long-term
 memory, matched over the whole frame, plus the previous n-context frames, matched only within a
@@ -15,27 +21,53 @@ spatial radius (cells at distance < radius). Difference: CRW pads the start of t
 n-context copies of the first frame, so early frames draw their top-k from duplicates of it; here
 the short-term memory holds only the frames seen so far (the first frame once).
 
-Label geometry. Frames are resized (short side --short-side, aspect kept) and cropped at the
-bottom/right to a multiple of the patch size; the patch grid covers that crop. First-frame labels
-get the same resize (nearest) and crop, then each cell takes the label at its patch's centre pixel
-(index p/2 inside the patch). Propagated soft labels are upsampled bilinearly with
-align_corners=False (cell values sit at patch centres, as sampled), the uncovered bottom/right
-border (< p pixels) repeats the last row/column, then argmax, and a nearest resize back to the
-annotation size. DINO instead stretches frames and labels to multiples of 64 px and samples
-labels with PIL's nearest (also patch centres); CRW downsamples labels to the feature grid. All
-three sample at patch centres; ours does not stretch the aspect ratio.
+Label geometry (DAVIS, VIP). Frames are resized as above and cropped at the bottom/right to a
+multiple of the patch size; the patch grid covers that crop. First-frame labels get the same
+resize (nearest) and crop, then each cell takes the label at its patch's centre pixel (index p/2
+inside the patch). Propagated soft labels are upsampled bilinearly with align_corners=False (cell
+values sit at patch centres, as sampled), the uncovered bottom/right border (< p pixels) repeats
+the last row/column, then argmax, and a nearest resize back to the annotation size. DINO instead
+stretches frames and labels to multiples of 64 px and samples labels with PIL's nearest (also
+patch centres); CRW downsamples labels to the feature grid. All three sample at patch centres.
 
-Data: DAVIS-2017 layout (JPEGImages/480p/<video>/*.jpg, Annotations/480p/<video>/*.png palette
-masks, ImageSets/2017/val.txt), or `synthetic` (moving-shape clips of synthetic.py, val split).
-Metrics: J (region IoU) and F (boundary F-measure, boundary tolerance 0.008 x image diagonal, as
-the DAVIS toolkit), per object, on all frames but the first and last, void pixels (label 255)
-left out of both as the toolkit does; J&F = (J + F) / 2. Where no
-frame beyond the first is annotated (DAVIS test-dev), --output writes the predictions and the
-scores are null.
+DAVIS. Layout JPEGImages/480p/<video>/*.jpg, Annotations/480p/<video>/*.png (palette masks),
+ImageSets/2017/<split>.txt. J (region IoU) and F (boundary F-measure, tolerance 0.008 x image
+diagonal, as the DAVIS toolkit), per object, on all frames but the first and last, void pixels
+(label 255) left out of both; J&F = (J + F) / 2. Where no frame beyond the first is annotated
+(test-dev), --output writes the predictions and the scores are null.
+
+VIP (video human parsing, 20 classes: background + 19 parts). Layout Images/<video>/*.jpg (the
+annotated frames, one in 25 of the videos) and Annotations/Category_ids/<video>/<frame>.png (class
+ids 0..19; 255 not scored), videos listed in lists/<split>_videos.txt. Every frame needs its
+annotation. Score as CRW's eval_vip.py: one confusion histogram over every frame of every video,
+the first included (it goes through the same grid round trip), IoU per class, mIoU = the mean over
+classes that occur in the ground truth or the predictions.
+
+JHMDB (15 joints). Layout Rename_Images/<action>/<video>/*.png, joint_positions/<action>/<video>/
+joint_positions.mat ('pos_img', 2 x 15 x frames, 1-based pixels: scipy reads it), and the split
+files <action>_test_split1.txt anywhere under the root; the videos of split 1 marked 2 (test, 268)
+are scored, as CRW. Labels as CRW's JhmdbSet: each joint of the first frame (pos_img - 1, scaled to
+feature cells) is a label map, a Gaussian of std 0.5 cells with peak 1 at its rounded cell (cells
+within 3 std; CRW's draw_labelmap_np truncates the corner with int() and keeps a 4-cell window,
+left of centre only: values below 4e-4 differ), plus a background channel (1 where no joint
+reaches). A joint's position in frame t is read back as CRW's process_pose: the mean position of
+its 3 highest cells weighted by their values (CropMAE uses 5), in cells, times the frame size over
+the grid size. PCK as CRW's eval_pck.py: per frame, the scale is 0.6 x the diagonal of the box
+around the ground-truth joints; frame 0 not scored; each joint's normalised distances pooled over
+all videos, PCK@a = % within a x scale, averaged over the joints. A joint outside the first frame
+cannot be propagated: a warning line names it and it is not scored in that video (CRW's map is
+empty there too, so its eval drops it).
+
+Synthetic (`--data synthetic`, the moving-shape clips of synthetic.py, val split, native 64 px):
+davis scores each object; vip labels each object by its shape class (1..10); jhmdb propagates
+each object's centre and four axis points (synthetic.SyntheticClip.keypoints).
 """
+import dataclasses
+import glob
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,15 +79,27 @@ import common as C
 from eval_linear import load_encoder
 
 
+TASKS = ("davis", "vip", "jhmdb")
+TOPK = {"davis": 7, "vip": 10, "jhmdb": 7}                  # per-task defaults (see the docstring)
+SIZE = {"vip": 880, "jhmdb": 320}
+VIP_CLASSES = 20                                           # background + 19 parts
+POSE_TOPK, POSE_SIGMA, PCK_AT = 3, 0.5, (0.1, 0.2)         # CRW's process_pose / JhmdbSet / the reported PCK
+
+
 @dataclass
 class Args:
-    """Label-propagation evaluation (J&F) of a checkpoint's encoder."""
+    """Label-propagation evaluation (DAVIS J&F, VIP mIoU, JHMDB PCK) of a checkpoint's encoder."""
     ckpt: str = field(default=None, metadata={"help": "checkpoint.pth (siammae, or any image method)"})
-    data: str = field(default=None, metadata={"help": "DAVIS-2017 root, or 'synthetic'"})
-    split: str = field(default="val", metadata={"help": "DAVIS split scored: the videos listed in ImageSets/2017/<split>.txt"})
-    short_side: int = field(default=480, metadata={"help": "resize frames so the short side is this (0 = native)"})
+    data: str = field(default=None, metadata={"help": "DAVIS-2017, VIP or JHMDB root (see --task), or 'synthetic'"})
+    task: str = field(default="davis", metadata={"help": "davis (J&F) | vip (mIoU) | jhmdb (PCK@0.1/0.2)"})
+    split: str = field(default="val", metadata={"help": "davis: ImageSets/2017/<split>.txt; vip: "
+                       "lists/<split>_videos.txt; jhmdb: split 1's test videos always"})
+    short_side: int = field(default=None, metadata={"help": "davis: resize frames so the short side is this (default "
+                            "480; 0 = native)"})
+    size: int = field(default=None, metadata={"help": "vip: long side (default 880, short side floored to a multiple "
+                      "of 64); jhmdb: square side (default 320); 0 = native"})
     n_context: int = field(default=20, metadata={"help": "previous frames in the short-term memory (radius-limited)"})
-    topk: int = 7
+    topk: int = field(default=None, metadata={"help": "neighbours per patch (default 7; vip 10)"})
     radius: float = 20.0
     temperature: float = 0.7
     model: str = field(default=None, metadata={"help": "ViT size (tiny|small|base|large): picks the "
@@ -63,8 +107,14 @@ class Args:
     patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's patch "
                             "size"})
     random_init: bool = False
-    output: str = field(default=None, metadata={"help": "write predicted masks as DAVIS palette PNGs here"})
+    output: str = field(default=None, metadata={"help": "write predictions here (davis, vip: palette PNGs; jhmdb: "
+                        "<video>.json keypoints)"})
     device: str = None
+
+
+def resolved(a):
+    """Args with the task's defaults in place of None (topk); the others are read where used."""
+    return a if a.topk is not None else dataclasses.replace(a, topk=TOPK.get(a.task, 7))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,6 +152,36 @@ def propagate(feats, labels0, n_context=20, topk=7, radius=20.0, temperature=0.7
         drop = max(0, len(mem_f) - n_context)                                  # keep the last n_context (a
         del mem_f[:drop], mem_l[:drop]                                         # negative slice end would cut more)
     return torch.stack(out)
+
+
+def keypoint_maps(xy, h, w, sigma=POSE_SIGMA):
+    """(J, 2) joint positions (x, y) in feature cells -> (h, w, 1 + J) label maps (CRW's JhmdbSet):
+    channel 1 + j a Gaussian of std sigma cells, peak 1 at the joint's rounded cell, zero beyond 3
+    sigma; channel 0 (background) is 1 where no joint reaches. A joint whose cell lies outside the
+    grid gets an empty map."""
+    yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    maps = [torch.zeros(h, w)]
+    for x, y in xy:
+        cx, cy = math.floor(x + 0.5), math.floor(y + 0.5)
+        g = torch.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * sigma ** 2))
+        g[((xx - cx).abs() > 3 * sigma) | ((yy - cy).abs() > 3 * sigma)] = 0
+        maps.append(g if 0 <= cx < w and 0 <= cy < h else torch.zeros(h, w))
+    lab = torch.stack(maps, -1)
+    lab[..., 0] = (lab[..., 1:].sum(-1) == 0).float()
+    return lab
+
+
+def keypoints_from_maps(soft, topk=POSE_TOPK):
+    """(h, w, 1 + J) propagated label maps -> (J, 2) positions (x, y) in cells: per joint, the mean
+    position of its topk highest cells weighted by their values (CRW's process_pose); NaN where a
+    joint's map is all zero."""
+    h, w, c = soft.shape
+    flat = soft[..., 1:].reshape(h * w, c - 1)                                 # (hw, J)
+    val, idx = flat.topk(min(topk, h * w), dim=0)                              # (k, J)
+    wgt = val / val.sum(0).clamp_min(1e-30)
+    xy = torch.stack([(idx % w * wgt).sum(0), (idx // w * wgt).sum(0)], -1)    # (J, 2)
+    xy[flat.sum(0) <= 0] = float("nan")
+    return xy
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,9 +232,63 @@ def f_measure(pred, gt, void=None, bound_th=0.008):
     return 0.0 if precision + recall == 0 else 2 * precision * recall / (precision + recall)
 
 
+def confusion(gt, pred, n):
+    """(n, n) histogram of (ground truth, prediction) pixel pairs; ground-truth labels outside 0..n-1
+    (255) are not counted (CRW eval_vip's fast_hist)."""
+    keep = (gt >= 0) & (gt < n)
+    return np.bincount(n * gt[keep].astype(np.int64) + pred[keep], minlength=n * n).reshape(n, n)
+
+
+def mean_iou(hist):
+    """Mean over classes of IoU = TP / (GT + predicted - TP), classes in neither left out (nanmean)."""
+    tp = np.diag(hist).astype(float)
+    union = hist.sum(0) + hist.sum(1) - tp
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return float(np.nanmean(tp / union))
+
+
+def pck(videos, thresholds=PCK_AT):
+    """videos: (gt, pred) pairs of (T, J, 2) pixel positions (x, y); pred NaN where a joint is not
+    propagated. Per frame, the scale is 0.6 x the diagonal of the box around the ground-truth joints
+    that have a prediction (frames where it is 0 are skipped); frame 0 is not scored; each joint's
+    distance / scale pooled over videos and frames; PCK@a = % of them <= a, averaged over joints
+    (CRW eval_pck.py). Returns {a: PCK}."""
+    dist = {}
+    for gt, pred in videos:
+        for t in range(1, len(gt)):
+            ok = ~np.isnan(pred[t]).any(-1)                                        # (J,)
+            if not ok.any():
+                continue
+            scale = 0.6 * np.linalg.norm(gt[t][ok].max(0) - gt[t][ok].min(0))
+            if scale <= 0:
+                continue
+            for j in np.flatnonzero(ok):
+                dist.setdefault(j, []).append(np.linalg.norm(pred[t, j] - gt[t, j]) / scale)
+    if not dist:
+        return {a: None for a in thresholds}
+    return {a: 100 * float(np.mean([np.mean(np.array(d) <= a) for d in dist.values()])) for a in thresholds}
+
+
 # ----------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------
+def _read(path, convert=None):
+    """A PIL image converted to `convert`, or its array (labels); unreadable -> one line naming it."""
+    try:
+        with Image.open(path) as im:
+            return im.convert(convert) if convert else np.array(im)
+    except Exception as e:
+        raise C.UserError(f"cannot read {path} ({type(e).__name__}: {e})") from None
+
+
+def _frames(folder, what):
+    """Frame file names of a folder in frame order (2.jpg before 10.jpg); none -> one line."""
+    names = sorted((f for f in os.listdir(folder) if f.lower().endswith(C.IMG_EXTS)), key=C.frame_order)
+    if not names:
+        raise C.UserError(f"{what}: no frames in {folder}")
+    return names
+
+
 def davis_videos(root, split):
     """(name, frames, masks) of each video listed in ImageSets/2017/<split>.txt; masks[t] is None where
     frame t has no annotation. Anything missing or unreadable is a one-line error naming the file."""
@@ -167,35 +301,111 @@ def davis_videos(root, split):
     names = open(lst).read().split()
     if not names:
         raise C.UserError(f"{lst} lists no video")
-
-    def read(path, convert=None):
-        try:
-            with Image.open(path) as im:
-                return im.convert(convert) if convert else np.array(im)
-        except Exception as e:
-            raise C.UserError(f"cannot read {path} ({type(e).__name__}: {e})") from None
     for v in names:
         if not os.path.isdir(os.path.join(img_root, v)):
             raise C.UserError(f"video {v} listed in {lst} has no folder {os.path.join(img_root, v)}")
-        frames = sorted((f for f in os.listdir(os.path.join(img_root, v)) if f.lower().endswith(C.IMG_EXTS)),
-                        key=C.frame_order)                        # 2.jpg before 10.jpg
-        if not frames:
-            raise C.UserError(f"video {v}: no frames in {os.path.join(img_root, v)}")
+        frames = _frames(os.path.join(img_root, v), f"video {v}")
         ann = [os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png") for f in frames]
         if not os.path.isfile(ann[0]):
             raise C.UserError(f"video {v}: no first-frame annotation {ann[0]}")
-        masks = [read(a) if os.path.isfile(a) else None for a in ann]
+        masks = [_read(a) if os.path.isfile(a) else None for a in ann]
         if not any(i not in (0, 255) for i in np.unique(masks[0])):
             raise C.UserError(f"video {v}: its first-frame annotation {ann[0]} has no object to propagate")
-        yield v, [read(os.path.join(img_root, v, f), "RGB") for f in frames], masks
+        yield v, [_read(os.path.join(img_root, v, f), "RGB") for f in frames], masks
 
 
-def synthetic_videos():
+def vip_videos(root, split):
+    """(name, frames, labels) of each VIP video in lists/<split>_videos.txt: the frames of
+    Images/<video>/ and their class-id maps from Annotations/Category_ids/<video>/<frame>.png."""
+    img_root = os.path.join(root, "Images")
+    ann_root = next((d for d in (os.path.join(root, "Annotations", "Category_ids"), os.path.join(root, "Category_ids"))
+                     if os.path.isdir(d)), None)
+    if not os.path.isdir(img_root) or ann_root is None:
+        raise C.UserError(f"--data {root}: expected the VIP layout Images/<video>/ and "
+                          "Annotations/Category_ids/<video>/")
+    lst = os.path.join(root, "lists", f"{split}_videos.txt")
+    if not os.path.isfile(lst):
+        raise C.UserError(f"--data {root}: no {os.path.relpath(lst, root)}, the list of the --split {split} videos")
+    names = open(lst).read().split()
+    if not names:
+        raise C.UserError(f"{lst} lists no video")
+    for v in names:
+        folder = os.path.join(img_root, v)
+        if not os.path.isdir(folder):
+            raise C.UserError(f"video {v} listed in {lst} has no folder {folder}")
+        frames = _frames(folder, f"video {v}")
+        ann = [os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png") for f in frames]
+        missing = [a for a in ann if not os.path.isfile(a)]
+        if missing:
+            raise C.UserError(f"video {v}: frame {os.path.basename(missing[0])[:-4]} has no annotation {missing[0]} "
+                              f"({len(missing)} of {len(ann)} missing; VIP scores every frame)")
+        labels = [_read(a) for a in ann]
+        ok = [*range(VIP_CLASSES), 255]
+        bad = next((a for a, m in zip(ann, labels) if m.ndim != 2 or np.setdiff1d(m, ok).size), None)
+        if bad:
+            raise C.UserError(f"{bad}: not a map of class ids 0..{VIP_CLASSES - 1} (255 = not scored)")
+        yield v, [_read(os.path.join(folder, f), "RGB") for f in frames], labels
+
+
+def read_joints(path):
+    """pos_img of a JHMDB joint_positions.mat: (2, 15, T) 1-based pixel positions. scipy reads it."""
+    try:
+        from scipy.io import loadmat
+    except ImportError:
+        raise C.UserError("--task jhmdb reads joint_positions.mat with scipy: pip install scipy") from None
+    try:
+        return np.asarray(loadmat(path)["pos_img"], dtype=np.float64)
+    except Exception as e:
+        raise C.UserError(f"cannot read pos_img from {path} ({type(e).__name__}: {e})") from None
+
+
+def jhmdb_videos(root):
+    """(name, frames, joints) of each video of JHMDB split 1's test set (marked 2 in the
+    <action>_test_split1.txt files): frames from Rename_Images/<action>/<video>/, joints (T, 15, 2)
+    0-based pixel positions (x, y) = pos_img - 1 from joint_positions/<action>/<video>/."""
+    splits = sorted(glob.glob(os.path.join(root, "**", "*_test_split1.txt"), recursive=True))
+    img_root, pos_root = os.path.join(root, "Rename_Images"), os.path.join(root, "joint_positions")
+    if not splits or not os.path.isdir(img_root) or not os.path.isdir(pos_root):
+        raise C.UserError(f"--data {root}: expected the JHMDB layout Rename_Images/<action>/<video>/, "
+                          "joint_positions/<action>/<video>/joint_positions.mat and the <action>_test_split1.txt files")
+    for lst in splits:
+        action = os.path.basename(lst)[:-len("_test_split1.txt")]
+        for line in open(lst):
+            row = line.split()
+            if len(row) != 2 or row[1] not in ("1", "2"):
+                if row:
+                    raise C.UserError(f"{lst}: expected '<video>.avi 1|2' lines, got {line.strip()!r}")
+                continue
+            if row[1] != "2":
+                continue
+            v = os.path.splitext(row[0])[0]
+            folder, mat = os.path.join(img_root, action, v), os.path.join(pos_root, action, v, "joint_positions.mat")
+            if not os.path.isdir(folder):
+                raise C.UserError(f"video {v} listed in {lst} has no folder {folder}")
+            if not os.path.isfile(mat):
+                raise C.UserError(f"video {v}: no joint annotation {mat}")
+            frames = _frames(folder, f"video {v}")
+            pos = read_joints(mat)
+            if pos.ndim != 3 or pos.shape[0] != 2 or pos.shape[2] != len(frames):
+                raise C.UserError(f"{mat}: pos_img is {tuple(pos.shape)}, expected (2, joints, {len(frames)}) for the "
+                                  f"{len(frames)} frames of {folder}")
+            yield v, [_read(os.path.join(folder, f), "RGB") for f in frames], pos.transpose(2, 1, 0) - 1
+
+
+def synthetic_videos(task="davis", n=None):
+    """The synthetic clips (val split) with the task's labels: davis object ids, vip shape classes
+    (1..10, 0 = background), jhmdb every object's keypoints (T, J, 2)."""
     from synthetic import SyntheticVideos
-    ds = SyntheticVideos("val")
+    ds = SyntheticVideos("val", n)
     for i in range(len(ds)):
         clip, _ = ds.load(i)
-        yield f"synthetic_{i:03d}", [clip.load(t) for t in range(len(clip))], [clip.mask(t) for t in range(len(clip))]
+        T = len(clip)
+        if task == "jhmdb":
+            labels = np.stack([clip.keypoints(t) for t in range(T)])
+        else:
+            ids = np.array([0] + [o["shape"] + 1 for o in clip.objs], np.uint8) if task == "vip" else None
+            labels = [clip.mask(t) if ids is None else ids[clip.mask(t)] for t in range(T)]
+        yield f"synthetic_{i:03d}", [clip.load(t) for t in range(T)], labels
 
 
 PALETTE = [v for i in range(256) for v in
@@ -214,14 +424,31 @@ def resize_short(im, short_side, resample):
     return im.resize((round(W * s), round(H * s)), resample)
 
 
+def resize_frame(im, geom, resample):
+    """The task's frame geometry. geom: an int, the short side (aspect kept; DAVIS); ("long", n): the
+    long side to n, the short side scaled and floored to a multiple of 64 (VIP, as CropMAE); or
+    ("square", n): stretched to n x n (JHMDB, as CRW). 0 / n = 0: unchanged."""
+    if not isinstance(geom, tuple):
+        return resize_short(im, geom, resample)
+    kind, n = geom
+    if not n:
+        return im
+    W, H = im.size
+    if kind == "square":
+        return im.resize((n, n), resample)
+    if W > H:                                                                   # CropMAE's branches, ties -> height
+        return im.resize((n, max(64, int(H * n / W) // 64 * 64)), resample)
+    return im.resize((max(64, int(W * n / H) // 64 * 64), n), resample)
+
+
 @torch.no_grad()
-def frame_features(enc, frames, short_side, device):
+def frame_features(enc, frames, geom, device):
     """List of PIL frames -> (T, h, w, D) L2-normalised last-layer patch tokens (after the final norm)
-    of each frame resized to short_side and cropped at the bottom/right to (h p, w p)."""
+    of each frame resized to geom (resize_frame) and cropped at the bottom/right to (h p, w p)."""
     p = enc.patch_size
     out = []
     for im in frames:
-        im = resize_short(im, short_side, Image.BILINEAR)
+        im = resize_frame(im, geom, Image.BILINEAR)
         W, H = im.size
         x = C.normalize(C.to_uint8(im)[:, :H // p * p, :W // p * p][None].to(device))
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
@@ -230,10 +457,10 @@ def frame_features(enc, frames, short_side, device):
     return torch.stack(out)
 
 
-def labels_to_grid(gt0, ids, p, short_side):
+def labels_to_grid(gt0, ids, p, geom):
     """(H, W) first-frame ids -> (h, w, C) one-hot labels at the patch centres of the frame grid
     (same resize and crop as frame_features), C = 1 + len(ids) with background first."""
-    lab = np.asarray(resize_short(Image.fromarray(gt0), short_side, Image.NEAREST))
+    lab = np.asarray(resize_frame(Image.fromarray(gt0), geom, Image.NEAREST))
     h, w = lab.shape[0] // p, lab.shape[1] // p
     centre = lab[p // 2:h * p:p, p // 2:w * p:p]                                       # (h, w)
     return torch.stack([torch.from_numpy(centre == i) for i in [0] + ids], -1).float()
@@ -252,18 +479,25 @@ def grid_to_frame(soft, p, size, out_size):
     return idx
 
 
-def evaluate_video(enc, frames, masks, a, short_side, device):
-    gt0 = masks[0]
-    H, W = gt0.shape
+def propagate_labels(enc, frames, gt0, a, geom, device):
+    """First-frame label map gt0 (H, W) -> (T, H, W) uint8 predicted labels of every frame (frame 0
+    through the same grid round trip) and the propagated ids (0, the background, not among them;
+    255 never propagated)."""
+    a = resolved(a)
     ids = [int(i) for i in np.unique(gt0) if i not in (0, 255)]
-    feats = frame_features(enc, frames, short_side, device)                   # (T, h, w, D)
+    feats = frame_features(enc, frames, geom, device)                        # (T, h, w, D)
     p = enc.patch_size
-    lab0 = labels_to_grid(gt0, ids, p, short_side)                            # (h, w, C)
+    lab0 = labels_to_grid(gt0, ids, p, geom)                                 # (h, w, C)
     assert lab0.shape[:2] == feats.shape[1:3], (lab0.shape, feats.shape)
     soft = propagate(feats, lab0, a.n_context, a.topk, a.radius, a.temperature)   # (T, h, w, C)
-    size = resize_short(frames[0], short_side, Image.BILINEAR).size
-    pred = torch.tensor([0] + ids)[grid_to_frame(soft, p, size, (H, W))].numpy().astype(np.uint8)
-    pred[0] = gt0
+    size = resize_frame(frames[0], geom, Image.BILINEAR).size
+    return torch.tensor([0] + ids)[grid_to_frame(soft, p, size, gt0.shape)].numpy().astype(np.uint8), ids
+
+
+def evaluate_video(enc, frames, masks, a, geom, device):
+    """DAVIS: predicted masks (frame 0 = its annotation) and {object: (J, F)} over frames 1 .. T-2."""
+    pred, ids = propagate_labels(enc, frames, masks[0], a, geom, device)
+    pred[0] = masks[0]
     T = len(frames)
     J, Fm = {i: [] for i in ids}, {i: [] for i in ids}
     for t in range(1, T - 1):                                                  # DAVIS: not first / last
@@ -276,45 +510,110 @@ def evaluate_video(enc, frames, masks, a, short_side, device):
     return pred, {i: (float(np.mean(J[i])), float(np.mean(Fm[i]))) for i in ids if J[i]}
 
 
+def evaluate_parts(enc, frames, labels, a, geom, device):
+    """VIP: predicted class maps and the video's (n, n) confusion histogram over all its frames."""
+    pred, _ = propagate_labels(enc, frames, labels[0], a, geom, device)
+    return pred, sum(confusion(g, p_, VIP_CLASSES) for g, p_ in zip(labels, pred))
+
+
+def evaluate_pose(enc, frames, joints, a, geom, device, name=""):
+    """JHMDB: joints (T, J, 2) ground-truth pixel positions -> predicted (T, J, 2) positions (NaN for a
+    joint that cannot be propagated: outside the first frame, which a warning line names)."""
+    a = resolved(a)
+    feats = frame_features(enc, frames, geom, device)                        # (T, h, w, D)
+    T, h, w, _ = feats.shape
+    W, H = frames[0].size
+    Wr, Hr = resize_frame(frames[0], geom, Image.BILINEAR).size
+    cell = np.array([W / Wr * enc.patch_size, H / Hr * enc.patch_size])        # pixels per cell, x and y
+    xy0 = joints[0] / cell                                                     # (J, 2) in cells
+    out = [(j, x, y) for j, (x, y) in enumerate(joints[0]) if not (0 <= math.floor(xy0[j, 0] + 0.5) < w and
+                                                                   0 <= math.floor(xy0[j, 1] + 0.5) < h)]
+    for j, x, y in out:
+        print(f"warning: {name}: joint {j + 1} at ({x:.1f}, {y:.1f}) lies outside the first frame's feature grid: "
+              "not propagated or scored in this video", file=sys.stderr, flush=True)
+    soft = propagate(feats, keypoint_maps(xy0, h, w), a.n_context, a.topk, a.radius, a.temperature)
+    return np.stack([keypoints_from_maps(s).numpy() * cell for s in soft])
+
+
+def write_labels(folder, pred):
+    os.makedirs(folder, exist_ok=True)
+    for t, m in enumerate(pred):
+        im = Image.fromarray(m, mode="P")
+        im.putpalette(PALETTE)
+        im.save(os.path.join(folder, f"{t:05d}.png"))
+
+
 def evaluate(a):
     if not a.ckpt or not a.data:
-        raise C.UserError("--ckpt and --data are required (a DAVIS-2017 root or 'synthetic')")
+        raise C.UserError("--ckpt and --data are required (a DAVIS-2017, VIP or JHMDB root, or 'synthetic')")
+    if a.task not in TASKS:
+        raise C.UserError(f"--task {a.task}: choose one of {', '.join(TASKS)}")
+    if a.task == "davis" and a.size is not None:
+        raise C.UserError("--size is for --task vip / jhmdb: DAVIS frames are set by --short-side")
+    if a.task != "davis" and a.short_side is not None:
+        raise C.UserError(f"--short-side is for --task davis: --task {a.task} frames are set by --size")
+    a = resolved(a)
     for k in ("topk", "radius", "temperature"):
         if not getattr(a, k) > 0:
             raise C.UserError(f"--{k} must be positive, got {getattr(a, k)}")
-    if a.n_context < 0 or a.short_side < 0:
-        raise C.UserError("--n-context and --short-side must be >= 0")
+    if a.n_context < 0 or (a.short_side or 0) < 0 or (a.size or 0) < 0:
+        raise C.UserError("--n-context, --short-side and --size must be >= 0")
     device = C.resolve_device(a.device)
     if a.output:
         C.check_writable(a.output, "--output")
         C._OUT[0] = a.output                                                  # main's closing line
     enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
-    if 0 < a.short_side < enc.patch_size:
-        raise C.UserError(f"--short-side {a.short_side} is below the patch size {enc.patch_size}: a frame would "
-                          "have no patch")
+    side = a.short_side if a.task == "davis" else a.size
+    side = {"davis": 480, **SIZE}[a.task] if side is None else side
+    if 0 < side < enc.patch_size:
+        flag = "--short-side" if a.task == "davis" else "--size"
+        raise C.UserError(f"{flag} {side} is below the patch size {enc.patch_size}: a frame would have no patch")
     enc = enc.to(device)
     synthetic = a.data == "synthetic"
-    short_side = 0 if synthetic else a.short_side                  # synthetic clips: native 64 px
-    videos = synthetic_videos() if synthetic else davis_videos(a.data, a.split)
-    n_videos, Js, Fs = 0, [], []                                   # Js, Fs: each object's mean over its frames
-    for name, frames, masks in videos:
-        pred, per_obj = evaluate_video(enc, frames, masks, a, short_side, device)
-        j, f = [v[0] for v in per_obj.values()], [v[1] for v in per_obj.values()]
-        Js, Fs, n_videos = Js + j, Fs + f, n_videos + 1
-        print(f"{name:24s} " + (f"J {100 * np.mean(j):5.1f}  F {100 * np.mean(f):5.1f}  objects {len(j)}" if j else
-                                "no annotated frame to score (frames 1 .. T-2)"), flush=True)
-        if a.output:
-            os.makedirs(os.path.join(a.output, name), exist_ok=True)
-            for t, m in enumerate(pred):
-                im = Image.fromarray(m, mode="P")
-                im.putpalette(PALETTE)
-                im.save(os.path.join(a.output, name, f"{t:05d}.png"))
-    if not Js and not a.output:                    # e.g. DAVIS test-dev: first-frame masks only
-        raise C.UserError(f"no video of {a.data} has an annotated frame to score beyond the first: give --output "
-                          "to write the predicted masks")
-    res = {"method": ckpt["method"], "random_init": a.random_init, "videos": n_videos,
-           "J_mean": 100 * float(np.mean(Js)) if Js else None, "F_mean": 100 * float(np.mean(Fs)) if Js else None}
-    res["JF_mean"] = (res["J_mean"] + res["F_mean"]) / 2 if Js else None
+    side = 0 if synthetic else side                                # synthetic clips: native 64 px
+    geom = side if a.task == "davis" else ({"vip": "long", "jhmdb": "square"}[a.task], side)
+    if synthetic:
+        videos = synthetic_videos(a.task)
+    else:
+        videos = {"davis": lambda: davis_videos(a.data, a.split), "vip": lambda: vip_videos(a.data, a.split),
+                  "jhmdb": lambda: jhmdb_videos(a.data)}[a.task]()
+    res = {"method": ckpt["method"], "random_init": a.random_init, "task": a.task, "videos": 0}
+    Js, Fs, hist, poses = [], [], 0, []                            # Js, Fs: each object's mean over its frames
+    for name, frames, labels in videos:
+        res["videos"] += 1
+        if a.task == "davis":
+            pred, per_obj = evaluate_video(enc, frames, labels, a, geom, device)
+            j, f = [v[0] for v in per_obj.values()], [v[1] for v in per_obj.values()]
+            Js, Fs = Js + j, Fs + f
+            line = f"J {100 * np.mean(j):5.1f}  F {100 * np.mean(f):5.1f}  objects {len(j)}" if j else \
+                "no annotated frame to score (frames 1 .. T-2)"
+        elif a.task == "vip":
+            pred, h = evaluate_parts(enc, frames, labels, a, geom, device)
+            hist = hist + h
+            line = f"mIoU {100 * mean_iou(h):5.1f}  frames {len(frames)}"
+        else:
+            pred = evaluate_pose(enc, frames, labels, a, geom, device, name)
+            poses.append((labels, pred))
+            line = f"PCK@0.1 {pck([poses[-1]])[0.1] or 0:5.1f}  joints {labels.shape[1]}  frames {len(frames)}"
+        print(f"{name:24s} {line}", flush=True)
+        if a.output and a.task == "jhmdb":
+            os.makedirs(a.output, exist_ok=True)
+            with open(os.path.join(a.output, f"{name}.json"), "w") as fh:
+                json.dump({"xy": np.round(pred, 2).tolist(), "note": "(frames, joints, x y) 0-based pixels"}, fh)
+        elif a.output:
+            write_labels(os.path.join(a.output, name), pred)
+    if not res["videos"]:
+        raise C.UserError(f"--data {a.data}: no video to evaluate")
+    if a.task == "davis":
+        if not Js and not a.output:                    # e.g. DAVIS test-dev: first-frame masks only
+            raise C.UserError(f"no video of {a.data} has an annotated frame to score beyond the first: give --output "
+                              "to write the predicted masks")
+        res.update(J_mean=100 * float(np.mean(Js)) if Js else None, F_mean=100 * float(np.mean(Fs)) if Js else None)
+        res["JF_mean"] = (res["J_mean"] + res["F_mean"]) / 2 if Js else None
+    elif a.task == "vip":
+        res.update(mIoU=100 * mean_iou(hist), pixel_acc=100 * float(np.diag(hist).sum() / max(hist.sum(), 1)))
+    else:
+        res.update({f"PCK@{t}": v for t, v in pck(poses).items()})
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}))
     return res
 

@@ -116,6 +116,21 @@ class SyntheticClip:
     def mask(self, t):
         return self._render(t)[1]
 
+    # keypoints of each object, in its own frame (u, v) before scaling: the centre and four points on its axes
+    KEYPOINTS = ((0.0, 0.0), (0.6, 0.0), (-0.6, 0.0), (0.0, 0.6), (0.0, -0.6))
+
+    def keypoints(self, t):
+        """(J, 2) pixel positions (x, y) in frame t of every object's KEYPOINTS (J = 5 x objects), moving
+        with the object (translation + rotation, as source()); occlusion is not modelled (eval_video's
+        synthetic JHMDB: the 'joints' it propagates)."""
+        out = []
+        for o in self.objs:
+            c, r = np.clip(o["p0"] + o["vel"] * t, -0.8, 0.8), o["rot0"] + o["w"] * t
+            for u, v in self.KEYPOINTS:                                         # object frame -> image, as source()
+                out.append((c[0] + o["s"] * (u * np.cos(r) - v * np.sin(r)),
+                            c[1] + o["s"] * (u * np.sin(r) + v * np.cos(r))))
+        return (np.array(out) + 1) * (self.size - 1) / 2                         # [-1, 1] -> pixels
+
     def source(self, t1, t2):
         """Ground-truth motion: for every pixel of frame t2, (H, W, 2) its (x, y) position in frame t1 in
         pixels (float, may lie outside the frame), and frame t2's object ids (H, W). An object pixel

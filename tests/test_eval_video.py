@@ -381,7 +381,7 @@ def test_synthetic_clips_are_evaluated_at_their_native_size(tmp_path, monkeypatc
     """--short-side (480 for DAVIS) does not apply to the 64 px synthetic clips; J&F = (J + F) / 2."""
     from helpers import vit_checkpoint
     seen = []
-    monkeypatch.setattr(V, "synthetic_videos", lambda: iter([("v", [None] * 3, [None] * 3)]))
+    monkeypatch.setattr(V, "synthetic_videos", lambda task: iter([("v", [None] * 3, [None] * 3)]))
     monkeypatch.setattr(V, "evaluate_video", lambda enc, fr, m, a, short, dev: (seen.append(short), (None, {1: (0.5, 0.7)}))[1])
     res = V.evaluate(V.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", "siammae"), data="synthetic"))
     assert seen == [0] and res["JF_mean"] == pytest.approx(60.0)
@@ -435,7 +435,7 @@ def test_evaluate_reports_the_mean_over_objects_and_checks_its_flags(tmp_path, m
     from helpers import vit_checkpoint
     ck = vit_checkpoint(tmp_path / "c.pth", "siammae")
     scores = {"a": {1: (0.5, 0.7), 2: (0.9, 0.3)}, "b": {1: (0.1, 0.2)}}            # per video: object -> (J, F)
-    monkeypatch.setattr(V, "synthetic_videos", lambda: iter([(n, [n], [None]) for n in scores]))   # frames: [name]
+    monkeypatch.setattr(V, "synthetic_videos", lambda task: iter([(n, [n], [None]) for n in scores]))   # frames: [name]
     monkeypatch.setattr(V, "evaluate_video", lambda enc, fr, m, a, s, d: (np.zeros((1, 2, 2), np.uint8), scores[fr[0]]))
     run = lambda **kw: V.evaluate(V.Args(ckpt=ck, data="synthetic", **kw))            # noqa: E731
     res = run(n_context=0)
@@ -444,7 +444,7 @@ def test_evaluate_reports_the_mean_over_objects_and_checks_its_flags(tmp_path, m
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["a", "J", "70.0", "F", "50.0", "objects", "2"]
     assert out[1].split() == ["b", "J", "10.0", "F", "20.0", "objects", "1"]
-    assert json.loads(out[-1]) == {"method": "siammae", "random_init": False, "videos": 2, "J_mean": 50.0,
+    assert json.loads(out[-1]) == {"method": "siammae", "random_init": False, "task": "davis", "videos": 2, "J_mean": 50.0,
                                    "F_mean": 40.0, "JF_mean": 45.0}
     for _ in range(2):                                                  # twice into the same --output
         run(output=str(tmp_path / "out"))
@@ -452,8 +452,12 @@ def test_evaluate_reports_the_mean_over_objects_and_checks_its_flags(tmp_path, m
     for kw, match in [(dict(ckpt=None), "--ckpt and --data are required"), (dict(data=None), "--ckpt and --data"),
                       (dict(topk=0), "--topk must be positive"), (dict(radius=0.0), "--radius must be positive"),
                       (dict(temperature=0.0), "--temperature must be positive"),
-                      (dict(n_context=-1), "--n-context and --short-side must be >= 0"),
-                      (dict(short_side=-1), "--n-context and --short-side must be >= 0")]:
+                      (dict(n_context=-1), "--n-context, --short-side and --size must be >= 0"),
+                      (dict(short_side=-1), "--n-context, --short-side and --size must be >= 0"),
+                      (dict(task="kitti"), "--task kitti: choose one of davis, vip, jhmdb"),
+                      (dict(size=320), "--size is for --task vip / jhmdb"),
+                      (dict(task="vip", short_side=480), "--short-side is for --task davis"),
+                      (dict(task="jhmdb", size=-1), "--short-side and --size must be >= 0")]:
         with pytest.raises(C.UserError, match=match):
             V.evaluate(V.Args(**{**dict(ckpt=ck, data="synthetic"), **kw}))
     with pytest.raises(C.UserError, match="--short-side 1 is below the patch size 4"):
