@@ -25,39 +25,53 @@ def blur_taps(sigma_max=C.BLUR_SIGMA[1], size=None):
     return k if size is None else min(k, (size - 1) // 2 * 2 + 1)
 
 
+GREY = (0.2989, 0.587, 0.114)                                       # torchvision's rgb_to_grayscale weights
+
+
 def _gray(x):                                                        # (B, 3, H, W) -> (B, 1, H, W)
-    return (0.2989 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).unsqueeze(1)   # torchvision weights
+    return (GREY[0] * x[:, 0] + GREY[1] * x[:, 1] + GREY[2] * x[:, 2]).unsqueeze(1)
 
 
 def _hue(x, f):
-    """Shift the hue of float RGB (B, 3, H, W) in [0, 1] by f (B, 1, 1, 1) turns, via HSV."""
-    v = x.amax(1, keepdim=True)                                      # value, (B, 1, H, W)
-    c = v - x.amin(1, keepdim=True)                                  # chroma = value x saturation
-    r, g, b = ((v - x) / c.clamp_min(1e-12)).split(1, dim=1)
-    h = torch.where(v == x[:, :1], b - g, torch.where(v == x[:, 1:2], 2 + r - b, 4 + g - r))
-    h = torch.remainder(h / 6 + f, 1.0) * 6                          # shifted hue in sextants [0, 6)
-    k = torch.remainder(torch.tensor([5.0, 3.0, 1.0], device=x.device).view(1, 3, 1, 1) + h, 6)
-    return v - c * torch.minimum(k, 4 - k).clamp_(0, 1)               # HSV -> RGB, closed form
+    """Shift the hue of float RGB (B, 3, H, W) in [0, 1] by f (B, 1, 1, 1) turns, via HSV: hue in
+    sextants from the channel differences, shifted, back to RGB in closed form."""
+    R, G, B = x.split(1, dim=1)                                      # (B, 1, H, W) each
+    v = torch.maximum(torch.maximum(R, G), B)                        # value (elementwise: faster than a
+    c = v - torch.minimum(torch.minimum(R, G), B)                    # reduction over dim 1); chroma
+    h = torch.where(v == R, G - B, torch.where(v == G, 2 * c + B - R, 4 * c + R - G))   # 6 x hue x c
+    h = h.div_(c.clamp_min(1e-12)).div_(6).add_(f).remainder_(1.0).mul_(6)             # shifted hue in [0, 6)
+    k = (torch.tensor([5.0, 3.0, 1.0], device=x.device).view(1, 3, 1, 1) + h).remainder_(6)
+    k = torch.minimum(k, 4 - k).clamp_(0, 1)
+    return torch.sub(v, k.mul_(c), out=k)                           # HSV -> RGB: v - c clamp(min(k, 4 - k))
 
 
 def color_jitter_batch(x, fb, fc, fs, fh, order):
     """torchvision ColorJitter applied per image: factors (B, 1, 1, 1) for brightness, contrast,
     saturation, hue; order (B, 4) per image a permutation of the ops 0..3, or all -1 (not applied).
     x float in [0, 1]. Brightness / contrast / saturation are the blends f*x + (1-f)*ref, clamped,
-    with ref = 0, the image's mean grey, the grey image. The hue shift (an HSV round trip, the
+    with ref = 0, the image's mean grey, the grey image: each is one per-pixel colour transform,
+    y = M x + t with M = f I (+ (1-f) 1 grey^T for saturation) and t = (1-f) mean grey (contrast), so
+    a blend position is one batched 3 x 3 matrix product over all images (baddbmm) and a clamp, with
+    M = I, t = 0 (x exactly) for the images whose op it is not. The hue shift (an HSV round trip, the
     costly op) runs once on the batch: each image's blends placed before its hue, then the hue, then
     its blends placed after it (the same ops in the same order, image by image; no host sync)."""
-    hue_at = (order == 3).float().argmax(1).masked_fill(order[:, 0] < 0, 4).view(-1, 1, 1, 1)   # 4: no jitter
+    B, _, H, W = x.shape
+    hue_at = (order == 3).float().argmax(1).masked_fill(order[:, 0] < 0, 4)    # (B,); 4: no jitter
+    grey = torch.tensor(GREY, device=x.device)
+    eye = torch.eye(3, device=x.device)
+    fb, fc, fs = fb.view(B), fc.view(B), fs.view(B)
 
-    def blend(x, k, apply):                          # the k-th op where it is a blend; elsewhere f = 1: x exactly
-        op = order[:, k].view(-1, 1, 1, 1)
-        f = torch.where(apply & (op >= 0) & (op <= 2), torch.where(op == 0, fb, torch.where(op == 1, fc, fs)), 1.0)
-        g = _gray(x)
-        ref = torch.where(op == 2, g, g.mean((2, 3), keepdim=True) * (op == 1))   # grey image, its mean, or 0
-        return torch.addcmul((1 - f) * ref, f, x).clamp_(0, 1)                    # f x + (1 - f) ref
+    def blend(x, k, apply):                          # the k-th op of the images where it is a blend and applied
+        op = order[:, k]
+        on = apply & (op >= 0) & (op <= 2)
+        f = torch.where(on, torch.where(op == 0, fb, torch.where(op == 1, fc, fs)), 1.0)            # (B,)
+        sat, con = (1 - f) * (op == 2), (1 - f) * (op == 1)                                         # 0 where off
+        M = f.view(B, 1, 1) * eye + sat.view(B, 1, 1) * grey                 # (B, 3, 3): rows f e_c + (1-f) grey
+        t = (con * (x.mean((2, 3)) @ grey)).view(B, 1, 1).expand(B, 3, 1)   # (1-f) x the image's mean grey
+        return torch.baddbmm(t, M, x.reshape(B, 3, H * W)).clamp_(0, 1).view(B, 3, H, W)
     for k in range(3):                                               # a permutation's last op never precedes its hue
         x = blend(x, k, k < hue_at)
-    x = torch.where(hue_at < 4, _hue(x, fh), x)
+    x = torch.where((hue_at < 4).view(B, 1, 1, 1), _hue(x, fh), x)
     for k in range(1, 4):
         x = blend(x, k, k > hue_at)
     return x
@@ -72,6 +86,20 @@ def blur_batch(x, sigma, k):
     y = F.pad(x.reshape(1, B * C3, H, W), [k // 2] * 4, mode="reflect")
     y = F.conv2d(y, w.view(-1, 1, k, 1), groups=B * C3)
     return F.conv2d(y, w.view(-1, 1, 1, k), groups=B * C3).view(B, C3, H, W)
+
+
+@torch.compiler.disable                              # a data-dependent batch: kept out of the compiled graph
+def blur_some(x, p_blur):
+    """Blur each image with probability p_blur (sigma ~ U[0.1, 2]), computing only those: their number
+    n ~ Binomial(B, p_blur) is drawn on the host (CPU generator, no device sync) and the images are a
+    uniformly random n-subset, which is the same law as an independent coin per image."""
+    B = x.shape[0]
+    n = int(torch.binomial(torch.tensor(float(B)), torch.tensor(float(p_blur))))
+    if n == 0:
+        return x
+    idx = torch.randperm(B, device=x.device)[:n]
+    sigma = torch.empty(n, device=x.device).uniform_(*C.BLUR_SIGMA)
+    return x.index_copy(0, idx, blur_batch(x.index_select(0, idx), sigma, blur_taps(size=min(x.shape[-2:]))))
 
 
 def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5, p_solarize=0.0):
@@ -90,8 +118,7 @@ def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2
     x = color_jitter_batch(x, fb, fc, fs, fh, order)
     x = torch.where(torch.rand(B, 1, 1, 1, device=dev) < p_gray, _gray(x).expand_as(x), x)
     if p_blur > 0:
-        sigma = torch.empty(B, device=dev).uniform_(*C.BLUR_SIGMA) * (torch.rand(B, device=dev) < p_blur)
-        x = blur_batch(x, sigma, blur_taps(size=min(x.shape[-2:])))
+        x = blur_some(x, p_blur)
     if p_solarize > 0:
         x = torch.where((torch.rand(B, 1, 1, 1, device=dev) < p_solarize) & (x >= 128 / 255), 1 - x, x)
     return x

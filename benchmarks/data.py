@@ -215,6 +215,42 @@ def gpu_aug_rate(method, args, B, device, reps=5, aug=GA.color_augment_batch):
     return reps * B / (time.perf_counter() - t)
 
 
+def aug_against(rev, methods, B, device, compiled, rounds=5):
+    """The batched augmentation of this checkout against gpu_aug.py of git revision `rev`, interleaved
+    (rounds of each, the first left out: compilation, allocator warm-up), over one step's views of
+    each method: ms per step of B images (median) and the ratio old / new."""
+    import subprocess
+    import types
+    src = subprocess.run(["git", "show", f"{rev}:gpu_aug.py"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if src.returncode:
+        raise C.UserError(f"--aug-against {rev}: {src.stderr.strip()}")
+    old = types.ModuleType("gpu_aug_old")
+    exec(compile(src.stdout, f"{rev}:gpu_aug.py", "exec"), old.__dict__)
+    augs = {"old": old.color_augmenter(compiled), "new": GA.color_augmenter(compiled)}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    print(f"| method | views of {B} images | {rev} ms/step | this checkout ms/step | ratio |\n|---|---|---|---|---|")
+    for m in methods:
+        args = C.parse_args(importlib.import_module(m).Args, ["--data", "recipe"])    # the recipe's view sizes
+        S = args.img_size
+        shapes = ([S] * (1 + args.rand_views) + [args.focal_size] * args.focal_views if m == "msn"
+                  else [S] * (2 if m == "can" else 1))
+        kw = importlib.import_module("conmim").STRONG if m == "conmim" else {}
+        views = [torch.randint(0, 256, (B, 3, s, s), dtype=torch.uint8, device=device) for s in shapes]
+        ms = {k: [] for k in augs}
+        for r in range(rounds + 1):
+            for k, aug in augs.items():
+                sync()
+                t = time.perf_counter()
+                [C.normalize(aug(v, **kw)) for v in views]
+                sync()
+                if r:
+                    ms[k].append(1e3 * (time.perf_counter() - t))
+        med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
+        print(f"| {m} | {'+'.join(map(str, shapes))} px | {med['old']:.1f} | {med['new']:.1f} | "
+              f"{med['old'] / med['new']:.2f} |", flush=True)
+
+
 def decode_pipeline(method, args, data):
     """--gpu-decode's worker side: Views over the encoded files, drawing the method's boxes and flips."""
     import gpu_decode as G
@@ -251,7 +287,14 @@ def main():
     p.add_argument("--device-aug", action="store_true", help="time the batched augmentation on --device also on CPU")
     p.add_argument("--compile", action="store_true", help="time the compiled augmentation, as train() runs it under "
                    "--compile (the default with CUDA); the first calls, which compile, are left out")
+    p.add_argument("--aug-against", metavar="REV", help="only time the batched augmentation against gpu_aug.py of git "
+                   "revision REV (interleaved, on --device, --batch-size images per step)")
     a = p.parse_args()
+    if a.aug_against:
+        methods = [m for m in (METHODS if a.method == "all" else (a.method,)) if m != "siammae"]
+        print(f"device: {torch.device(a.device)} ({os.cpu_count()} CPUs, {torch.get_num_threads()} threads), torch "
+              f"{torch.__version__}, augmentation {'compiled' if a.compile else 'eager'}")
+        return aug_against(a.aug_against, methods, a.batch_size, torch.device(a.device), a.compile)
     aug = GA.color_augmenter(a.compile)                               # as train() applies it
     tmp = None
     if a.data is None:

@@ -150,6 +150,20 @@ def test_blur_sigma_is_uniform_in_the_official_range_with_probability_p_blur(mon
     assert 0.1 <= on.min() < 0.11 and 1.99 < on.max() <= 2.0 and abs(on.mean() - 1.05) < 0.05
 
 
+def test_blur_some_blurs_an_independent_coin_per_image(monkeypatch):
+    """blur_some draws how many images it blurs on the host, then which: per position and per call that
+    must be the law of an independent coin per image (each position blurred with probability p, the
+    count Binomial, no position favoured: the views of one image sit at one position in every batch)."""
+    monkeypatch.setattr(GA, "blur_batch", lambda x, sigma, k: torch.ones_like(x))       # marks the blurred ones
+    torch.manual_seed(0)
+    hits = torch.stack([GA.blur_some(torch.zeros(8, 3, 4, 4), 0.25)[:, 0, 0, 0] for _ in range(4000)])   # (4000, 8)
+    freq, n = hits.mean(0), hits.sum(1)
+    assert ((freq - 0.25).abs() < 0.03).all(), freq                                  # sd 0.007 per position
+    assert abs(n.mean() - 2.0) < 0.1 and abs(n.var() - 8 * 0.25 * 0.75) < 0.15        # Binomial(8, 1/4)
+    pair = (hits[:, 0] * hits[:, 1]).mean()                                            # independent positions
+    assert abs(pair - 0.25 ** 2) < 0.015, pair
+
+
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_gpu_aug_reaches_the_right_views_with_the_method_parameters(method, tmp_path, monkeypatch):
     mod, args, n_views, params, augmented, plain = CASES[method]
