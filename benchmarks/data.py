@@ -224,7 +224,7 @@ def aug_against(rev, methods, B, device, compiled, rounds=5):
     src = subprocess.run(["git", "show", f"{rev}:gpu_aug.py"], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if src.returncode:
-        raise C.UserError(f"--aug-against {rev}: {src.stderr.strip()}")
+        raise C.UserError(f"--aug-against {rev}: {(src.stderr.strip().splitlines() or ['git failed'])[-1]}")
     old = types.ModuleType("gpu_aug_old")
     exec(compile(src.stdout, f"{rev}:gpu_aug.py", "exec"), old.__dict__)
     augs = {"old": old.color_augmenter(compiled), "new": GA.color_augmenter(compiled)}

@@ -24,6 +24,18 @@ def test_throughput_and_data_scripts_run():
     assert row[2] == "2" and all(float(row[i]) > 0 for i in (3, 4, 5, 6, 7)) and ("(cpu)" in row[8] or "(cuda)" in row[8])
 
 
+def test_data_script_times_the_augmentation_against_a_git_revision():
+    """--aug-against REV: this checkout's gpu_aug against the file at REV, a row per method with the
+    recipe's view sizes; a revision git does not know is one line."""
+    r = run_cli("benchmarks/data.py", "--aug-against", "HEAD", "--method", "cmae", "--batch-size", "2", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    row = [c.strip() for c in [ln for ln in r.stdout.splitlines() if ln.startswith("| cmae |")][0].split("|")]
+    assert row[2] == "224 px" and all(float(row[i]) > 0 for i in (3, 4, 5))
+    r = run_cli("benchmarks/data.py", "--aug-against", "no-such-rev", "--method", "cmae", "--device", "cpu")
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert r.stderr.startswith("error: --aug-against no-such-rev")
+
+
 def test_data_script_times_gpu_decode():
     """MSN's --gpu-decode table: its workers next to the gpu-aug workers, and the device side, all > 0."""
     r = run_cli("benchmarks/data.py", "--method", "msn", "--device-aug", "--n-images", "8", "--images", "1",
