@@ -6,12 +6,14 @@
 #                                          # forward/backward of its default --micro-batch; MSN also with --gpu-aug
 #   bash benchmarks/gpu_check.sh compiled  # the same with --compile (the CUDA default of train())
 #   bash benchmarks/gpu_check.sh data      # data.py on the device: eager and compiled colour ops, --gpu-decode
+#   bash benchmarks/gpu_check.sh aug       # data.py --aug-against 3f25bd5: the colour ops against the version
+#                                          # before issue #51's rewrite, per MSN step of 256, eager and compiled
 #   bash benchmarks/gpu_check.sh e2e       # e2e.py (the real train(), compiled): MSN without and with --gpu-decode
 #   bash benchmarks/gpu_check.sh e2e-rest  # e2e.py: CMAE, ConMIM, CAN, SiamMAE
 # SMALL=1 shrinks every size (nano models, a few steps) for a dry run on a CPU. PYTHON picks the interpreter.
 # Numbers go to BENCHMARKS.md with the device line each log starts with.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_check.sh tests|step|compiled|data|e2e|e2e-rest}
+part=${1:?usage: bash benchmarks/gpu_check.sh tests|step|compiled|data|aug|e2e|e2e-rest}
 out=${OUT:-gpu_check_out}
 mkdir -p "$out"
 log="$out/$part.log"
@@ -49,10 +51,14 @@ case $part in
     data)
         say $py benchmarks/data.py --method all --device "$dev" --device-aug "${DATA[@]}"
         say $py benchmarks/data.py --method msn --device "$dev" --device-aug --compile "${DATA[@]}" ;;
+    aug)
+        AB=256; [ -n "${SMALL:-}" ] && AB=2
+        say $py benchmarks/data.py --aug-against 3f25bd5 --device "$dev" --batch-size $AB
+        say $py benchmarks/data.py --aug-against 3f25bd5 --device "$dev" --batch-size $AB --method msn --compile ;;
     e2e)
         say $py benchmarks/e2e.py --method msn --gpu-aug "${E2E[@]}"
         say $py benchmarks/e2e.py --method msn --gpu-aug --gpu-decode "${E2E[@]}" ;;
     e2e-rest)
         for m in cmae conmim can siammae; do say $py benchmarks/e2e.py --method $m "${E2E[@]}"; done ;;
-    *) echo "unknown part $part: tests|step|compiled|data|e2e|e2e-rest" >&2; exit 2 ;;
+    *) echo "unknown part $part: tests|step|compiled|data|aug|e2e|e2e-rest" >&2; exit 2 ;;
 esac
