@@ -339,7 +339,7 @@ def vip_videos(root, split):
         if missing:
             raise C.UserError(f"video {v}: frame {os.path.basename(missing[0])[:-4]} has no annotation {missing[0]} "
                               f"({len(missing)} of {len(ann)} missing; VIP scores every frame)")
-        labels = [_read(a) for a in ann]
+        labels = [m[..., 0] if m.ndim == 3 and (m == m[..., :1]).all() else m for m in map(_read, ann)]   # grey as RGB
         ok = [*range(VIP_CLASSES), 255]
         bad = next((a for a, m in zip(ann, labels) if m.ndim != 2 or np.setdiff1d(m, ok).size), None)
         if bad:
