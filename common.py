@@ -660,7 +660,7 @@ def parse_args(cls, argv=None):
         if f.type in (bool, "bool"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif isinstance(f.default, tuple):
-            group.add_argument(flag, type=type(f.default[0]), nargs=len(f.default), **kw)
+            group.add_argument(flag, type=type(f.default[0]), nargs=f.metadata.get("nargs", len(f.default)), **kw)
         else:
             group.add_argument(flag, type={"int": int, "float": float, "str": str}.get(f.type, f.type), **kw)
     for a in p._actions:

@@ -47,7 +47,8 @@ class Args:
     """Correspondence of a SiamMAE checkpoint against the synthetic clips' true motion."""
     ckpt: str = field(default=None, metadata={"help": "siammae checkpoint.pth (trained with --data synthetic)"})
     random_init: bool = field(default=False, metadata={"help": "the same model at its initialisation (run's seed)"})
-    gaps: tuple = field(default=(4, 8), metadata={"help": "frame gaps to measure (the synthetic config trains on 2..8)"})
+    gaps: tuple = field(default=(4, 8), metadata={"help": "frame gaps to measure, one or more (the synthetic config "
+                        "trains on 2..8)", "nargs": "+"})
     videos: int = field(default=20, metadata={"help": "synthetic val clips"})
     pairs: int = field(default=4, metadata={"help": "pairs per clip and gap (start frames drawn with --seed)"})
     seed: int = 0

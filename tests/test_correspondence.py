@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import common as C
 import eval_correspondence as EC
 import synthetic as S
 
@@ -122,3 +123,10 @@ def test_evaluate_reports_every_measure_for_trained_and_random_init(tiny_siammae
     rand = EC.evaluate(EC.Args(ckpt=tiny_siammae, gaps=(4,), videos=2, pairs=1, device="cpu", random_init=True))[0]
     assert rand["acc_zero_bg"] == r["acc_zero_bg"] and rand["loss_copy_obj"] == r["loss_copy_obj"]
     assert rand["loss_model_obj"] != r["loss_model_obj"]
+
+
+def test_gaps_takes_one_or_more_values():
+    """--gaps 8 16 24 (a fixed two-value tuple refused a third gap)."""
+    assert C.parse_args(EC.Args, ["--ckpt", "x", "--gaps", "8", "16", "24"]).gaps == (8, 16, 24)
+    assert C.parse_args(EC.Args, ["--ckpt", "x", "--gaps", "6"]).gaps == (6,)
+    assert C.parse_args(EC.Args, ["--ckpt", "x"]).gaps == (4, 8)
