@@ -48,9 +48,10 @@ joint_positions.mat ('pos_img', 2 x 15 x frames, 1-based pixels: scipy reads it)
 files <action>_test_split1.txt anywhere under the root; the videos of split 1 marked 2 (test, 268)
 are scored, as CRW. Labels as CRW's JhmdbSet: each joint of the first frame (pos_img - 1, scaled to
 feature cells) is a label map, a Gaussian of std 0.5 cells with peak 1 at its rounded cell (cells
-within 3 std; CRW's draw_labelmap_np truncates the corner with int() and keeps a 4-cell window,
-left of centre only: values below 4e-4 differ), plus a background channel (1 where no joint
-reaches). A joint's position in frame t is read back as CRW's process_pose: the mean position of
+within 3 std), plus a background channel (1 where no joint reaches). Differences from CRW's
+draw_labelmap_np: its 4-cell window adds a column and row at -2 cells (values 3e-4), and its
+int() truncates toward zero, which puts a joint within 1.5 cells of the top or left edge one
+cell further in. A joint's position in frame t is read back as CRW's process_pose: the mean position of
 its 3 highest cells weighted by their values (CropMAE uses 5), in cells, times the frame size over
 the grid size. PCK as CRW's eval_pck.py: per frame, the scale is 0.6 x the diagonal of the box
 around the ground-truth joints; frame 0 not scored; each joint's normalised distances pooled over

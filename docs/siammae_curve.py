@@ -1,10 +1,11 @@
 """Draw docs/siammae_curve.png from eval_correspondence.py / eval_video.py outputs (PIL only, no plotting
 library): SiamMAE's measures against the training step, gap 8.
 
-  python docs/siammae_curve.py STEP:corr.jsonl:JF ... --out docs/siammae_curve.png
+  python docs/siammae_curve.py STEP:corr.jsonl:JF[:MIOU:PCK] ... --out docs/siammae_curve.png
 
 Each argument: a step, the --output file of eval_correspondence.py for that checkpoint (step 0: run
-with --random-init), and its eval_video.py J&F.
+with --random-init), its eval_video.py J&F, and optionally its --task vip mIoU and --task jhmdb
+PCK@0.2 (synthetic clips).
 """
 import argparse
 import json
@@ -18,6 +19,8 @@ SERIES = [  # (key, label, colour); accuracies in %, losses x 100
     ("acc_enc_moved", "(a) encoder NN, patches moved > 1 %", (23, 190, 207)),
     ("acc_attn_moved", "(b) attention, patches moved > 1 %", (188, 189, 34)),
     ("jf", "J&F (DAVIS protocol) %", (44, 160, 44)),
+    ("miou", "mIoU (VIP protocol, shape classes) %", (0, 100, 0)),
+    ("pck", "PCK@0.2 (JHMDB protocol, keypoints) %", (227, 119, 194)),
     ("loss_model_obj", "(c) loss, objects x100", (214, 39, 40)),
     ("loss_other_f1_obj", "(c) loss with another clip's f1 x100", (148, 103, 189)),
     ("loss_copy_obj", "copy-f1 predictor x100", (140, 86, 75)),
@@ -29,18 +32,20 @@ def main():
     p.add_argument("points", nargs="+")
     p.add_argument("--out", default="docs/siammae_curve.png")
     p.add_argument("--gap", type=int, default=8)
+    p.add_argument("--title", default="SiamMAE on the synthetic clips, frame gap {gap} (CPU nano config)")
     a = p.parse_args()
     pts = []
     for arg in a.points:
-        step, path, jf = arg.split(":")
+        step, path, jf, *more = arg.split(":")
         row = next(r for r in map(json.loads, open(path)) if r["gap"] == a.gap)
         row["jf"] = float(jf)
+        row.update(zip(("miou", "pck"), map(float, more)))
         for k in row:
             if k.startswith("loss_"):
                 row[k] = 100 * row[k]
         pts.append((int(step), row))
     pts.sort()
-    W, H, L, R, T, B = 900, 520, 60, 330, 30, 50
+    W, H, L, R, T, B = 960, 520, 60, 390, 30, 50
     img = Image.new("RGB", (W, H), "white")
     d = ImageDraw.Draw(img)
     xmax = max(s for s, _ in pts) or 1
@@ -55,7 +60,7 @@ def main():
         d.line([(X(s), H - B), (X(s), H - B + 4)], fill="black")
         d.text((X(s) - 10, H - B + 8), str(s), fill="black")
     d.text(((W - R) // 2 - 40, H - 20), "training step", fill="black")
-    d.text((L, 8), f"SiamMAE on the synthetic clips, frame gap {a.gap} (CPU nano config)", fill="black")
+    d.text((L, 8), a.title.format(gap=a.gap), fill="black")
     for i, (key, label, colour) in enumerate(SERIES):
         xy = [(X(s), Y(r[key])) for s, r in pts if r.get(key) is not None]
         if len(xy) > 1:
