@@ -103,8 +103,8 @@ class SyntheticClip:
         img = g + 0.15 * np.sin(f * np.pi * (bx * np.cos(th) + by * np.sin(th))) * np.sin(f * np.pi * by)
         ids = np.zeros((size, size), np.uint8)
         for k, o in enumerate(self.objs):
-            c = np.clip(o["p0"] + o["vel"] * t, -0.8, 0.8)
-            m = shape_mask(SHAPES[o["shape"]], xx, yy, c, o["s"], o["rot0"] + o["w"] * t)
+            c, r = self._pose(o, t)
+            m = shape_mask(SHAPES[o["shape"]], xx, yy, c, o["s"], r)
             img = np.where(m, o["level"], img)
             ids[m] = k + 1
         return img, ids
@@ -116,6 +116,19 @@ class SyntheticClip:
     def mask(self, t):
         return self._render(t)[1]
 
+    @staticmethod
+    def _pose(o, t):
+        """Object o's centre (x, y) in [-1, 1] and its rotation (radians) at frame t."""
+        return np.clip(o["p0"] + o["vel"] * t, -0.8, 0.8), o["rot0"] + o["w"] * t
+
+    def _place(self, o, t, u, v):
+        """Object o's own-frame point (u, v) (before scaling) -> its (x, y) in [-1, 1] at frame t."""
+        c, r = self._pose(o, t)
+        return c[0] + o["s"] * (u * np.cos(r) - v * np.sin(r)), c[1] + o["s"] * (u * np.sin(r) + v * np.cos(r))
+
+    def _to_px(self, z):                                                       # [-1, 1] -> pixels
+        return (z + 1) * (self.size - 1) / 2
+
     # keypoints of each object, in its own frame (u, v) before scaling: the centre and four points on its axes
     KEYPOINTS = ((0.0, 0.0), (0.6, 0.0), (-0.6, 0.0), (0.0, 0.6), (0.0, -0.6))
 
@@ -123,13 +136,7 @@ class SyntheticClip:
         """(J, 2) pixel positions (x, y) in frame t of every object's KEYPOINTS (J = 5 x objects), moving
         with the object (translation + rotation, as source()); occlusion is not modelled (eval_video's
         synthetic JHMDB: the 'joints' it propagates)."""
-        out = []
-        for o in self.objs:
-            c, r = np.clip(o["p0"] + o["vel"] * t, -0.8, 0.8), o["rot0"] + o["w"] * t
-            for u, v in self.KEYPOINTS:                                         # object frame -> image, as source()
-                out.append((c[0] + o["s"] * (u * np.cos(r) - v * np.sin(r)),
-                            c[1] + o["s"] * (u * np.sin(r) + v * np.cos(r))))
-        return (np.array(out) + 1) * (self.size - 1) / 2                         # [-1, 1] -> pixels
+        return self._to_px(np.array([self._place(o, t, u, v) for o in self.objs for u, v in self.KEYPOINTS]))
 
     def source(self, t1, t2):
         """Ground-truth motion: for every pixel of frame t2, (H, W, 2) its (x, y) position in frame t1 in
@@ -143,15 +150,13 @@ class SyntheticClip:
         x1, y1 = xx + drift[0] * (t2 - t1), yy + drift[1] * (t2 - t1)           # texture at x + d t is fixed
         ids = self.mask(t2)
         for k, o in enumerate(self.objs):
-            c1, c2 = (np.clip(o["p0"] + o["vel"] * t, -0.8, 0.8) for t in (t1, t2))
-            r1, r2 = o["rot0"] + o["w"] * t1, o["rot0"] + o["w"] * t2
+            c2, r2 = self._pose(o, t2)
             x0, y0 = (xx - c2[0]) / o["s"], (yy - c2[1]) / o["s"]
             u, v = x0 * np.cos(r2) + y0 * np.sin(r2), -x0 * np.sin(r2) + y0 * np.cos(r2)   # object frame
             on = ids == k + 1
-            x1 = np.where(on, c1[0] + o["s"] * (u * np.cos(r1) - v * np.sin(r1)), x1)
-            y1 = np.where(on, c1[1] + o["s"] * (u * np.sin(r1) + v * np.cos(r1)), y1)
-        to_px = lambda z: (z + 1) * (size - 1) / 2                               # noqa: E731  [-1, 1] -> pixels
-        return np.stack([to_px(x1), to_px(y1)], -1), ids
+            px, py = self._place(o, t1, u, v)                                   # the same point in frame t1
+            x1, y1 = np.where(on, px, x1), np.where(on, py, y1)
+        return np.stack([self._to_px(x1), self._to_px(y1)], -1), ids
 
 
 class SyntheticVideos(torch.utils.data.Dataset):
