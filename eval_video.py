@@ -282,6 +282,21 @@ def _read(path, convert=None):
         raise C.UserError(f"cannot read {path} ({type(e).__name__}: {e})") from None
 
 
+def _listed_videos(root, lst, split, img_root):
+    """(name, folder, frame names) of each video listed in lst (a file under root) whose frames are
+    img_root/<name>/; a missing or empty list, folder or video is a one-line error naming it."""
+    if not os.path.isfile(lst):
+        raise C.UserError(f"--data {root}: no {os.path.relpath(lst, root)}, the list of the --split {split} videos")
+    names = open(lst).read().split()
+    if not names:
+        raise C.UserError(f"{lst} lists no video")
+    for v in names:
+        folder = os.path.join(img_root, v)
+        if not os.path.isdir(folder):
+            raise C.UserError(f"video {v} listed in {lst} has no folder {folder}")
+        yield v, folder, _frames(folder, f"video {v}")
+
+
 def _frames(folder, what):
     """Frame file names of a folder in frame order (2.jpg before 10.jpg); none -> one line."""
     names = sorted((f for f in os.listdir(folder) if f.lower().endswith(C.IMG_EXTS)), key=C.frame_order)
@@ -296,23 +311,15 @@ def davis_videos(root, split):
     img_root, ann_root = os.path.join(root, "JPEGImages", "480p"), os.path.join(root, "Annotations", "480p")
     if not os.path.isdir(img_root) or not os.path.isdir(ann_root):
         raise C.UserError(f"--data {root}: expected DAVIS layout JPEGImages/480p/ and Annotations/480p/")
-    lst = os.path.join(root, "ImageSets", "2017", f"{split}.txt")
-    if not os.path.isfile(lst):                 # all of Annotations/ would mix the train and val videos
-        raise C.UserError(f"--data {root}: no {os.path.relpath(lst, root)}, the list of the --split {split} videos")
-    names = open(lst).read().split()
-    if not names:
-        raise C.UserError(f"{lst} lists no video")
-    for v in names:
-        if not os.path.isdir(os.path.join(img_root, v)):
-            raise C.UserError(f"video {v} listed in {lst} has no folder {os.path.join(img_root, v)}")
-        frames = _frames(os.path.join(img_root, v), f"video {v}")
+    lst = os.path.join(root, "ImageSets", "2017", f"{split}.txt")   # (all of Annotations/ mixes train and val)
+    for v, folder, frames in _listed_videos(root, lst, split, img_root):
         ann = [os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png") for f in frames]
         if not os.path.isfile(ann[0]):
             raise C.UserError(f"video {v}: no first-frame annotation {ann[0]}")
         masks = [_read(a) if os.path.isfile(a) else None for a in ann]
         if not any(i not in (0, 255) for i in np.unique(masks[0])):
             raise C.UserError(f"video {v}: its first-frame annotation {ann[0]} has no object to propagate")
-        yield v, [_read(os.path.join(img_root, v, f), "RGB") for f in frames], masks
+        yield v, [_read(os.path.join(folder, f), "RGB") for f in frames], masks
 
 
 def vip_videos(root, split):
@@ -325,16 +332,7 @@ def vip_videos(root, split):
         raise C.UserError(f"--data {root}: expected the VIP layout Images/<video>/ and "
                           "Annotations/Category_ids/<video>/")
     lst = os.path.join(root, "lists", f"{split}_videos.txt")
-    if not os.path.isfile(lst):
-        raise C.UserError(f"--data {root}: no {os.path.relpath(lst, root)}, the list of the --split {split} videos")
-    names = open(lst).read().split()
-    if not names:
-        raise C.UserError(f"{lst} lists no video")
-    for v in names:
-        folder = os.path.join(img_root, v)
-        if not os.path.isdir(folder):
-            raise C.UserError(f"video {v} listed in {lst} has no folder {folder}")
-        frames = _frames(folder, f"video {v}")
+    for v, folder, frames in _listed_videos(root, lst, split, img_root):
         ann = [os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png") for f in frames]
         missing = [a for a in ann if not os.path.isfile(a)]
         if missing:
@@ -526,13 +524,12 @@ def evaluate_pose(enc, frames, joints, a, geom, device, name=""):
     W, H = frames[0].size
     Wr, Hr = resize_frame(frames[0], geom, Image.BILINEAR).size
     cell = np.array([W / Wr * enc.patch_size, H / Hr * enc.patch_size])        # pixels per cell, x and y
-    xy0 = joints[0] / cell                                                     # (J, 2) in cells
-    out = [(j, x, y) for j, (x, y) in enumerate(joints[0]) if not (0 <= math.floor(xy0[j, 0] + 0.5) < w and
-                                                                   0 <= math.floor(xy0[j, 1] + 0.5) < h)]
-    for j, x, y in out:
+    lab0 = keypoint_maps(joints[0] / cell, h, w)                              # (h, w, 1 + J)
+    for j in torch.nonzero(lab0[..., 1:].amax((0, 1)) == 0)[:, 0].tolist():   # an empty map: outside the grid
+        x, y = joints[0][j]
         print(f"warning: {name}: joint {j + 1} at ({x:.1f}, {y:.1f}) lies outside the first frame's feature grid: "
               "not propagated or scored in this video", file=sys.stderr, flush=True)
-    soft = propagate(feats, keypoint_maps(xy0, h, w), a.n_context, a.topk, a.radius, a.temperature)
+    soft = propagate(feats, lab0, a.n_context, a.topk, a.radius, a.temperature)
     return np.stack([keypoints_from_maps(s).numpy() * cell for s in soft])
 
 
@@ -595,7 +592,8 @@ def evaluate(a):
         else:
             pred = evaluate_pose(enc, frames, labels, a, geom, device, name)
             poses.append((labels, pred))
-            line = f"PCK@0.1 {pck([poses[-1]])[0.1] or 0:5.1f}  joints {labels.shape[1]}  frames {len(frames)}"
+            p1 = pck([poses[-1]])[0.1]                                 # None: no frame to score
+            line = f"PCK@0.1 {'-' if p1 is None else f'{p1:5.1f}'}  joints {labels.shape[1]}  frames {len(frames)}"
         print(f"{name:24s} {line}", flush=True)
         if a.output and a.task == "jhmdb":
             os.makedirs(a.output, exist_ok=True)
