@@ -197,14 +197,20 @@ def loader_rate(views, batch, workers, batches):
     return batches * batch / (time.perf_counter() - t)
 
 
-def gpu_aug_rate(method, args, B, device, reps=5, aug=GA.color_augment_batch):
-    """img/s of color_augment_batch (aug: or its compiled twin) + normalize over one step's views that
-    the method augments."""
+def aug_views(method, args, B, device):
+    """One step's views that the method colour-augments, as random uint8 (B, 3, s, s) each, their sizes,
+    and the augmentation's parameters (ConMIM: its strong view)."""
     S = args.img_size
     shapes = ([S] * (1 + args.rand_views) + [args.focal_size] * args.focal_views if method == "msn"
               else [S] * (2 if method == "can" else 1))
     kw = importlib.import_module("conmim").STRONG if method == "conmim" else {}
-    views = [torch.randint(0, 256, (B, 3, s, s), dtype=torch.uint8, device=device) for s in shapes]
+    return [torch.randint(0, 256, (B, 3, s, s), dtype=torch.uint8, device=device) for s in shapes], shapes, kw
+
+
+def gpu_aug_rate(method, args, B, device, reps=5, aug=GA.color_augment_batch):
+    """img/s of color_augment_batch (aug: or its compiled twin) + normalize over one step's views that
+    the method augments."""
+    views, _, kw = aug_views(method, args, B, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for r in range(reps + 1):
         if r == 1:
@@ -232,11 +238,7 @@ def aug_against(rev, methods, B, device, compiled, rounds=5):
     print(f"| method | views of {B} images | {rev} ms/step | this checkout ms/step | ratio |\n|---|---|---|---|---|")
     for m in methods:
         args = C.parse_args(importlib.import_module(m).Args, ["--data", "recipe"])    # the recipe's view sizes
-        S = args.img_size
-        shapes = ([S] * (1 + args.rand_views) + [args.focal_size] * args.focal_views if m == "msn"
-                  else [S] * (2 if m == "can" else 1))
-        kw = importlib.import_module("conmim").STRONG if m == "conmim" else {}
-        views = [torch.randint(0, 256, (B, 3, s, s), dtype=torch.uint8, device=device) for s in shapes]
+        views, shapes, kw = aug_views(m, args, B, device)
         ms = {k: [] for k in augs}
         for r in range(rounds + 1):
             for k, aug in augs.items():
