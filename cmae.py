@@ -72,7 +72,7 @@ class Args(C.RunArgs):
     lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global batch / 256)"})
     blr: float = 1.5e-4
     min_lr: float = 0.0
-    warmup_epochs: int = 40
+    warmup_epochs: float = 40
     weight_decay: float = 0.05
     betas: tuple = (0.9, 0.95)
     ema: float = field(default=0.996, metadata={"help": "EMA momentum (constant, per step)"})
@@ -91,8 +91,15 @@ class Args(C.RunArgs):
                           "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
 
-    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, master_size=36, epochs=8, batch_size=64,
-                     blr=1.5e-3, warmup_epochs=1, decoder_dim=64, decoder_depth=2, decoder_heads=4,
+    # Small recipes: the official recipe above scaled by common.scale_recipe's rules (lr x batch / official
+    # batch, warm-up the same fraction of the run, view sizes x img / 224, EMA and wd schedules as official);
+    # the values written here are choices for the budget (model, heads, batch, length) or the data. `--preset small`:
+    # 32-px images (CIFAR-10) on 2 CPU cores; `--data synthetic` applies SYNTHETIC the same way.
+    PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=3, batch_size=256, decoder_dim=128,
+                             decoder_depth=2, decoder_heads=4, feature_decoder_depth=1, proj_hidden=512, workers=2,
+                             log_every=20)}
+    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64,
+                     decoder_dim=64, decoder_depth=2, decoder_heads=4,
                      feature_decoder_depth=1, proj_hidden=256, proj_dim=64, workers=2, log_every=20,
                      steps_per_epoch=50)
 

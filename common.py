@@ -592,6 +592,8 @@ class RunArgs:
                                 "epoch is unreadable (they are skipped otherwise)")
     allow_batch_change: bool = arg(False, "resume a checkpoint trained with another --batch-size (from the same "
                                    "number of images seen)")
+    preset: str = arg(None, "a named small recipe (e.g. small: 32-px images such as CIFAR-10 on a CPU), derived from the "
+                      "official one by stated rules; flags given explicitly win (the values: end of --help)")
     tensorboard: bool = arg(False, "also write every logged scalar and the pictures to <output-dir>/tensorboard "
                             "(needs the tensorboard package)")
 
@@ -625,7 +627,7 @@ GROUPS = (  # --help sections, in order; a flag in none of them is the script's 
     ("model", {"model", "patch_size", "drop_path", "init", "layer_scale", "decoder", "decoder_dim", "decoder_depth",
                "decoder_heads", "feature_decoder_depth", "proj_hidden", "proj_dim", "head_hidden", "head_dim",
                "num_prototypes", "ckpt", "random_init", "pool"}),
-    ("optimisation", {"epochs", "batch_size", "micro_batch", "grad_ckpt", "lr", "blr", "min_lr", "start_lr", "warmup_lr",
+    ("optimisation", {"preset", "epochs", "batch_size", "micro_batch", "grad_ckpt", "lr", "blr", "min_lr", "start_lr", "warmup_lr",
                       "warmup_epochs", "weight_decay", "final_weight_decay", "betas", "clip_grad", "ema", "layer_decay",
                       "repeated_sampling", "ipe_scale", "allow_batch_change"}),
     ("views and masking", {"mask_ratio", "mask_unit", "rand_views", "rand_size", "rand_scale", "focal_views",
@@ -635,14 +637,51 @@ GROUPS = (  # --help sections, in order; a flag in none of them is the script's 
 )
 
 
+OFFICIAL_IMG = 224                  # the image size every official recipe here trains at
+
+
+def scale_recipe(cls, preset):
+    """A small recipe: the official one (cls's defaults) at the preset's batch, length and image size,
+    by these rules (a value the preset sets itself wins; the preset's other choices are the budget's):
+      - lr linear in the global batch, per image as the official recipe: lr (and the schedule's start /
+        end lr) x batch / official batch. Recipes given as blr (lr = blr x batch / 256) keep their blr.
+      - warm-up the same fraction of the run: warmup_epochs x epochs / official epochs.
+      - view geometry x img_size / 224: focal crops rounded to a multiple of the patch, the master crop
+        to a pixel. Crop scales are fractions of the area and do not change.
+      - EMA momentum and weight-decay schedules keep their official values; they span the run as
+        officially (they are defined over the run, not over a number of steps).
+    Returns the preset with the derived values added."""
+    d = {f.name: f.default for f in dataclasses.fields(cls)}
+    out, scale = dict(preset), preset["img_size"] / OFFICIAL_IMG
+    if d.get("lr") is not None:                                   # an absolute lr for the official batch
+        for k in ("lr", "start_lr", "min_lr"):
+            if d.get(k):
+                out.setdefault(k, float(f"{d[k] * preset['batch_size'] / d['batch_size']:.4g}"))
+    out.setdefault("warmup_epochs", float(f"{d['warmup_epochs'] * preset['epochs'] / d['epochs']:.4g}"))
+    p = preset.get("patch_size", d["patch_size"])
+    if "focal_size" in d:
+        out.setdefault("focal_size", max(p, round(d["focal_size"] * scale / p) * p))
+    if "master_size" in d:
+        out.setdefault("master_size", round(d["master_size"] * scale))
+    return out
+
+
+def presets(cls):
+    """{name: derived values} of cls's named small recipes (--preset), 'synthetic' among them."""
+    named = dict(getattr(cls, "PRESETS", {}), **({"synthetic": cls.SYNTHETIC} if hasattr(cls, "SYNTHETIC") else {}))
+    return {k: scale_recipe(cls, v) if hasattr(cls, "PRESETS") else v for k, v in named.items()}
+
+
 def parse_args(cls, argv=None):
-    """`cls` (a dataclass) from the command line, `--field-name value` per field; with `--data synthetic`,
-    fields not given take cls.SYNTHETIC's values (a CPU-sized config). --help: the flags in groups, each
-    with its help and default, and the synthetic overrides."""
-    synthetic = getattr(cls, "SYNTHETIC", {})
-    epilog = ("--data synthetic: a CPU-sized config replaces these defaults for every flag not given: "
-              + ", ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
-                          for k, v in synthetic.items())) if synthetic else None
+    """`cls` (a dataclass) from the command line, `--field-name value` per field. `--preset NAME` (or
+    `--data synthetic`, which implies `--preset synthetic`): fields not given take that small recipe's
+    values, derived from the official defaults by scale_recipe's rules. --help: the flags in groups,
+    each with its help and default, and every preset's values."""
+    named = presets(cls)
+    show = lambda d: ", ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"  # noqa: E731
+                               for k, v in d.items())
+    epilog = " | ".join((f"--data synthetic: a CPU-sized config replaces these defaults for every flag not given: "
+                         if k == "synthetic" else f"--preset {k}: ") + show(v) for k, v in named.items()) or None
     p = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().split("\n")[0], epilog=epilog)
     own = "evaluation" if not issubclass(cls, RunArgs) else "the method's own"
     groups = {g: p.add_argument_group(g) for g, _ in GROUPS[:3]}
@@ -667,8 +706,12 @@ def parse_args(cls, argv=None):
         if a.dest in ("data", "ckpt"):
             a.help = a.help.replace("(default: None)", "(required)")
     given = vars(p.parse_args(argv))
-    if given.get("data", getattr(cls, "data", None)) == "synthetic":
-        given = {**synthetic, **given}
+    preset = given.get("preset") or ("synthetic" if given.get("data", getattr(cls, "data", None)) == "synthetic"
+                                     else None)
+    if preset:
+        if preset not in named:
+            p.error(f"--preset {preset}: this script has {', '.join(named) if named else 'no presets'}")
+        given = {**named[preset], **given, "preset": preset}
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
 
 

@@ -90,7 +90,7 @@ class Args(C.RunArgs):
     lr: float = field(default=1e-3, metadata={"help": "peak lr (not scaled with batch size)"})
     start_lr: float = field(default=2e-4, metadata={"help": "lr at the start of warm-up"})
     min_lr: float = 1e-6
-    warmup_epochs: int = 15
+    warmup_epochs: float = 15
     weight_decay: float = field(default=0.04, metadata={"help": "start of the cosine wd schedule"})
     final_weight_decay: float = 0.4
     betas: tuple = (0.9, 0.999)
@@ -120,10 +120,14 @@ class Args(C.RunArgs):
     # run plumbing
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
 
-    # `--data synthetic` without explicit flags: a CPU-sized run (about 5 min on 2 cores)
-    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, focal_size=16, focal_views=4,
-                     epochs=8, batch_size=64, warmup_epochs=1, head_hidden=256, head_dim=64, ema=(0.99, 1.0),
-                     num_prototypes=64, workers=2, log_every=20, steps_per_epoch=40)
+    # Small recipes: the official recipe above scaled by common.scale_recipe's rules (lr x batch / official
+    # batch, warm-up the same fraction of the run, view sizes x img / 224, EMA and wd schedules as official);
+    # the values written here are choices for the budget (model, heads, batch, length) or the data. `--preset small`:
+    # 32-px images (CIFAR-10) on 2 CPU cores; `--data synthetic` applies SYNTHETIC the same way.
+    PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=1, batch_size=256, head_hidden=512,
+                             workers=2, log_every=20)}
+    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, focal_views=4, epochs=8, batch_size=64,
+                     head_hidden=256, head_dim=64, num_prototypes=64, workers=2, log_every=20, steps_per_epoch=40)
 
 
 # ----------------------------------------------------------------------------------------------

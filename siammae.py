@@ -72,7 +72,7 @@ class Args(C.RunArgs):
     lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global videos per step / 256)"})
     blr: float = 1.5e-4
     min_lr: float = 0.0
-    warmup_epochs: int = field(default=40, metadata={"help": "effective epochs, like --epochs"})
+    warmup_epochs: float = field(default=40, metadata={"help": "effective epochs, like --epochs"})
     weight_decay: float = 0.05
     betas: tuple = (0.9, 0.95)
     mask_ratio: float = 0.95
