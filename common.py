@@ -668,7 +668,7 @@ def scale_recipe(cls, preset):
 
 def presets(cls):
     """{name: derived values} of cls's named small recipes (--preset), 'synthetic' among them."""
-    named = dict(getattr(cls, "PRESETS", {}), **({"synthetic": cls.SYNTHETIC} if hasattr(cls, "SYNTHETIC") else {}))
+    named = {**({"synthetic": cls.SYNTHETIC} if hasattr(cls, "SYNTHETIC") else {}), **getattr(cls, "PRESETS", {})}
     return {k: scale_recipe(cls, v) if hasattr(cls, "PRESETS") else v for k, v in named.items()}
 
 
@@ -754,9 +754,10 @@ def setup(args, method):
         raise UserError("--data is required: an image folder (ImageFolder layout) or 'synthetic'")
     if args.data != "synthetic" and not os.path.isdir(args.data):                   # before any plan is printed
         raise UserError(f"--data {args.data}: no such directory (give an image folder or 'synthetic')")
-    if (getattr(args, "knn", None) and args.data != "synthetic" and not os.path.isdir(os.path.join(args.data, "val"))
+    if (getattr(args, "knn", None) and args.data != "synthetic"
+            and not any(os.path.isdir(os.path.join(args.data, s)) for s in ("val", "test"))
             and importlib.util.find_spec("eval_linear")):                    # else knn_report skips it
-        raise UserError(f"--knn: --data {args.data} has no val/ next to train/ (the k-NN's queries, read after "
+        raise UserError(f"--knn: --data {args.data} has no val/ (or test/) next to train/ (the k-NN's queries, read after "
                         "training): add one or leave out --knn")
     torch.manual_seed(args.seed)                        # same initial weights on every rank
     if device.type == "cuda":

@@ -6,6 +6,7 @@ low-shot logistic regression.
       --subset-file msn/imagenet_subsets1/5imgs_class.txt          # MSN's official 5-image split
   python eval_linear.py --ckpt runs/msn/checkpoint.pth --data synthetic --mode all
   python eval_linear.py --ckpt runs/msn/checkpoint.pth --data synthetic --random-init   # baseline
+  python eval_linear.py --pixels --img-size 32 --data /cifar10 --mode all   # raw-pixel baseline (val/ or test/)
 
 The checkpoint's `encoder` (the network the paper evaluates) is rebuilt from its `vit` config.
 Features are computed once (Resize img*256/224, bicubic, + CenterCrop; bf16 on GPU) and cached
@@ -32,6 +33,11 @@ Modes.
           relative path per line).
   all     all of the above
 
+Baselines. --random-init: the checkpoint's ViT at its initialisation. --pixels (no checkpoint): the
+image itself, resized and cropped as above and normalised, flattened to 3 x size^2 numbers and
+centred by the train split's mean image, through the same k-NN / linear / low-shot (centring
+matters for the cosine k-NN; the linear probe standardises anyway).
+
 Protocol differences from the official evaluations, not fixed: MSN resizes bilinearly to 256,
 we resize bicubically to img*256/224 (= 256 at 224) for every method, as MAE's evaluation does.
 cyanure's solver (tol 1e-3, at most 300 epochs) is replaced by L-BFGS on the same objective.
@@ -42,7 +48,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -58,7 +64,11 @@ class Args:
     """Frozen-feature evaluation (k-NN / linear / low-shot) of a checkpoint's encoder."""
     ckpt: str = field(default=None, metadata={"help": "checkpoint.pth written by one of the method files, the "
                       "official MSN file, an MAE-style ('model') file or a timm/DeiT ViT state dict"})
-    data: str = field(default=None, metadata={"help": "image folder with train/ and val/, or 'synthetic'"})
+    data: str = field(default=None, metadata={"help": "image folder with train/ and val/ (or test/), or 'synthetic'"})
+    split: str = field(default=None, metadata={"help": "the folder next to train/ that is evaluated (default: val/, "
+                       "else test/ where there is no val/, as in CIFAR-10's folders)"})
+    pixels: bool = field(default=False, metadata={"help": "the raw-pixel baseline instead of a checkpoint: the "
+                         "normalised image, flattened and centred by the train mean (needs --img-size)"})
     mode: str = field(default="knn", metadata={"help": "knn | linear | lowshot | all"})
     pool: str = field(default=None, metadata={"help": "cls | cls-prenorm | mean (default: per method)"})
     img_size: int = field(default=None, metadata={"help": "default: the checkpoint's training size"})
@@ -296,11 +306,25 @@ def check_size(encoder, size):
     return size
 
 
+class Pixels(nn.Module):
+    """The raw-pixel baseline (--pixels) in the encoder's place: (B, 3, H, W) -> (B, 3HW), the normalised
+    image itself (evaluate() centres it by the train split's mean image)."""
+    patch_size = 1
+
+    def check_grid(self, gh, gw):
+        pass
+
+    def forward(self, x, norm=True):
+        return x.flatten(1)
+
+
 def features_of(encoder, x, how):
     """(B, 3, H, W) -> (B, D): "cls" the CLS token after the final norm, "cls-prenorm" before it
     (MSN's evaluations), "mean" the mean of the normed patch tokens."""
     if how not in POOLS:
         raise C.UserError(f"--pool must be one of {', '.join(POOLS)}, got {how!r}")
+    if isinstance(encoder, Pixels):
+        return encoder(x)
     tokens = encoder(x, norm=how != "cls-prenorm")
     return tokens[:, 1:].mean(1) if how == "mean" else tokens[:, 0]
 
@@ -425,9 +449,10 @@ def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, wor
                  autocast=contextlib.nullcontext()):
     """Top-1 (%) of weighted k-NN: train split as memory bank, val split as queries (labels matched
     by class name); features: the [CLS] token ("cls") or the mean patch token ("mean"), normed."""
-    val = C.image_dataset(data, "val")
+    split = eval_split(data)
+    val = C.image_dataset(data, split) if data == "synthetic" or os.path.isdir(os.path.join(data, split)) else None
     if val is None:
-        raise C.UserError(f"--data {data}: k-NN needs a val/ split next to train/")
+        raise C.UserError(f"--data {data}: k-NN needs a val/ (or test/) split next to train/")
     train = C.image_dataset(data, "train")
     tf = eval_transform(img_size, synthetic=data == "synthetic")
     (ftr, ytr), (fva, yva) = (extract_features(encoder, torch.utils.data.DataLoader(C.Views(ds, tf), batch_size,
@@ -444,18 +469,29 @@ def knn_report(args, run, log, encoder, build_init, how, what):
     init = build_init().to(run.device)
     accs = [knn_accuracy(e, args.data, args.img_size, run.device, how, autocast=run.autocast) for e in (encoder, init)]
     log.write({"knn_learned": accs[0], "knn_init": accs[1]})
-    C.print0(f"k-NN top-1 on {args.data} val ({what}): learned {accs[0]:.1f}% vs same architecture at "
+    C.print0(f"k-NN top-1 on {args.data} {eval_split(args.data)} ({what}): learned {accs[0]:.1f}% vs same architecture at "
              f"initialisation {accs[1]:.1f}%")
 
 
-def splits(data, skip_unreadable=False):
-    """The train and val datasets, checked before any feature is computed, and val's labels mapped
-    to train's class indices BY NAME (a val/ that lacks a class, or orders them otherwise, keeps
+def eval_split(data, split=None):
+    """The evaluated folder's name: `split` when given, else val/, else test/ (CIFAR-10's folders)."""
+    if split or data == "synthetic":
+        return split or "val"
+    return "test" if not os.path.isdir(os.path.join(data, "val")) and os.path.isdir(os.path.join(data, "test")) else "val"
+
+
+def splits(data, skip_unreadable=False, split=None):
+    """The train and evaluated (val) datasets, checked before any feature is computed, and val's labels
+    mapped to train's class indices BY NAME (a val/ that lacks a class, or orders them otherwise, keeps
     every label right); a val class that train lacks is an error. Returns (train, val, val_to_train).
-    skip_unreadable: for train (fine-tuning skips bad images as training does)."""
-    train, val = C.image_dataset(data, "train", skip_unreadable), C.image_dataset(data, "val")
+    split: the evaluated folder (default val/, else test/). skip_unreadable: for train (fine-tuning
+    skips bad images as training does)."""
+    split = eval_split(data, split)
+    train = C.image_dataset(data, "train", skip_unreadable)
+    val = C.image_dataset(data, split) if os.path.isdir(os.path.join(data, split)) or data == "synthetic" else None
     if val is None or not os.path.isdir(os.path.join(data, "train")) and data != "synthetic":
-        raise C.UserError(f"--data {data}: expected train/ and val/ class folders (evaluation needs both)")
+        raise C.UserError(f"--data {data}: expected train/ and {split}/ class folders (evaluation needs both"
+                          f"{'' if split != 'val' else '; a test/ folder is used where there is no val/'})")
     mapping = val_to_train(train, val)
     missing = [c for c, i in zip(val.classes, mapping.tolist()) if i < 0]
     if missing:
@@ -471,12 +507,14 @@ def features(a, enc, ckpt, split, ds, device):
     file list), so a dataset changed in place is never served another's features and labels."""
     pool = a.pool or DEFAULT_POOL.get(ckpt["method"], "cls")
     size = check_size(enc, a.img_size or ckpt["vit"]["img_size"])
-    st = os.stat(a.ckpt)
+    if a.pixels:
+        a = replace(a, cache=False)                  # no checkpoint to cache next to; cheap to redo
+    st = os.stat(a.ckpt) if a.ckpt else None
     files = [p for p, _ in getattr(ds, "samples", [])]
-    key = hashlib.sha1(json.dumps([os.path.abspath(a.ckpt), st.st_size, st.st_mtime_ns, pool, size, a.data,
-                                   a.random_init, a.model, a.patch_size, len(ds), list(ds.classes),
-                                   files]).encode()).hexdigest()[:16]
-    path = os.path.join(os.path.dirname(os.path.abspath(a.ckpt)), "features", f"{key}_{split}.pt")
+    key = st and hashlib.sha1(json.dumps([os.path.abspath(a.ckpt), st.st_size, st.st_mtime_ns, pool, size, a.data,
+                                          a.random_init, a.model, a.patch_size, len(ds), list(ds.classes),
+                                          files]).encode()).hexdigest()[:16]
+    path = st and os.path.join(os.path.dirname(os.path.abspath(a.ckpt)), "features", f"{key}_{split}.pt")
     C._OUT[0] = os.path.dirname(path) if a.cache else None                  # main's closing line: the cache
     if a.cache and os.path.isfile(path):
         return torch.load(path, weights_only=True)
@@ -614,8 +652,10 @@ def lowshot(train_f, train_y, val_f, val_y, num_classes, shots=1, percent=0.0, s
 
 
 def evaluate(a):
-    if not a.ckpt:
-        raise C.UserError("--ckpt is required (a checkpoint.pth written by msn/cmae/conmim/can.py)")
+    if a.pixels and (a.ckpt or a.random_init or not a.img_size):
+        raise C.UserError("--pixels evaluates the images themselves: give --img-size, and no --ckpt / --random-init")
+    if not a.ckpt and not a.pixels:
+        raise C.UserError("--ckpt is required (a checkpoint.pth written by msn/cmae/conmim/can.py), or --pixels")
     if not a.data:
         raise C.UserError("--data is required: an image folder with train/ and val/, or 'synthetic'")
     if a.mode not in ("knn", "linear", "lowshot", "all"):
@@ -626,21 +666,25 @@ def evaluate(a):
     if not (0 <= a.percent <= 100 and a.lambd >= 0 and a.workers >= 0):        # NaN fails each
         raise C.UserError("--percent must be in [0, 100], --lambd and --workers >= 0")
     device = C.resolve_device(a.device)
-    enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
+    enc, ckpt = (Pixels(), {"method": "pixels", "vit": {"img_size": a.img_size}}) if a.pixels else \
+        load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
     if a.img_size is not None and (a.img_size <= 0 or a.img_size % enc.patch_size):
         raise C.UserError(f"--img-size {a.img_size} is not a positive multiple of the checkpoint's patch size {enc.patch_size}")
     if a.subset_file and a.mode not in ("lowshot", "all"):
         raise C.UserError(f"--subset-file is read by --mode lowshot or all, not {a.mode}")
-    train, val, val_to_train = splits(a.data)                     # layout checked before any extraction
+    train, val, val_to_train = splits(a.data, split=a.split)      # layout checked before any extraction
     subset = subset_from_file(a.subset_file, a.data) if a.subset_file else None           # so is the subset
-    C.print0(f"train: {len(train)} images in {len(train.classes)} classes; val: {len(val)} images in "
+    C.print0(f"train: {len(train)} images in {len(train.classes)} classes; {eval_split(a.data, a.split)}: {len(val)} images in "
              f"{len(val.classes)} classes (labels matched by class name)")
     enc = enc.to(device)
     ftr, ytr = features(a, enc, ckpt, "train", train, device)
     fva, yva = features(a, enc, ckpt, "val", val, device)
     yva = val_to_train[yva]
+    if a.pixels:                                                   # centred by the train mean image
+        mean = ftr.mean(0)
+        ftr, fva = ftr - mean, fva - mean
     nc = len(train.classes)
-    res = {"method": ckpt["method"], "ckpt": a.ckpt, "random_init": a.random_init,
+    res = {"method": ckpt["method"], "ckpt": a.ckpt, "random_init": a.random_init, "split": eval_split(a.data, a.split),
            "pool": a.pool or DEFAULT_POOL.get(ckpt["method"], "cls"),
            "train_classes": len(train.classes), "val_classes": len(val.classes)}
     if a.mode in ("knn", "all"):

@@ -1,9 +1,11 @@
-"""Video label propagation for video checkpoints (SiamMAE): DAVIS-2017 (J&F), VIP (mIoU), JHMDB (PCK).
+"""Video label propagation for video checkpoints (SiamMAE): DAVIS-2016/2017 (J&F), VIP (mIoU), JHMDB (PCK).
 
   python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /davis                  # --task davis
   python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /VIP --task vip
   python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /jhmdb --task jhmdb
   python eval_video.py --ckpt runs/siammae/checkpoint.pth --data synthetic [--task vip|jhmdb] [--random-init]
+  python eval_video.py --pixels --patch-size 8 --data /davis    # baselines: raw-pixel features, or
+  python eval_video.py --copy-first --data /davis               # the first frame's labels copied unmoved
 
 The first frame's labels are propagated through each video with the frozen encoder's patch
 features (last layer, after the final norm, L2-normalised). For frame t, each patch takes a soft
@@ -30,8 +32,11 @@ the last row/column, then argmax, and a nearest resize back to the annotation si
 stretches frames and labels to multiples of 64 px and samples labels with PIL's nearest (also
 patch centres); CRW downsamples labels to the feature grid. All three sample at patch centres.
 
-DAVIS. Layout JPEGImages/480p/<video>/*.jpg, Annotations/480p/<video>/*.png (palette masks),
-ImageSets/2017/<split>.txt. J (region IoU) and F (boundary F-measure, tolerance 0.008 x image
+DAVIS. Layout JPEGImages/480p/<video>/*.jpg, Annotations/480p/<video>/*.png, and the split's list,
+which tells the edition: DAVIS-2017 ImageSets/2017/<split>.txt (video names; palette masks, several
+objects, 255 = void) or DAVIS-2016 ImageSets/480p/<split>.txt ("frame mask" path pairs; one object,
+greyscale masks where 255 = the object, no void). Every annotation must have its frame's size
+(checked before any propagation). J (region IoU) and F (boundary F-measure, tolerance 0.008 x image
 diagonal, as the DAVIS toolkit), per object, on all frames but the first and last, void pixels
 (label 255) left out of both; J&F = (J + F) / 2. Where no frame beyond the first is annotated
 (test-dev), --output writes the predictions and the scores are null.
@@ -58,6 +63,10 @@ around the ground-truth joints; frame 0 not scored; each joint's normalised dist
 all videos, PCK@a = % within a x scale, averaged over the joints. A joint outside the first frame
 cannot be propagated: a warning line names it and it is not scored in that video (CRW's map is
 empty there too, so its eval drops it).
+
+Baselines (no checkpoint): --random-init (the checkpoint's ViT at its initialisation), --pixels
+(each p x p patch's normalised pixels, L2-normalised like the tokens, through the same propagation on
+the same grid; --patch-size p), --copy-first (the first frame's labels or joints for every frame).
 
 Synthetic (`--data synthetic`, the moving-shape clips of synthetic.py, val split, native 64 px):
 davis scores each object; vip labels each object by its shape class (1..10); jhmdb propagates
@@ -91,9 +100,9 @@ POSE_TOPK, POSE_SIGMA, PCK_AT = 3, 0.5, (0.1, 0.2)         # CRW's process_pose 
 class Args:
     """Label-propagation evaluation (DAVIS J&F, VIP mIoU, JHMDB PCK) of a checkpoint's encoder."""
     ckpt: str = field(default=None, metadata={"help": "checkpoint.pth (siammae, or any image method)"})
-    data: str = field(default=None, metadata={"help": "DAVIS-2017, VIP or JHMDB root (see --task), or 'synthetic'"})
+    data: str = field(default=None, metadata={"help": "DAVIS-2016 or -2017, VIP or JHMDB root (see --task), or 'synthetic'"})
     task: str = field(default="davis", metadata={"help": "davis (J&F) | vip (mIoU) | jhmdb (PCK@0.1/0.2)"})
-    split: str = field(default="val", metadata={"help": "davis: ImageSets/2017/<split>.txt; vip: "
+    split: str = field(default="val", metadata={"help": "davis: ImageSets/2017/<split>.txt (or 480p/ for 2016); vip: "
                        "lists/<split>_videos.txt; jhmdb: split 1's test videos always"})
     short_side: int = field(default=None, metadata={"help": "davis: resize frames so the short side is this (default "
                             "480; 0 = native)"})
@@ -108,6 +117,10 @@ class Args:
     patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's patch "
                             "size"})
     random_init: bool = False
+    pixels: bool = field(default=False, metadata={"help": "baseline, no checkpoint: each patch's normalised pixels "
+                         "(3 x p^2 numbers, p = --patch-size) as its feature, through the same propagation"})
+    copy_first: bool = field(default=False, metadata={"help": "baseline, no checkpoint: every frame's prediction is the "
+                             "first frame's labels (davis, vip) or joints (jhmdb), unmoved"})
     output: str = field(default=None, metadata={"help": "write predictions here (davis, vip: palette PNGs; jhmdb: "
                         "<video>.json keypoints)"})
     device: str = None
@@ -305,21 +318,73 @@ def _frames(folder, what):
     return names
 
 
+def davis2016_list(root, lst):
+    """{video: [(frame path, mask path)]} from a DAVIS-2016 list (ImageSets/480p/<split>.txt: one
+    "/JPEGImages/480p/<video>/<frame>.jpg /Annotations/480p/<video>/<frame>.png" pair per line,
+    paths from the root), videos by name, frames in frame order. A malformed line or a missing file is one line."""
+    videos = {}
+    for n, line in enumerate(open(lst), 1):
+        if not line.strip():
+            continue
+        pair = line.split()
+        if len(pair) != 2:
+            raise C.UserError(f"{lst} line {n}: expected '<frame> <mask>' (DAVIS-2016), got {line.strip()!r}")
+        frame, mask = (os.path.join(root, q.lstrip("/")) for q in pair)
+        for q in (frame, mask):
+            if not os.path.isfile(q):
+                raise C.UserError(f"{lst} line {n}: no file {q}")
+        videos.setdefault(os.path.basename(os.path.dirname(frame)), []).append((frame, mask))
+    if not videos:
+        raise C.UserError(f"{lst} lists no frame")
+    return {v: sorted(videos[v], key=lambda fm: C.frame_order(os.path.basename(fm[0]))) for v in sorted(videos)}
+
+
 def davis_videos(root, split):
-    """(name, frames, masks) of each video listed in ImageSets/2017/<split>.txt; masks[t] is None where
-    frame t has no annotation. Anything missing or unreadable is a one-line error naming the file."""
+    """(name, frames, masks) of each video of the split; masks[t] is None where frame t has no
+    annotation. The layout is recognised from its list file: DAVIS-2016, ImageSets/480p/<split>.txt
+    ("frame mask" pairs; one object per video, mask 255 = the object, read as label 1, no void), or
+    DAVIS-2017, ImageSets/2017/<split>.txt (video names; palette masks, 255 = void). Before any frame
+    is propagated, every annotation's size is checked against its frame's. Anything missing,
+    unreadable or mismatched is a one-line error naming the file."""
     img_root, ann_root = os.path.join(root, "JPEGImages", "480p"), os.path.join(root, "Annotations", "480p")
     if not os.path.isdir(img_root) or not os.path.isdir(ann_root):
         raise C.UserError(f"--data {root}: expected DAVIS layout JPEGImages/480p/ and Annotations/480p/")
+    l16 = os.path.join(root, "ImageSets", "480p", f"{split}.txt")
     lst = os.path.join(root, "ImageSets", "2017", f"{split}.txt")   # (all of Annotations/ mixes train and val)
-    for v, folder, frames in _listed_videos(root, lst, split, img_root):
-        ann = [os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png") for f in frames]
+    if os.path.isfile(l16):
+        videos = [(v, [f for f, _ in fm], [m for _, m in fm]) for v, fm in davis2016_list(root, l16).items()]
+    elif not os.path.isfile(lst):
+        raise C.UserError(f"--data {root}: no ImageSets/2017/{split}.txt, the list of the --split {split} videos "
+                          f"(DAVIS-2017), nor ImageSets/480p/{split}.txt (DAVIS-2016): neither layout")
+    else:
+        videos = [(v, [os.path.join(folder, f) for f in frames],
+                   [os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png") for f in frames])
+                  for v, folder, frames in _listed_videos(root, lst, split, img_root)]
+    for v, frames, ann in videos:                                    # all checked before any work
         if not os.path.isfile(ann[0]):
             raise C.UserError(f"video {v}: no first-frame annotation {ann[0]}")
-        masks = [_read(a) if os.path.isfile(a) else None for a in ann]
+        for f, m in zip(frames, ann):
+            if os.path.isfile(m) and _size(m) != _size(f):
+                raise C.UserError(f"video {v}: annotation {m} is {'x'.join(map(str, _size(m)))} px but its frame {f} "
+                                  f"is {'x'.join(map(str, _size(f)))}: fix or remove the annotation (nothing was evaluated)")
+    binary = os.path.isfile(l16)
+    for v, frames, ann in videos:
+        masks = [_read(m) if os.path.isfile(m) else None for m in ann]
+        if binary:                                                  # 2016: 255 is the object, not void
+            masks = [None if not os.path.isfile(m) else (np.asarray(_read(m, "L")) >= 128).astype(np.uint8)
+                     for m in ann]
         if not any(i not in (0, 255) for i in np.unique(masks[0])):
             raise C.UserError(f"video {v}: its first-frame annotation {ann[0]} has no object to propagate")
-        yield v, [_read(os.path.join(folder, f), "RGB") for f in frames], masks
+        yield v, [_read(f, "RGB") for f in frames], masks
+
+
+def _size(path):
+    """(width, height) of an image file from its header; unreadable -> one line naming it."""
+    try:
+        with Image.open(path) as im:
+            return im.size
+    except Exception as e:
+        raise C.UserError(f"cannot read {path} ({type(e).__name__}: {e})") from None
 
 
 def vip_videos(root, split):
@@ -440,6 +505,20 @@ def resize_frame(im, geom, resample):
     return im.resize((max(64, int(W * n / H) // 64 * 64), n), resample)
 
 
+class PatchPixels(torch.nn.Module):
+    """--pixels, the raw-pixel baseline in the encoder's place: (B, 3, H, W) -> (B, 1 + N, 3 p^2), each
+    p x p patch's (normalised) pixels, row-major patches, behind a zero [CLS] as a ViT's token layout."""
+
+    def __init__(self, patch_size):
+        super().__init__()
+        self.patch_size = patch_size
+
+    def forward(self, x):
+        p, B = self.patch_size, x.shape[0]
+        t = x.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(B, -1, 3 * p * p)   # (B, N, 3p^2)
+        return torch.cat([t.new_zeros(B, 1, t.shape[-1]), t], 1)
+
+
 @torch.no_grad()
 def frame_features(enc, frames, geom, device):
     """List of PIL frames -> (T, h, w, D) L2-normalised last-layer patch tokens (after the final norm)
@@ -484,6 +563,8 @@ def propagate_labels(enc, frames, gt0, a, geom, device):
     255 never propagated)."""
     a = resolved(a)
     ids = [int(i) for i in np.unique(gt0) if i not in (0, 255)]
+    if a.copy_first:                                                         # the no-motion baseline
+        return np.repeat(np.asarray(gt0, np.uint8)[None], len(frames), 0), ids
     feats = frame_features(enc, frames, geom, device)                        # (T, h, w, D)
     p = enc.patch_size
     lab0 = labels_to_grid(gt0, ids, p, geom)                                 # (h, w, C)
@@ -519,6 +600,8 @@ def evaluate_pose(enc, frames, joints, a, geom, device, name=""):
     """JHMDB: joints (T, J, 2) ground-truth pixel positions -> predicted (T, J, 2) positions (NaN for a
     joint that cannot be propagated: outside the first frame, which a warning line names)."""
     a = resolved(a)
+    if a.copy_first:                                                         # the no-motion baseline
+        return np.repeat(np.asarray(joints[:1], float), len(frames), 0)
     feats = frame_features(enc, frames, geom, device)                        # (T, h, w, D)
     T, h, w, _ = feats.shape
     W, H = frames[0].size
@@ -542,8 +625,15 @@ def write_labels(folder, pred):
 
 
 def evaluate(a):
-    if not a.ckpt or not a.data:
-        raise C.UserError("--ckpt and --data are required (a DAVIS-2017, VIP or JHMDB root, or 'synthetic')")
+    baseline = a.pixels or a.copy_first
+    if not (a.ckpt or baseline) or not a.data:
+        raise C.UserError("--ckpt (or a baseline: --pixels, --copy-first) and --data are required (a DAVIS-2016/2017, "
+                          "VIP or JHMDB root, or 'synthetic')")
+    if baseline and (a.ckpt or a.random_init or a.pixels and a.copy_first):
+        raise C.UserError("--pixels and --copy-first are baselines without a checkpoint: give one of them, and no "
+                          "--ckpt / --random-init")
+    if a.pixels and not a.patch_size:
+        raise C.UserError("--pixels needs --patch-size (the cell of the propagation grid; a checkpoint's patch size)")
     if a.task not in TASKS:
         raise C.UserError(f"--task {a.task}: choose one of {', '.join(TASKS)}")
     if a.task == "davis" and a.size is not None:
@@ -560,7 +650,10 @@ def evaluate(a):
     if a.output:
         C.check_writable(a.output, "--output")
         C._OUT[0] = a.output                                                  # main's closing line
-    enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
+    if baseline:
+        enc, ckpt = PatchPixels(a.patch_size or 1), {"method": "pixels" if a.pixels else "copy-first"}
+    else:
+        enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
     side = a.short_side if a.task == "davis" else a.size
     side = {"davis": 480, **SIZE}[a.task] if side is None else side
     if 0 < side < enc.patch_size:

@@ -85,11 +85,22 @@ class Args(C.RunArgs):
     drop_path: float = 0.0
     init: str = field(default="xavier", metadata={"help": "xavier (MAE's, default) | trunc (trunc-normal 0.02, DeiT)"})
 
+    # Small recipes: the official recipe above scaled by common.scale_recipe's rules (blr kept: lr = blr x
+    # videos per step / 256; warm-up the same fraction of the run); the values written here are choices
+    # for the budget (model, decoder, batch, length) or the data (size, gaps).
+    # `--preset davis` (a DAVIS-2016 root: its 30 train videos, 2 CPU cores): 64 px crops, patch 4 (a
+    # 16 x 16 grid; official 14 x 14), one step = all 30 videos x 2 pairs. Gaps from the videos' motion:
+    # a crop of scale 0.5-1 (about 555 px of a 480p frame) at 64 px makes one patch about 35 px of the
+    # frame; the objects' median displacement (train masks' centroids) is 23 px at gap 4, 41 at 8, 60 at
+    # 16 and 73 at 48, so gaps 8..48 (official 4..48; DAVIS is 24 fps, Kinetics 25-30) keep the median
+    # motion above one patch, where copying f1 in place (the synthetic clips' shortcut) does not pay.
     # --data synthetic: 64 px, the clips' native size, so that eval_video (which runs on native
     # frames) sees the patch scale the encoder was trained at (a 32 px run fell below random init
     # there); nano keeps it about 5 min on 2 CPU cores (16 effective epochs = 8 passes of 62 steps).
-    SYNTHETIC = dict(model="nano", patch_size=4, img_size=64, epochs=16, batch_size=32, blr=3e-3, warmup_epochs=2,
-                     decoder_dim=64, decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2, log_every=20)
+    PRESETS = {"davis": dict(model="nano", patch_size=4, img_size=64, epochs=1000, batch_size=30, decoder_dim=64,
+                             decoder_depth=2, decoder_heads=4, gap=(8, 48), workers=2, log_every=20)}
+    SYNTHETIC = dict(model="nano", patch_size=4, img_size=64, epochs=16, batch_size=32, decoder_dim=64,
+                     decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2, log_every=20)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,7 +141,8 @@ class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
         if not os.path.isdir(root):
             raise C.UserError(f"--data {root}: no such directory (give a folder of frame folders or 'synthetic')")
         self.videos, short, bad = [], 0, 0
-        for dirpath, _, files in sorted(os.walk(root, followlinks=True)):
+        listed = davis_train_folders(root)
+        for dirpath, _, files in (listed or sorted(os.walk(root, followlinks=True))):
             frames = sorted((f for f in files if f.lower().endswith(C.IMG_EXTS)), key=C.frame_order)
             if not frames:
                 continue
@@ -155,6 +167,25 @@ class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
 
     def load(self, i):
         return self.videos[i], 0
+
+
+def davis_train_folders(root):
+    """A DAVIS root (JPEGImages/480p/ and a train list: DAVIS-2016 ImageSets/480p/train.txt of "frame
+    mask" pairs, or DAVIS-2017 ImageSets/2017/train.txt of names): (folder, [], frame files) of its train
+    videos only, said in one line; None for any other folder. Walking a DAVIS root whole would also
+    train on the val videos and on the annotation PNGs as if they were videos."""
+    img = os.path.join(root, "JPEGImages", "480p")
+    lists = [os.path.join(root, "ImageSets", *s, "train.txt") for s in (("480p",), ("2017",))]
+    lst = next((q for q in lists if os.path.isfile(q)), None)
+    if not os.path.isdir(img) or lst is None:
+        return None
+    names = sorted({ln.split()[0].strip("/").split("/")[-2] if "/" in ln else ln.strip()
+                    for ln in open(lst) if ln.strip()})
+    missing = [v for v in names if not os.path.isdir(os.path.join(img, v))]
+    if missing or not names:
+        raise C.UserError(f"--data {root}: {lst} lists {'no video' if not names else f'{missing[0]}, which has no folder in {img}'}")
+    C.print0(f"DAVIS root: training on the {len(names)} videos of {os.path.relpath(lst, root)} (JPEGImages/480p)")
+    return [(os.path.join(img, v), [], os.listdir(os.path.join(img, v))) for v in names]
 
 
 def video_dataset(data, split="train"):
@@ -527,6 +558,9 @@ def train(args):
                 return
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
+        every = 10 * args.log_every                      # short passes (DAVIS: 1 step): a picture per 10 log lines
+        if ipe < every and (epoch + 1) * ipe // every == epoch * ipe // every and epoch + 1 < passes:
+            continue
         n, m = min(8, f2.shape[0]), mask[:min(8, f2.shape[0]), :, None]      # f1 / masked f2 / predicted f2
         with torch.no_grad(), run.autocast:
             pred = model.eval()(f1[:n], f2[:n], ids_keep[:n], ids_restore[:n]).float()

@@ -148,7 +148,7 @@ def test_knn_without_a_val_split_is_a_one_line_error_at_start_not_after_training
     failed at the end of the run)."""
     for i in range(8):
         _png(tmp_path / "d" / "train" / f"c{i % 2}" / f"{i}.png", i)
-    with pytest.raises(C.UserError, match=r"--knn: --data .* has no val/ next to train/"):
+    with pytest.raises(C.UserError, match=r"--knn: --data .* has no val/ \(or test/\) next to train/"):
         can.train(tiny_args(tmp_path / "o", data=str(tmp_path / "d"), knn=True))
     assert not os.path.exists(tmp_path / "o" / "log.jsonl")
     _png(tmp_path / "d" / "val" / "c0" / "0.png", 0, "val")

@@ -524,3 +524,38 @@ def test_progress_lines_and_the_first_training_step_and_the_closing_line(tmp_pat
                 "--proj-dim", "16", "--no-knn", "--workers", "0", "--output-dir", str(tmp_path / "cli"))
     last = r.stdout.strip().splitlines()[-1]
     assert r.returncode == 0 and last.startswith("done in ") and "checkpoint.pth" in last and str(tmp_path / "cli") in last
+
+
+@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can", "siammae"])
+def test_small_recipes_follow_the_stated_rules_from_the_official_defaults(method):
+    """--preset NAME / --data synthetic: lr linear in the batch per image (blr recipes keep blr), warm-up the
+    same fraction of the run, view geometry x img / 224, EMA / weight-decay schedules untouched; a flag
+    given on the command line wins; an unknown preset is refused."""
+    import importlib
+    M = importlib.import_module(method)
+    d = {f.name: f.default for f in dataclasses.fields(M.Args)}
+    for name, p in C.presets(M.Args).items():
+        raw = {**M.Args.PRESETS, "synthetic": M.Args.SYNTHETIC}[name]
+        k = p["batch_size"] / d["batch_size"]
+        if d.get("lr") is not None:
+            assert p["lr"] == pytest.approx(d["lr"] * k, rel=1e-3) and p["lr"] < d["lr"]
+            assert "blr" not in p
+        else:
+            assert "lr" not in p and p.get("blr", d["blr"]) == d["blr"]       # blr x batch / 256 is the rule
+        if d.get("start_lr"):
+            assert p["start_lr"] == pytest.approx(d["start_lr"] * k, rel=1e-3)
+        assert p["warmup_epochs"] == pytest.approx(d["warmup_epochs"] * p["epochs"] / d["epochs"], rel=1e-3)
+        for f in ("ema", "weight_decay", "final_weight_decay", "mask_ratio", "tau"):
+            assert f not in raw, f"{name} overrides {f}: the rules keep it"
+        if "focal_size" in d:
+            assert p["focal_size"] == 12                                  # 96 x 32 / 224 = 13.7 -> patch 4 multiple
+        if "master_size" in d:
+            assert p["master_size"] == 37                                 # 256 x 32 / 224 = 36.6
+        args = C.parse_args(M.Args, ["--data", "x", "--preset", name] if name != "synthetic" else ["--data", "synthetic"])
+        assert all(getattr(args, f) == (tuple(v) if isinstance(v, list) else v) for f, v in p.items())
+        assert args.preset == name
+    for name in M.Args.PRESETS:
+        args = C.parse_args(M.Args, ["--data", "x", "--preset", name, "--batch-size", "7", "--warmup-epochs", "0"])
+        assert args.batch_size == 7 and args.warmup_epochs == 0
+    with pytest.raises(SystemExit):
+        C.parse_args(M.Args, ["--data", "x", "--preset", "nope"])

@@ -523,3 +523,47 @@ def test_lowshot_preprocesses_val_as_train_and_draws_one_subset_per_seed(monkeyp
     monkeypatch.setattr(E, "lowshot_subset", lambda *a: (seeds.append(a[-1]), real(*a))[1])
     E.lowshot(tr, ytr, va, yva, 3, shots=2, seeds=3)
     assert seeds == [0, 1, 2]
+
+
+def test_a_test_folder_is_evaluated_where_there_is_no_val(tmp_path):
+    """CIFAR-10's folders are train/ and test/: test/ is evaluated where val/ is absent (or by --split),
+    and the error names both when neither is there."""
+    data = tiny_folder(tmp_path / "data")
+    shutil.move(os.path.join(data, "val"), os.path.join(data, "test"))
+    train, test, _ = E.splits(data)
+    assert len(test) == 9 and all("/test/" in p for p, _ in test.samples)
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
+    res = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="knn", workers=0, k=3, cache=False))
+    assert res["split"] == "test"
+    shutil.copytree(os.path.join(data, "test"), os.path.join(data, "val"))
+    assert E.eval_split(data) == "val" and E.eval_split(data, "test") == "test"
+    shutil.rmtree(os.path.join(data, "val")), shutil.rmtree(os.path.join(data, "test"))
+    with pytest.raises(C.UserError, match="expected train/ and val/ class folders .*test/ folder is used"):
+        E.splits(data)
+    with pytest.raises(C.UserError, match="expected train/ and test/"):
+        E.splits(data, split="test")
+
+
+def test_pixels_baseline_is_the_centred_normalised_image_through_the_same_knn_and_probe(tmp_path, monkeypatch):
+    """--pixels: features = the eval transform's image, normalised, flattened (3 x size^2), minus the train
+    mean image; the same k-NN / linear code receives exactly those."""
+    data = tiny_folder(tmp_path / "data")
+    seen = {}
+    knn = E.knn
+    monkeypatch.setattr(E, "knn", lambda *a, **kw: seen.update(args=a) or knn(*a, **kw))
+    res = E.evaluate(E.Args(pixels=True, img_size=16, data=data, mode="all", workers=0, k=3, linear_epochs=2, seeds=2))
+    assert res["method"] == "pixels" and 0 <= res["linear_top1"] <= 100 and 0 <= res["knn_top1"] <= 100
+    tf = E.eval_transform(16)
+    train, val, mapping = E.splits(data)
+    flat = lambda ds: torch.stack([C.normalize(tf(ds.load(i)[0]))[None].flatten() for i in range(len(ds))])  # noqa: E731
+    ftr, fva = flat(train), flat(val)
+    assert ftr.shape == (18, 3 * 16 * 16)
+    mean = ftr.mean(0)
+    torch.testing.assert_close(seen["args"][0], ftr - mean)
+    torch.testing.assert_close(seen["args"][2], fva - mean)
+    assert seen["args"][1].tolist() == [y for _, y in train.samples]
+    assert seen["args"][3].tolist() == mapping[torch.tensor([y for _, y in val.samples])].tolist()
+    for bad in (dict(pixels=True, data=data), dict(pixels=True, img_size=16, data=data, ckpt="x.pth"),
+                dict(pixels=True, img_size=16, data=data, random_init=True)):
+        with pytest.raises(C.UserError, match="--pixels evaluates the images themselves"):
+            E.evaluate(E.Args(workers=0, **bad))

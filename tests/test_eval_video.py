@@ -478,3 +478,79 @@ def test_videos_annotated_on_the_first_frame_only_write_predictions_and_no_score
     assert res["videos"] == 1 and res["J_mean"] is res["F_mean"] is res["JF_mean"] is None
     assert sorted(os.listdir(tmp_path / "out" / "v")) == ["00000.png", "00001.png", "00002.png"]
     assert capsys.readouterr().out.splitlines()[-2].split()[:5] == ["v", "no", "annotated", "frame", "to"]
+
+
+def davis2016_folder(root, frames=5, videos=("v",), size=32):
+    """A DAVIS-2016 layout: greyscale masks (0 background, 255 the object) and ImageSets/480p/val.txt with
+    one "/JPEGImages/480p/<v>/<t>.jpg /Annotations/480p/<v>/<t>.png" pair per line."""
+    lines, clips = [], {}
+    for k, v in enumerate(videos):
+        clip = clips[v] = S.SyntheticClip(3 + k, "val", n_frames=frames, size=size)
+        for sub in (f"JPEGImages/480p/{v}", f"Annotations/480p/{v}"):
+            os.makedirs(root / sub)
+        for t in range(frames):
+            clip.load(t).save(root / f"JPEGImages/480p/{v}/{t:05d}.jpg")
+            Image.fromarray(np.where(clip.mask(t) == 1, 255, 0).astype(np.uint8), mode="L").save(
+                root / f"Annotations/480p/{v}/{t:05d}.png")
+            lines.append(f"/JPEGImages/480p/{v}/{t:05d}.jpg /Annotations/480p/{v}/{t:05d}.png \n")
+    os.makedirs(root / "ImageSets/480p")
+    (root / "ImageSets/480p/val.txt").write_text("".join(lines[::-1]))           # any order: frames sorted
+    return clips, root
+
+
+def test_davis2016_layout_reads_255_as_the_object_and_an_oracle_scores_100(tmp_path, monkeypatch):
+    """DAVIS-2016 is recognised from ImageSets/480p/<split>.txt; its masks' 255 is the one object (label 1),
+    not void; the frames come in order; propagation that returns the truth scores J&F 100, copying the
+    first mask scores below it on a moving object."""
+    clips, root = davis2016_folder(tmp_path / "d", frames=6, videos=("a", "b"))
+    got = list(V.davis_videos(str(root), "val"))
+    assert [g[0] for g in got] == ["a", "b"]
+    for name, frames, masks in got:
+        truth = [(clips[name].mask(t) == 1).astype(np.uint8) for t in range(6)]
+        assert all(np.array_equal(m, g) for m, g in zip(masks, truth)) and masks[0].max() == 1
+        assert np.array_equal(np.array(frames[2]), np.array(Image.open(root / f"JPEGImages/480p/{name}/00002.jpg").convert("RGB")))
+    truth = {n: np.stack([(clips[n].mask(t) == 1).astype(np.uint8) for t in range(6)]) for n in clips}
+    order = iter(["a", "b"])
+    monkeypatch.setattr(V, "propagate_labels", lambda enc, frames, gt0, a, geom, device: (truth[next(order)].copy(), [1]))
+    res = V.evaluate(V.Args(pixels=True, patch_size=4, data=str(root), short_side=0))
+    assert res["videos"] == 2 and res["JF_mean"] == pytest.approx(100.0)
+    monkeypatch.undo()
+    copy = V.evaluate(V.Args(copy_first=True, data=str(root), short_side=0))
+    assert copy["method"] == "copy-first" and copy["JF_mean"] < 100
+
+
+def test_a_bad_davis_layout_or_a_mask_of_another_size_is_one_line_before_any_work(tmp_path, monkeypatch):
+    """Neither list file: one line naming both editions. A malformed 2016 list line, a listed file that is
+    missing, or a mask whose size is not its frame's (real downloads have an 853 px mask beside 854 px
+    frames): one line, before any frame is propagated."""
+    def broken(name, edit, match):
+        _, root = davis2016_folder(tmp_path / name, frames=3)
+        edit(root)
+        monkeypatch.setattr(V, "propagate_labels", lambda *a: pytest.fail("propagated before the check"))
+        with pytest.raises(C.UserError, match=match):
+            V.evaluate(V.Args(copy_first=True, data=str(root), short_side=0))
+        one_line_error(run_cli("eval_video.py", "--copy-first", "--data", str(root), "--short-side", "0"),
+                       match.split(".*")[0].replace("\\", ""))
+    broken("neither", lambda r: os.remove(r / "ImageSets/480p/val.txt"),
+           r"no ImageSets/2017/val.txt, the list of the --split val videos \(DAVIS-2017\), nor ImageSets/480p/val.txt")
+    broken("line", lambda r: open(r / "ImageSets/480p/val.txt", "a").write("/JPEGImages/480p/v/00009.jpg\n"),
+           "line 4: expected '<frame> <mask>'")
+    broken("missing", lambda r: os.remove(r / "Annotations/480p/v/00001.png"), "no file .*00001.png")
+    broken("size", lambda r: Image.open(r / "Annotations/480p/v/00002.png").resize((31, 32)).save(
+        r / "Annotations/480p/v/00002.png"), "annotation .*00002.png is 31x32 px but its frame .*00002.jpg is 32x32")
+
+
+def test_pixel_features_are_each_patchs_pixels_and_the_baselines_need_no_checkpoint(tmp_path):
+    x = torch.randn(2, 3, 8, 12)
+    t = V.PatchPixels(4)(x)
+    assert t.shape == (2, 1 + 6, 48) and not t[:, 0].any()
+    torch.testing.assert_close(t[1, 1 + 1 * 3 + 2], x[1, :, 4:8, 8:12].permute(0, 1, 2).reshape(-1))   # row 1, col 2
+    _, root = davis2016_folder(tmp_path / "d", frames=3)
+    res = V.evaluate(V.Args(pixels=True, patch_size=4, data=str(root), short_side=0))
+    assert res["method"] == "pixels" and 0 <= res["JF_mean"] <= 100
+    for bad, match in ((dict(pixels=True), "--pixels needs --patch-size"),
+                       (dict(pixels=True, copy_first=True, patch_size=4), "give one of them"),
+                       (dict(copy_first=True, ckpt="x.pth"), "no --ckpt / --random-init"),
+                       (dict(), "--ckpt \\(or a baseline")):
+        with pytest.raises(C.UserError, match=match):
+            V.evaluate(V.Args(data=str(root), **bad))
