@@ -501,21 +501,146 @@ def resolve_device(name=None):
     return torch.device(name)
 
 
+def expand_nodelist(nodelist):
+    """SLURM's compressed host list -> hosts, in order, without calling scontrol (which may be absent):
+    "gpu[01-03,07],cpu5" -> gpu01 gpu02 gpu03 gpu07 cpu5 (zero padding kept); a name with several
+    bracket groups ("r[1-2]n[3,5]") expands to their product, the last group fastest."""
+    hosts, depth, item = [], 0, ""
+    for ch in nodelist.strip() + ",":                          # split on the commas outside brackets
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0 or depth > 1:
+            raise UserError(f"SLURM nodelist {nodelist!r}: unbalanced brackets")
+        if ch == "," and depth == 0:
+            if item:
+                hosts += _expand_host(item, nodelist)
+            item = ""
+        else:
+            item += ch
+    if depth or not hosts:
+        raise UserError(f"SLURM nodelist {nodelist!r}: no host in it, or unbalanced brackets")
+    return hosts
+
+
+def _expand_host(item, nodelist):
+    parts = re.split(r"\[([^\]]*)\]", item)                   # text, group, text, group, ..., text
+    choices = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            choices.append([part])
+            continue
+        vals = []
+        for r in part.split(","):
+            m = re.fullmatch(r"(\d+)(?:-(\d+))?", r.strip())
+            if not m or (m[2] and int(m[2]) < int(m[1])):
+                raise UserError(f"SLURM nodelist {nodelist!r}: cannot read the range {r!r}")
+            lo, hi = m[1], m[2] or m[1]
+            vals += [str(k).zfill(len(lo)) for k in range(int(lo), int(hi) + 1)]
+        choices.append(vals)
+    return ["".join(c) for c in itertools.product(*choices)]
+
+
+MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")      # mpirun's, if any
+
+
+def launcher(env=None):
+    """How this process was started, from the environment: (name, torchrun-style variables or None).
+    torchrun (WORLD_SIZE set; also inside an sbatch script) wins; else an srun step (SLURM_STEP_ID):
+    rank SLURM_PROCID, world SLURM_STEP_NUM_TASKS (else SLURM_NTASKS), local rank SLURM_LOCALID,
+    MASTER_ADDR the step's first host (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST), MASTER_PORT
+    derived from SLURM_JOB_ID unless set. Several tasks of a launcher that do not form one process
+    group here (an sbatch script's own shell with --ntasks > 1, srun tasks each running a standalone
+    torchrun, mpirun) would train as duplicates into one output: a one-line error naming the fix.
+    Partial or inconsistent variables: one line."""
+    env = os.environ if env is None else env
+    num = lambda k: _int_var(env, k)                           # noqa: E731
+    slurm_tasks = num("SLURM_STEP_NUM_TASKS") or num("SLURM_NTASKS") or 1
+    step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    if "WORLD_SIZE" in env:
+        world, rank = num("WORLD_SIZE"), num("RANK")
+        if rank is None or rank >= world:
+            raise UserError(f"torchrun variables: RANK={env.get('RANK')} with WORLD_SIZE={world} (need 0 <= RANK < "
+                            "WORLD_SIZE): start with torchrun, or unset WORLD_SIZE")
+        agents = num("GROUP_WORLD_SIZE")
+        if step and slurm_tasks > 1 and agents is not None and agents != slurm_tasks:
+            raise UserError(f"srun started {slurm_tasks} tasks, each running torchrun with --nnodes {agents}: they "
+                            f"would train as {slurm_tasks // agents} duplicate runs into one output. Use srun alone "
+                            f"(one task per GPU), or one torchrun per node with --nnodes {slurm_tasks} and a shared "
+                            "--rdzv-endpoint")
+        return "torchrun", None
+    if "SLURM_PROCID" in env and num("SLURM_NTASKS") is None and num("SLURM_STEP_NUM_TASKS") is None:
+        raise UserError("SLURM_PROCID is set but not SLURM_NTASKS: the SLURM variables are partial (start the run "
+                        "with srun, or unset SLURM_PROCID)")
+    if slurm_tasks > 1 and not step:
+        raise UserError(f"this job has {slurm_tasks} SLURM tasks (SLURM_NTASKS) but this process was not started by "
+                        "srun: it would train alone, as one of duplicates if the script runs it in several tasks. "
+                        "Launch with `srun python <method>.py ...` (one task per GPU) or torchrun")
+    if step and slurm_tasks > 1:
+        rank, local = num("SLURM_PROCID"), num("SLURM_LOCALID")
+        if rank is None or local is None:
+            raise UserError(f"srun step of {slurm_tasks} tasks without SLURM_PROCID / SLURM_LOCALID: the SLURM "
+                            "variables are partial")
+        if rank >= slurm_tasks:
+            raise UserError(f"SLURM_PROCID={rank} but the step has {slurm_tasks} tasks (need SLURM_PROCID < tasks)")
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodelist and "MASTER_ADDR" not in env:
+            raise UserError("srun step without SLURM_STEP_NODELIST / SLURM_JOB_NODELIST: cannot find rank 0's host "
+                            "(set MASTER_ADDR)")
+        job = num("SLURM_JOB_ID") or num("SLURM_JOBID") or 0
+        out = {"RANK": str(rank), "WORLD_SIZE": str(slurm_tasks), "LOCAL_RANK": str(local),
+               "MASTER_ADDR": env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
+               "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + job % 20000)}
+        per_node = re.match(r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or "")
+        if per_node:
+            out["LOCAL_WORLD_SIZE"] = per_node[0]
+        return "srun", out
+    for k in MPI_SIZES:
+        if (num(k) or 1) > 1:
+            raise UserError(f"{k}={env[k]}: an MPI launcher started {env[k]} processes, but this script forms its "
+                            "process group from torchrun's or srun's variables, not MPI's: they would train as "
+                            "duplicates. Launch with torchrun or srun")
+    return ("srun" if step else "none"), None
+
+
+def _int_var(env, k):
+    if k not in env:
+        return None
+    try:
+        v = int(env[k].split("(")[0].split(",")[0])            # SLURM counts may read "8(x2)"
+    except ValueError:
+        raise UserError(f"{k}={env[k]!r} is not a number") from None
+    if v < 0:
+        raise UserError(f"{k}={v} is negative")
+    return v
+
+
 def init_distributed(device):
-    """Init from torchrun's env (nccl on CUDA, gloo on CPU); returns (rank, world, device)."""
+    """One process group from torchrun's variables, or an srun step's (launcher()): nccl on CUDA, gloo on
+    CPU; one line (rank 0) names the launcher and the layout. Returns (rank, world, device)."""
     device = str(resolve_device(device))
+    name, derived = launcher() if not dist.is_initialized() else ("an initialised process group", None)
+    if derived:
+        os.environ.update(derived)                          # env:// rendezvous as under torchrun
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         cuda = device.startswith("cuda")
         if cuda:
             local, n = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
-            if int(os.environ.get("LOCAL_WORLD_SIZE", local + 1)) > n:
+            if int(os.environ.get("LOCAL_WORLD_SIZE", local + 1)) > n and not (name == "srun" and n == 1):
+                flag = "--ntasks-per-node / --gpus-per-task" if name == "srun" else "--nproc_per_node"
                 raise UserError(f"{os.environ.get('LOCAL_WORLD_SIZE')} processes on this node but {n} GPU(s): "
-                                f"use --nproc_per_node {n} (one process per GPU), or --device cpu")
-            device = f"cuda:{local}"
+                                f"use {flag} {n} (one process per GPU), or --device cpu")
+            device = "cuda:0" if n == 1 else f"cuda:{local}"   # srun --gpus-per-task binds one GPU per task
+            if local >= n and n > 1:
+                raise UserError(f"local rank {local} but this node shows {n} GPU(s): one process per GPU")
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo")
-        return dist.get_rank(), dist.get_world_size(), torch.device(device)
+        r, w = dist.get_rank(), dist.get_world_size()
+        nodes = len(expand_nodelist(os.environ["SLURM_STEP_NODELIST"])) if name == "srun" and \
+            os.environ.get("SLURM_STEP_NODELIST") else None
+        print0(f"launcher: {name}, {w} processes{f' on {nodes} node(s)' if nodes else ''}, rank 0 at "
+               f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}; devices by local rank, "
+               "data and seeds by global rank, rank 0 writes")
+        return r, w, torch.device(device)
     return 0, 1, torch.device(device)
 
 
