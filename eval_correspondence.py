@@ -19,8 +19,10 @@ at the clips' native size (the training size of the synthetic config), t drawn p
   (b) attn  f2 masked at the checkpoint's --mask-ratio (the training one), the decoder's
             cross-attention from each masked f2 token over f1's patch tokens, averaged over heads
             and blocks: where it peaks, same accuracy (cross-self and cross decoders).
-  (c) loss  the objective (norm-pix MSE) on f2's masked patches for the model and three trivial
-            predictors: each patch's own mean ("mean": 0 in norm-pix units, a loss of ~1), f1's
+  (c) loss  the objective (norm-pix MSE) on f2's masked patches for the model and four trivial
+            predictors: each patch's own mean ("mean": 0 in norm-pix units, a loss of ~1), one constant
+            vector everywhere, the mean norm-pix target of 64 training clips ("const": what a model
+            that ignores both frames can reach; flat patches of grey clips all had one target), f1's
             patch at the same place ("copy"), and f1 warped by the true motion ("oracle", bilinear;
             occluded points included). A model that uses f1 must beat "copy" on moving objects.
             The same loss with f1 replaced by another clip's frame ("other_f1") or a blank frame
@@ -128,6 +130,15 @@ def cross_attention(model, f1, f2, ids_keep, ids_restore):
 # The measurement
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
+def mean_target(p, clips=64, device="cpu"):
+    """(p*p*3,) the mean norm-pix target over every patch of frames 0, 8, 16, 24 of `clips` TRAIN clips:
+    the best constant prediction (for the MSE) that training could learn without reading any frame."""
+    import siammae
+    import synthetic as S
+    x = torch.stack([C.to_uint8(S.SyntheticClip(i, "train").load(t)) for i in range(clips) for t in (0, 8, 16, 24)])
+    return siammae.norm_pix(siammae.patchify(C.normalize(x.to(device)), p)).mean((0, 1))
+
+
 def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
     import siammae
     import synthetic as S
@@ -135,7 +146,9 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
     rng = np.random.default_rng([seed, gap])
     acc = {k: [] for k in ("enc_obj", "enc_bg", "enc_moved", "attn_obj", "attn_bg", "attn_moved", "zero_obj", "zero_bg",
                            "zero_attn_obj", "zero_attn_bg")}
-    loss = {f"{n}_{k}": [] for k in ("obj", "bg") for n in ("model", "other_f1", "blank_f1", "mean", "copy", "oracle")}
+    loss = {f"{n}_{k}": [] for k in ("obj", "bg") for n in ("model", "other_f1", "blank_f1", "mean", "const", "copy",
+                                                           "oracle")}
+    const = mean_target(p, device=device)
     for v in range(videos):
         clip = S.SyntheticClip(v, "val")
         if clip.size != a.img_size:
@@ -178,7 +191,7 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
                 pred_other = model(other, f2, ids_keep, ids_restore)[0].float()        # f1 of another clip
                 pred_blank = model(torch.zeros_like(f1), f2, ids_keep, ids_restore)[0].float()
             for name, y in (("model", pred[0].float()), ("other_f1", pred_other), ("blank_f1", pred_blank),
-                            ("mean", torch.zeros_like(target)),
+                            ("mean", torch.zeros_like(target)), ("const", const.expand_as(target)),
                             ("copy", siammae.norm_pix(siammae.patchify(f1, p))[0]),
                             ("oracle", siammae.norm_pix(siammae.patchify(warped, p))[0])):
                 err = ((y - target) ** 2).mean(-1).cpu().numpy()

@@ -4,8 +4,10 @@ deterministic per index and seed (nothing downloaded, nothing written). Imported
 
 Images: 10 shape classes (label = index % 10), grey shapes of random intensity, scale, position and
 rotation over a random grey textured background, with a held-out val split, so a k-NN or linear
-probe shows whether pre-training learned something. Clips: 1-3 shapes moving and turning over a
-drifting background, with per-object masks (eval_video.py's synthetic DAVIS).
+probe shows whether pre-training learned something. Clips: 1-3 coloured shapes moving and turning over
+a drifting tinted background, with per-object masks (eval_video.py's synthetic DAVIS). Colour, because
+with ImageNet's per-channel normalisation every flat grey patch has one and the same norm-pix target,
+which a SiamMAE decoder could predict everywhere without reading either frame.
 """
 import numpy as np
 import torch
@@ -79,7 +81,7 @@ class SyntheticImages(torch.utils.data.Dataset):
 
 
 class SyntheticClip:
-    """Procedural clip: 1-3 grey shapes moving (and turning) over a drifting textured background.
+    """Procedural clip: 1-3 coloured shapes moving (and turning) over a drifting tinted texture.
     load(t) -> PIL frame; mask(t) -> (H, W) uint8 object ids (0 = background, later objects on top)."""
 
     def __init__(self, idx, split="train", n_frames=32, size=64):
@@ -91,6 +93,9 @@ class SyntheticClip:
             self.objs.append(dict(shape=rng.integers(len(SHAPES)), s=rng.uniform(0.25, 0.4), p0=rng.uniform(-0.6, 0.6, 2),
                                   vel=rng.uniform(-0.04, 0.04, 2), rot0=rng.uniform(0, 2 * np.pi), w=rng.uniform(-0.1, 0.1),
                                   level=rng.uniform(0, 1)))
+        self.tint = rng.uniform(0.3, 0.7, 3)                     # drawn last: the geometry is as before
+        for o in self.objs:
+            o["rgb"] = rng.uniform(0, 1, 3)
 
     def __len__(self):
         return self.n
@@ -100,18 +105,19 @@ class SyntheticClip:
         yy, xx = np.mgrid[-1:1:size * 1j, -1:1:size * 1j]
         g, f, th, drift = self.bg
         bx, by = xx + drift[0] * t, yy + drift[1] * t
-        img = g + 0.15 * np.sin(f * np.pi * (bx * np.cos(th) + by * np.sin(th))) * np.sin(f * np.pi * by)
+        pattern = 0.15 * np.sin(f * np.pi * (bx * np.cos(th) + by * np.sin(th))) * np.sin(f * np.pi * by)
+        img = self.tint + pattern[..., None]                                        # (H, W, 3)
         ids = np.zeros((size, size), np.uint8)
         for k, o in enumerate(self.objs):
             c, r = self._pose(o, t)
             m = shape_mask(SHAPES[o["shape"]], xx, yy, c, o["s"], r)
-            img = np.where(m, o["level"], img)
+            img = np.where(m[..., None], o["rgb"], img)
             ids[m] = k + 1
         return img, ids
 
     def load(self, t):
         img = np.clip(self._render(t)[0], 0, 1)
-        return Image.fromarray((img[..., None].repeat(3, -1) * 255).astype(np.uint8))
+        return Image.fromarray((img * 255).astype(np.uint8))
 
     def mask(self, t):
         return self._render(t)[1]

@@ -116,7 +116,7 @@ def test_evaluate_reports_every_measure_for_trained_and_random_init(tiny_siammae
     rows = EC.evaluate(EC.Args(ckpt=tiny_siammae, gaps=(4,), videos=2, pairs=1, device="cpu", output=str(tmp_path / "c.jsonl")))
     r = rows[0]
     for k in ("acc_enc_obj", "acc_enc_bg", "acc_attn_obj", "acc_attn_bg", "acc_zero_obj", "acc_zero_bg",
-              "loss_model_obj", "loss_other_f1_obj", "loss_blank_f1_obj", "loss_mean_obj", "loss_copy_obj", "loss_oracle_obj"):
+              "loss_model_obj", "loss_other_f1_obj", "loss_blank_f1_obj", "loss_mean_obj", "loss_const_obj", "loss_copy_obj", "loss_oracle_obj"):
         assert r[k] is not None and not (isinstance(r[k], float) and math.isnan(r[k])), k
     assert r["loss_oracle_bg"] < r["loss_copy_bg"]                              # the true motion explains f2
     assert json.loads(open(tmp_path / "c.jsonl").readline()) == r
@@ -130,3 +130,22 @@ def test_gaps_takes_one_or_more_values():
     assert C.parse_args(EC.Args, ["--ckpt", "x", "--gaps", "8", "16", "24"]).gaps == (8, 16, 24)
     assert C.parse_args(EC.Args, ["--ckpt", "x", "--gaps", "6"]).gaps == (6,)
     assert C.parse_args(EC.Args, ["--ckpt", "x"]).gaps == (4, 8)
+
+
+def test_the_constant_baseline_is_the_mean_training_target_and_colour_clips_defeat_it():
+    """"const" predicts the mean norm-pix target of training clips everywhere: the MSE-optimal constant on
+    them. On grey clips every flat patch had one target (a constant matched the trained loss); the
+    clips are coloured now, so flat patches of two objects have different targets."""
+    import siammae
+    x = torch.stack([C.to_uint8(S.SyntheticClip(i, "train").load(t)) for i in range(2) for t in (0, 8, 16, 24)])
+    targets = siammae.norm_pix(siammae.patchify(C.normalize(x), 4)).flatten(0, 1)          # (N, 48)
+    c = EC.mean_target(4, clips=2)
+    torch.testing.assert_close(c, targets.mean(0))
+    mse = lambda v: ((targets - v) ** 2).mean().item()                                     # noqa: E731
+    assert all(mse(c) < mse(c + 0.05 * torch.eye(48)[j]) for j in range(0, 48, 7))
+    clip = next(S.SyntheticClip(i) for i in range(50) if len(S.SyntheticClip(i).objs) >= 2)
+    img, ids = clip._render(0)
+    assert img.ndim == 3 and not np.allclose(img[..., 0], img[..., 1])                     # colour frames
+    flat = [siammae.norm_pix(siammae.patchify(C.normalize(torch.tensor(np.tile(o["rgb"], (4, 4, 1)).T[None]).float()), 4))
+            for o in clip.objs[:2]]
+    assert not torch.allclose(flat[0], flat[1], atol=1e-2)
