@@ -12,6 +12,7 @@ Launch. `--batch-size` is the GLOBAL batch of images, 2 views each (paper: 4096)
 takes batch / processes images in micro-batches of --micro-batch (default 256: 35 GB peak measured
 on an 80 GB H100; README) and the step is exact: InfoNCE stays over the global 2 x batch views.
   python can.py --data synthetic                        # CPU quickstart, ~5 min, ends with k-NN
+  python can.py --data /cifar10 --preset small          # CIFAR-10 folders, 2 CPU cores: the recipe scaled by stated rules
   python can.py --data /imagenet                        # ViT-B/16 paper recipe on 1 GPU: 16 x 256
   torchrun --nproc_per_node=8 can.py --data /imagenet   # the same objective on 8 GPUs: 8 x (2 x 256)
 

@@ -11,6 +11,7 @@ Launch. `--batch-size` is the GLOBAL batch (recipe: 4096 = official 256 x 16 GPU
 takes batch / processes images in micro-batches of --micro-batch (default 512: 34 GB measured on an
 80 GB H100, 1024: 66 GB; README) and the step is exact: InfoNCE stays over the global batch.
   python cmae.py --data synthetic                        # CPU quickstart, ~5 min, ends with k-NN
+  python cmae.py --data /cifar10 --preset small          # CIFAR-10 folders, 2 CPU cores: the recipe scaled by stated rules
   python cmae.py --data /imagenet                        # ViT-B/16 official recipe on 1 GPU: 8 x 512
   torchrun --nproc_per_node=8 cmae.py --data /imagenet   # the same objective on 8 GPUs: 8 x 512
 

@@ -11,6 +11,7 @@ Launch. `--batch-size` is the GLOBAL batch (recipe: 2048, official); each proces
 batch / processes images in micro-batches of --micro-batch (default 512: 40 GB peak measured on
 an 80 GB H100; README). The loss is per image, so accumulation is exact by construction.
   python conmim.py --data synthetic                       # CPU quickstart, ~5 min, ends with k-NN
+  python conmim.py --data /cifar10 --preset small         # CIFAR-10 folders, 2 CPU cores: the recipe scaled by stated rules
   python conmim.py --data /imagenet                       # ViT-B/16 recipe on 1 GPU: 4 x 512
   torchrun --nproc_per_node=8 conmim.py --data /imagenet  # the same objective on 8 GPUs: 8 x 256
 
@@ -439,8 +440,9 @@ def train(args):
     if log.done:                                                    # a finished or stopped run, rerun
         return
     save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, teacher)  # noqa: E731
-    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute, for the "
-             "official global batch 2048; not rescaled)")
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute; " +
+             (f"--preset {args.preset}: the official 7.5e-4 x {args.batch_size} / 2048)" if args.preset
+              else "for the official global batch 2048, not rescaled)"))
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), teacher.train()

@@ -11,6 +11,7 @@ Launch. `--batch-size` is the GLOBAL batch (recipe: 1024 = official 64 x 16 GPUs
 takes batch / processes images in micro-batches of --micro-batch (default 512: 46 GB peak measured
 on an 80 GB H100; README) and the step is exact: Sinkhorn and ME-MAX stay over the global batch.
   python msn.py --data synthetic                       # CPU quickstart, ~5 min, ends with k-NN
+  python msn.py --data /cifar10 --preset small         # CIFAR-10 folders, 2 CPU cores: the recipe scaled by stated rules
   python msn.py --data /imagenet                       # ViT-S/16 official recipe on 1 GPU: 2 x 512
   torchrun --nproc_per_node=8 msn.py --data /imagenet  # the same objective on 8 GPUs: 8 x 128
   python msn.py --data /imagenet --grad-ckpt --micro-batch 1024   # 1 GPU, one micro-batch
@@ -471,7 +472,8 @@ def train(args):
     save = lambda s: C.save_run(run, "msn", args, s // ipe, s, target.encoder, model, opt, target)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps ({args.epochs} epochs; schedules span "
              f"{sched}), {1 + R + args.focal_views} views/image; lr {args.start_lr:g} -> {args.lr:g} -> "
-             f"{args.min_lr:g} (absolute, not scaled with the batch, as official)")
+             f"{args.min_lr:g} (absolute; " + (f"--preset {args.preset}: the official values x {args.batch_size} / 1024)"
+                                               if args.preset else "not scaled with the batch, as official)"))
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), target.train()                                # official target uses batch BN stats

@@ -11,6 +11,7 @@ pairs = 2048 pairs, the paper's batch 2048 read as frame pairs); each process ta
 processes videos in micro-batches of --micro-batch videos (default 512: about 50 GB on an 80 GB
 H100, twice the 25 GB measured at 256; README). The loss is per pair: accumulation is exact.
   python siammae.py --data synthetic                          # CPU quickstart, ~5 min
+  python siammae.py --data /DAVIS --preset davis              # DAVIS-2016's 30 train videos, 2 CPU cores
   python siammae.py --data /kinetics_frames                   # ViT-S/16 ablation recipe on 1 GPU: 2 x 512 videos
   torchrun --nproc_per_node=8 siammae.py --data /kinetics_frames   # the same objective on 8 GPUs: 8 x 128
 
