@@ -831,8 +831,8 @@ def parse_args(cls, argv=None):
         if a.dest in ("data", "ckpt"):
             a.help = a.help.replace("(default: None)", "(required)")
     given = vars(p.parse_args(argv))
-    preset = given.get("preset") or ("synthetic" if given.get("data", getattr(cls, "data", None)) == "synthetic"
-                                     else None)
+    synthetic = given.get("data", getattr(cls, "data", None)) == "synthetic" and "synthetic" in named
+    preset = given.get("preset") or ("synthetic" if synthetic else None)
     if preset:
         if preset not in named:
             p.error(f"--preset {preset}: this script has {', '.join(named) if named else 'no presets'}")
@@ -1002,7 +1002,7 @@ def validate(args):
         if peak and d.get(k) is not None and d[k] > peak:
             raise bad(f"{k.replace('_', '-')} {d[k]:g} is above the peak lr {peak:g}: the schedule would rise")
     if d.get("warmup_epochs", 0) > d.get("epochs", 1):
-        raise bad(f"warmup-epochs {d['warmup_epochs']} is longer than --epochs {d['epochs']}")
+        raise bad(f"warmup-epochs {d['warmup_epochs']:g} is longer than --epochs {d['epochs']}")
     for k in ("img_size", "focal_size"):
         if d.get(k) is not None and d.get("patch_size") and d[k] % d["patch_size"]:
             raise bad(f"{k.replace('_', '-')} {d[k]} is not a multiple of --patch-size {d['patch_size']}")

@@ -98,7 +98,7 @@ class Args(C.RunArgs):
     # --data synthetic: 64 px, the clips' native size, so that eval_video (which runs on native
     # frames) sees the patch scale the encoder was trained at (a 32 px run fell below random init
     # there); nano keeps it about 5 min on 2 CPU cores (16 effective epochs = 8 passes of 62 steps).
-    PRESETS = {"davis": dict(model="nano", patch_size=4, img_size=64, epochs=1000, batch_size=30, decoder_dim=64,
+    PRESETS = {"davis": dict(model="nano", patch_size=4, img_size=64, epochs=600, batch_size=30, decoder_dim=64,
                              decoder_depth=2, decoder_heads=4, gap=(8, 48), workers=2, log_every=20)}
     SYNTHETIC = dict(model="nano", patch_size=4, img_size=64, epochs=16, batch_size=32, decoder_dim=64,
                      decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2, log_every=20)

@@ -96,8 +96,8 @@ def test_synthetic_classes_are_ten_distinct_shapes_whatever_the_rotation():
 
 
 def test_synthetic_clip_masks_are_the_objects_drawn():
-    """eval_video's synthetic DAVIS: mask(t) marks exactly the pixels of each object in frame t (all at its grey
-    level, the later object on top), every object is in view, the objects move, and val's clips are not train's."""
+    """eval_video's synthetic DAVIS: mask(t) marks exactly the pixels of each object in frame t (all of its
+    colour, the later object on top), every object is in view, the objects move, and val's clips are not train's."""
     import numpy as np
     for i in range(4):
         clip = S.SyntheticClip(i, "val")
@@ -106,7 +106,7 @@ def test_synthetic_clip_masks_are_the_objects_drawn():
             assert frame.shape == (64, 64, 3) and ids.shape == (64, 64)
             assert set(np.unique(ids)) == set(range(len(clip.objs) + 1))              # background + every object
             for k, o in enumerate(clip.objs):
-                assert (frame[ids == k + 1] == int(o["level"] * 255)).all()
+                assert (frame[ids == k + 1] == (o["rgb"] * 255).astype(np.uint8)).all()
         assert (clip.mask(0) != clip.mask(31)).any()
     train, val = S.SyntheticVideos("train"), S.SyntheticVideos("val")                 # a held-out val split
     assert len(train) == 2000 and len(val) == 20

@@ -450,7 +450,8 @@ def test_evaluate_reports_the_mean_over_objects_and_checks_its_flags(tmp_path, m
     for _ in range(2):                                                  # twice into the same --output
         run(output=str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path / "out")) == ["a", "b"]
-    for kw, match in [(dict(ckpt=None), "--ckpt and --data are required"), (dict(data=None), "--ckpt and --data"),
+    for kw, match in [(dict(ckpt=None), r"--ckpt \(or a baseline: --pixels, --copy-first\) and --data are required"),
+                      (dict(data=None), "and --data are required"),
                       (dict(topk=0), "--topk must be positive"), (dict(radius=0.0), "--radius must be positive"),
                       (dict(temperature=0.0), "--temperature must be positive"),
                       (dict(n_context=-1), "--n-context, --short-side and --size must be >= 0"),
