@@ -556,3 +556,14 @@ def test_pixel_features_are_each_patchs_pixels_and_the_baselines_need_no_checkpo
                        (dict(), "--ckpt \\(or a baseline")):
         with pytest.raises(C.UserError, match=match):
             V.evaluate(V.Args(data=str(root), **bad))
+
+
+@pytest.mark.parametrize("r", [1, 2, 5, 8])
+def test_dilation_is_exactly_the_closed_disk(r):
+    """F's tolerance region: the row-wise running max equals dilation by {dx^2 + dy^2 <= r^2} (a convolution
+    with that disk), at the borders too."""
+    b = np.random.default_rng(r).random((40, 70)) > 0.97
+    k = torch.arange(-r, r + 1)
+    disk = ((k[:, None] ** 2 + k[None] ** 2) <= r * r).float()[None, None]
+    want = (F.conv2d(torch.from_numpy(b.astype(np.float32))[None, None], disk, padding=r)[0, 0] > 0).numpy()
+    assert np.array_equal(V._dilate(b, r), want)
