@@ -222,21 +222,35 @@ def boundary(mask):
 
 
 def _dilate(b, r):
-    """b dilated by the closed disk of radius r (dx^2 + dy^2 <= r^2): for each row offset dy, a running
-    max over the row's half-width isqrt(r^2 - dy^2), shifted by dy (exact; ~50x faster on a CPU than
-    one convolution with the disk at 480p)."""
+    """b dilated by the closed disk of radius r (dx^2 + dy^2 <= r^2): for each row offset dy, a window
+    of half-width isqrt(r^2 - dy^2) along the rows (a difference of row-wise cumulative sums > 0),
+    shifted by dy (exact; the disk as a convolution is ~100x slower on a CPU at 480p)."""
     if r == 0:
         return b
-    x = torch.from_numpy(b.astype(np.float32))[None, None]                     # (1, 1, H, W)
-    H, out = x.shape[2], torch.zeros_like(x)
+    H, W = b.shape
+    cs = np.zeros((H, W + 1), np.int32)
+    np.cumsum(b, axis=1, out=cs[:, 1:])
+    x, rows, out = np.arange(W), {}, np.zeros((H, W), bool)
     for dy in range(-r, r + 1):
         w = math.isqrt(r * r - dy * dy)
-        row = F.max_pool2d(x, (1, 2 * w + 1), stride=1, padding=(0, w))         # max over x - w .. x + w
+        if w not in rows:                                                       # any of b[y, x - w .. x + w]
+            rows[w] = cs[:, np.minimum(x + w + 1, W)] - cs[:, np.maximum(x - w, 0)] > 0
         if dy >= 0:                                                             # out[y] |= row[y + dy]
-            out[:, :, :H - dy] = torch.maximum(out[:, :, :H - dy], row[:, :, dy:])
+            out[:H - dy] |= rows[w][dy:]
         else:
-            out[:, :, -dy:] = torch.maximum(out[:, :, -dy:], row[:, :, :H + dy])
-    return (out[0, 0] > 0).numpy()
+            out[-dy:] |= rows[w][:H + dy]
+    return out
+
+
+def _near(a, b, r):
+    """(a & _dilate(b, r)).sum(): the pixels of a within r of a pixel of b, with b dilated only inside
+    a's bounding box grown by r (the pixels of b that can reach a; exact)."""
+    ys, xs = np.nonzero(a)
+    if len(ys) == 0:
+        return 0
+    y0, x0 = max(ys.min() - r, 0), max(xs.min() - r, 0)
+    y1, x1 = ys.max() + r + 1, xs.max() + r + 1
+    return int((a[y0:y1, x0:x1] & _dilate(b[y0:y1, x0:x1], r)).sum())
 
 
 def f_measure(pred, gt, void=None, bound_th=0.008):
@@ -250,8 +264,8 @@ def f_measure(pred, gt, void=None, bound_th=0.008):
         return 1.0
     if bp.sum() == 0 or bg.sum() == 0:
         return 0.0
-    precision = (bp & _dilate(bg, r)).sum() / bp.sum()
-    recall = (bg & _dilate(bp, r)).sum() / bg.sum()
+    precision = _near(bp, bg, r) / bp.sum()
+    recall = _near(bg, bp, r) / bg.sum()
     return 0.0 if precision + recall == 0 else 2 * precision * recall / (precision + recall)
 
 

@@ -567,3 +567,14 @@ def test_dilation_is_exactly_the_closed_disk(r):
     disk = ((k[:, None] ** 2 + k[None] ** 2) <= r * r).float()[None, None]
     want = (F.conv2d(torch.from_numpy(b.astype(np.float32))[None, None], disk, padding=r)[0, 0] > 0).numpy()
     assert np.array_equal(V._dilate(b, r), want)
+
+
+@pytest.mark.parametrize("r", [1, 3, 8])
+def test_boundary_matching_in_a_crop_equals_the_whole_frame(r):
+    """f_measure counts a's pixels near b inside a's bounding box grown by r: the same count as dilating
+    b over the whole frame, for sparse, clustered, border-touching and empty a."""
+    rng = np.random.default_rng(r)
+    b = rng.random((50, 90)) > 0.98
+    for a in (rng.random((50, 90)) > 0.97, np.pad(rng.random((6, 9)) > 0.5, ((44, 0), (0, 81))),
+              np.pad(rng.random((5, 5)) > 0.5, ((20, 25), (40, 45))), np.zeros((50, 90), bool)):
+        assert V._near(a, b, r) == (a & V._dilate(b, r)).sum()
