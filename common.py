@@ -635,8 +635,7 @@ def init_distributed(device):
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo")
         r, w = dist.get_rank(), dist.get_world_size()
-        nodes = len(expand_nodelist(os.environ["SLURM_STEP_NODELIST"])) if name == "srun" and \
-            os.environ.get("SLURM_STEP_NODELIST") else None
+        nodes = (os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES")) if name == "srun" else None
         print0(f"launcher: {name}, {w} processes{f' on {nodes} node(s)' if nodes else ''}, rank 0 at "
                f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}; devices by local rank, "
                "data and seeds by global rank, rank 0 writes")

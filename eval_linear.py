@@ -449,16 +449,12 @@ def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, wor
                  autocast=contextlib.nullcontext()):
     """Top-1 (%) of weighted k-NN: train split as memory bank, val split as queries (labels matched
     by class name); features: the [CLS] token ("cls") or the mean patch token ("mean"), normed."""
-    split = eval_split(data)
-    val = C.image_dataset(data, split) if data == "synthetic" or os.path.isdir(os.path.join(data, split)) else None
-    if val is None:
-        raise C.UserError(f"--data {data}: k-NN needs a val/ (or test/) split next to train/")
-    train = C.image_dataset(data, "train")
+    train, val, to_train = splits(data)
     tf = eval_transform(img_size, synthetic=data == "synthetic")
     (ftr, ytr), (fva, yva) = (extract_features(encoder, torch.utils.data.DataLoader(C.Views(ds, tf), batch_size,
                               num_workers=workers), device, lambda e, x: features_of(e, x, how), autocast)
                               for ds in (train, val))
-    return knn(ftr, ytr, fva, val_to_train(train, val)[yva], len(train.classes), k)["knn_top1"]
+    return knn(ftr, ytr, fva, to_train[yva], len(train.classes), k)["knn_top1"]
 
 
 def knn_report(args, run, log, encoder, build_init, how, what):

@@ -309,11 +309,12 @@ def pck(videos, thresholds=PCK_AT):
 # ----------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------
-def _read(path, convert=None):
-    """A PIL image converted to `convert`, or its array (labels); unreadable -> one line naming it."""
+def _read(path, convert=None, size=False):
+    """A PIL image converted to `convert`, or its array (labels), or with size=True only its (width,
+    height) from the header; unreadable -> one line naming it."""
     try:
         with Image.open(path) as im:
-            return im.convert(convert) if convert else np.array(im)
+            return im.size if size else im.convert(convert) if convert else np.array(im)
     except Exception as e:
         raise C.UserError(f"cannot read {path} ({type(e).__name__}: {e})") from None
 
@@ -387,9 +388,10 @@ def davis_videos(root, split):
         if not os.path.isfile(ann[0]):
             raise C.UserError(f"video {v}: no first-frame annotation {ann[0]}")
         for f, m in zip(frames, ann):
-            if os.path.isfile(m) and _size(m) != _size(f):
-                raise C.UserError(f"video {v}: annotation {m} is {'x'.join(map(str, _size(m)))} px but its frame {f} "
-                                  f"is {'x'.join(map(str, _size(f)))}: fix or remove the annotation (nothing was evaluated)")
+            sm, sf = (_read(m, size=True), _read(f, size=True)) if os.path.isfile(m) else (0, 0)
+            if sm != sf:
+                raise C.UserError(f"video {v}: annotation {m} is {'x'.join(map(str, sm))} px but its frame {f} is "
+                                  f"{'x'.join(map(str, sf))}: fix or remove the annotation (nothing was evaluated)")
     binary = os.path.isfile(l16)
     for v, frames, ann in videos:
         masks = [_read(m) if os.path.isfile(m) else None for m in ann]
@@ -399,15 +401,6 @@ def davis_videos(root, split):
         if not any(i not in (0, 255) for i in np.unique(masks[0])):
             raise C.UserError(f"video {v}: its first-frame annotation {ann[0]} has no object to propagate")
         yield v, [_read(f, "RGB") for f in frames], masks
-
-
-def _size(path):
-    """(width, height) of an image file from its header; unreadable -> one line naming it."""
-    try:
-        with Image.open(path) as im:
-            return im.size
-    except Exception as e:
-        raise C.UserError(f"cannot read {path} ({type(e).__name__}: {e})") from None
 
 
 def vip_videos(root, split):

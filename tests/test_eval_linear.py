@@ -525,9 +525,10 @@ def test_lowshot_preprocesses_val_as_train_and_draws_one_subset_per_seed(monkeyp
     assert seeds == [0, 1, 2]
 
 
-def test_a_test_folder_is_evaluated_where_there_is_no_val(tmp_path):
+def test_a_test_folder_is_evaluated_where_there_is_no_val(tmp_path, monkeypatch):
     """CIFAR-10's folders are train/ and test/: test/ is evaluated where val/ is absent (or by --split),
-    and the error names both when neither is there."""
+    by eval_linear and by the training scripts' k-NN monitor, and the error names both when neither is
+    there."""
     data = tiny_folder(tmp_path / "data")
     shutil.move(os.path.join(data, "val"), os.path.join(data, "test"))
     train, test, _ = E.splits(data)
@@ -535,6 +536,10 @@ def test_a_test_folder_is_evaluated_where_there_is_no_val(tmp_path):
     ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
     res = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="knn", workers=0, k=3, cache=False))
     assert res["split"] == "test"
+    queries, real = [], E.knn
+    monkeypatch.setattr(E, "knn", lambda *a, **kw: (queries.append(len(a[2])), real(*a, **kw))[1])
+    E.knn_accuracy(E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), data, 16, torch.device("cpu"), k=3)
+    assert queries == [9]                                         # the monitor queries test/'s 9 images
     shutil.copytree(os.path.join(data, "test"), os.path.join(data, "val"))
     assert E.eval_split(data) == "val" and E.eval_split(data, "test") == "test"
     shutil.rmtree(os.path.join(data, "val")), shutil.rmtree(os.path.join(data, "test"))

@@ -227,8 +227,8 @@ def test_epochs_and_stop_epoch_count_in_their_units(tmp_path):
 @pytest.mark.parametrize("edition", ["2016", "2017"])
 def test_a_davis_root_trains_on_its_train_videos_only(tmp_path, edition):
     """--data <DAVIS root>: the videos of its train list (2016: "frame mask" lines; 2017: names), never the
-    val videos nor the annotation PNGs (a plain walk would take both as videos); a listed video without
-    a folder is one line."""
+    val videos nor the annotation PNGs (a plain walk would take both as videos), the same videos as
+    eval_video reads from that list; a listed video without a folder is one line."""
     from PIL import Image
     root = tmp_path / "DAVIS"
     for v in ("a", "b", "c"):
@@ -236,7 +236,9 @@ def test_a_davis_root_trains_on_its_train_videos_only(tmp_path, edition):
             os.makedirs(root / sub / "480p" / v)
         for t in range(3):
             Image.new("RGB", (20, 12), (t, 0, 0)).save(root / "JPEGImages/480p" / v / f"{t:05d}.jpg")
-            Image.new("L", (20, 12)).save(root / "Annotations/480p" / v / f"{t:05d}.png")
+            m = Image.new("L", (20, 12))
+            m.paste(255 if edition == "2016" else 1, (4, 4, 10, 10))           # the object (2017: id 1)
+            m.save(root / "Annotations/480p" / v / f"{t:05d}.png")
     os.makedirs(root / "ImageSets" / ("480p" if edition == "2016" else "2017"))
     lst = root / "ImageSets" / ("480p" if edition == "2016" else "2017") / "train.txt"
     lst.write_text("".join(f"/JPEGImages/480p/{v}/{t:05d}.jpg /Annotations/480p/{v}/{t:05d}.png\n"
@@ -244,6 +246,8 @@ def test_a_davis_root_trains_on_its_train_videos_only(tmp_path, edition):
     ds = siammae.video_dataset(str(root))
     assert [os.path.dirname(v.paths[0]) for v in ds.videos] == [str(root / "JPEGImages/480p" / v) for v in ("a", "c")]
     assert all(p.endswith(".jpg") for v in ds.videos for p in v.paths) and len(ds.videos[0]) == 3
+    import eval_video                                   # its own parser of the same lists must agree
+    assert sorted((v, len(f)) for v, f, _ in eval_video.davis_videos(str(root), "train")) == [("a", 3), ("c", 3)]
     lst.write_text(lst.read_text().replace("a", "z"))
     with pytest.raises(C.UserError, match="lists z, which has no folder in"):
         siammae.video_dataset(str(root))

@@ -33,7 +33,7 @@ def slurm_vars(rank, world=2, job=1, nodes="localhost", per_node=None):
     """What srun puts in each task's environment (the variables this project reads, and a few more)."""
     return {"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world),
             "SLURM_STEP_NUM_TASKS": str(world), "SLURM_LOCALID": str(rank % (per_node or world)),
-            "SLURM_STEP_NODELIST": nodes, "SLURM_JOB_NODELIST": nodes, "SLURM_NODEID": "0",
+            "SLURM_STEP_NODELIST": nodes, "SLURM_JOB_NODELIST": nodes, "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1",
             "SLURM_STEP_TASKS_PER_NODE": f"{per_node or world}", "SLURM_CPUS_ON_NODE": "2"}
 
 
