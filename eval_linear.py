@@ -221,8 +221,10 @@ class ViT(nn.Module):
     copies the shared table into every block, as BEiT's run_class_finetuning), layer_scale, qkv_bias
     "qv"; such an encoder takes only its training image size (the bias is tied to the patch grid).
     --random-init draws the weights as the method's own ViT does (init "trunc": DeiT / MSN,
-    "xavier": MAE / CMAE / CAN / SiamMAE, "beit": ConMIM), in the same order, so the baseline is
-    that method's initialisation for the same seed."""
+    "xavier": MAE / CMAE / CAN / SiamMAE, "beit": ConMIM), in the same order, for the run's seed: the
+    run's own initial encoder for MSN, CMAE and ConMIM; CAN's and SiamMAE's training models draw the
+    whole model at once (MAE's initialize_weights), so there it is another draw of the same
+    initialisation (a run's first checkpoint, --stop-step 1 at lr 0, holds its own start)."""
 
     def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, mlp_ratio=4.0,
                  pos_embed="learned", init="trunc", drop_path=0.0, rel_pos_bias=None, layer_scale=None,
