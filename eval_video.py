@@ -64,8 +64,9 @@ all videos, PCK@a = % within a x scale, averaged over the joints. A joint outsid
 cannot be propagated: a warning line names it and it is not scored in that video (CRW's map is
 empty there too, so its eval drops it).
 
-Baselines (no checkpoint): --random-init (the checkpoint's ViT at its initialisation), --pixels
-(each p x p patch's normalised pixels, L2-normalised like the tokens, through the same propagation on
+Baselines: --random-init (the checkpoint's ViT drawn with its seed; SiamMAE's training model draws
+the whole model at once, so a run's own initial encoder is its --stop-step 1 checkpoint), --pixels
+(no checkpoint: each p x p patch's normalised pixels, L2-normalised like the tokens, through the same propagation on
 the same grid; --patch-size p), --copy-first (the first frame's labels or joints for every frame).
 
 Synthetic (`--data synthetic`, the moving-shape clips of synthetic.py, val split, native 64 px):
