@@ -65,9 +65,10 @@ cannot be propagated: a warning line names it and it is not scored in that video
 empty there too, so its eval drops it).
 
 Baselines: --random-init (the checkpoint's ViT drawn with its seed; SiamMAE's training model draws
-the whole model at once, so a run's own initial encoder is its --stop-step 1 checkpoint), --pixels
-(no checkpoint: each p x p patch's normalised pixels, L2-normalised like the tokens, through the same propagation on
-the same grid; --patch-size p), --copy-first (the first frame's labels or joints for every frame).
+the whole model at once, so a run's own initial encoder is its --stop-step 1 checkpoint); without a
+checkpoint, --pixels (each p x p patch's normalised pixels, L2-normalised like the tokens, through
+the same propagation on the same grid; --patch-size p) and --copy-first (the first frame's labels
+or joints for every frame).
 
 Synthetic (`--data synthetic`, the moving-shape clips of synthetic.py, val split, native 64 px):
 davis scores each object; vip labels each object by its shape class (1..10); jhmdb propagates
