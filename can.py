@@ -102,7 +102,7 @@ class Args(C.RunArgs):
     # batch, warm-up the same fraction of the run, view sizes x img / 224, EMA and wd schedules as official);
     # the values written here are choices for the budget (model, heads, batch, length) or the data. `--preset small`:
     # 32-px images (CIFAR-10) on 2 CPU cores; `--data synthetic` applies SYNTHETIC the same way.
-    PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=1, batch_size=256, decoder_dim=128,
+    PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=6, batch_size=256, decoder_dim=128,
                              decoder_depth=2, decoder_heads=4, proj_hidden=512, workers=2, log_every=20)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64,
                      decoder_dim=64, decoder_depth=2, decoder_heads=4, proj_hidden=256, proj_dim=64,
@@ -446,7 +446,7 @@ def train(args):
     C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio)[2].sum(), grid * grid)
     per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {2 * args.batch_size - 2} negatives per view "
                               "instead of 8190")
-    dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
+    dataset = C.image_dataset(args.data, "train", skip_unreadable=True, holdout=args.holdout)
     loader = C.make_loader(C.Views(dataset, TwoViews(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe

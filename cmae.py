@@ -77,6 +77,8 @@ class Args(C.RunArgs):
     weight_decay: float = 0.05
     betas: tuple = (0.9, 0.95)
     ema: float = field(default=0.996, metadata={"help": "EMA momentum (constant, per step)"})
+    ema_horizon: float = field(default=0.0, metadata={"help": "cap the EMA horizon 1/(1-m) at this fraction of the "
+                               "run's steps by lowering the first momentum (0: official; short-run presets: 0.02)"})
     mask_ratio: float = 0.65
     mask_unit: int = field(default=2, metadata={"help": "mask in unit x unit patch blocks (1 = per patch)"})
     decoder_dim: int = 512
@@ -96,7 +98,7 @@ class Args(C.RunArgs):
     # batch, warm-up the same fraction of the run, view sizes x img / 224, EMA and wd schedules as official);
     # the values written here are choices for the budget (model, heads, batch, length) or the data. `--preset small`:
     # 32-px images (CIFAR-10) on 2 CPU cores; `--data synthetic` applies SYNTHETIC the same way.
-    PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=3, batch_size=256, decoder_dim=128,
+    PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=9, batch_size=256, decoder_dim=128,
                              decoder_depth=2, decoder_heads=4, feature_decoder_depth=1, proj_hidden=512, workers=2,
                              log_every=20)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64,
@@ -472,11 +474,12 @@ def train(args):
                        grid * grid)
     per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {args.batch_size - 1} negatives per image instead "
                               "of 4095", batchnorm="the projector's and predictor's")
-    dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
+    dataset = C.image_dataset(args.data, "train", skip_unreadable=True, holdout=args.holdout)
     loader = C.make_loader(C.Views(dataset, PixelShiftViews(args, color=not args.gpu_aug), args.seed), per,
                            args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
+    m = C.ema_start(args.ema, total, args.ema_horizon)               # short runs: horizon <= a share of the run
     lr = args.lr or args.blr * args.batch_size / 256
 
     model = CMAE(args).to(dev)
@@ -493,7 +496,7 @@ def train(args):
         return
     save = lambda s: C.save_run(run, "cmae", args, s // ipe, s, model.encoder, model, opt, target)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
-             + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"))
+             + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)") + f"; EMA momentum {m:g}")
     p, grid = args.patch_size, model.encoder.grid
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
@@ -511,7 +514,7 @@ def train(args):
             loss, parts = train_step(online, target_fwd, x_s, x_t, ids_keep, ids_restore, mask, args, micro,
                                      run.autocast, run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # official: no clipping
-            ema_update(target, target.online_params(model), args.ema)
+            ema_update(target, target.online_params(model), m)
             if C.end_step(run, log, args, step + 1, epoch, parts, save, dataset, (it + 1) * per, bad0,
                           lr=opt.param_groups[0]["lr"]):                 # log, NaN watch; preempted: stop
                 return

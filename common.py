@@ -32,9 +32,9 @@ class UserError(Exception):
 
 
 def check_mask_ratio(ratio, count_masked, n, need_masked=True, need_kept=True):
-    """--mask-ratio as the method's masking rounds it (count_masked(): patches masked of n in one draw,
-    under fork_rng): all masked leaves the encoder nothing (CAN's pooled feature was NaN), none leaves
-    nothing for a loss over masked patches (NaN at step 1)."""
+    """--mask-ratio as the method's masking rounds it (count_masked(): patches masked of n in one draw, under fork_rng):
+    all masked leaves the encoder nothing (CAN's pooled feature was NaN), none leaves nothing for a loss over masked
+    patches (NaN at step 1)."""
     with torch.random.fork_rng(devices=[]):
         n_masked = int(count_masked())
     if need_kept and n_masked == n:
@@ -47,8 +47,8 @@ def check_mask_ratio(ratio, count_masked, n, need_masked=True, need_kept=True):
 # Activation checkpointing, pictures, schedules, the optimiser and its step
 # ----------------------------------------------------------------------------------------------
 def run_blocks(blocks, x, checkpoint=False, *ctx):
-    """x through each block (blk(x, *ctx)); checkpoint: activation checkpointing per block when grad is
-    on, the RNG replayed in the recomputation (same drop-path draws, same gradients)."""
+    """x through each block (blk(x, *ctx)); checkpoint: activation checkpointing per block when grad is on, the RNG
+    replayed in the recomputation (same drop-path draws, same gradients)."""
     for blk in blocks:
         if checkpoint and torch.is_grad_enabled():
             x = torch.utils.checkpoint.checkpoint(blk, x, *ctx, use_reentrant=False, preserve_rng_state=True)
@@ -70,8 +70,8 @@ _OUT = [None]                                      # the run's output directory,
 
 
 def save_image_grid(path, rows, labels, step=None):
-    """rows: list of (B, 3, H, W) ImageNet-normalised tensors -> one PNG (rank 0): a row per tensor, each
-    labelled on its left, tiles upscaled (nearest) to at least 64 px; also to TensorBoard with --tensorboard."""
+    """rows: list of (B, 3, H, W) ImageNet-normalised tensors -> one PNG (rank 0): a row per tensor, each labelled on its
+    left, tiles upscaled (nearest) to at least 64 px; also to TensorBoard with --tensorboard."""
     if not is_main():
         return
     from PIL import ImageDraw
@@ -90,36 +90,6 @@ def save_image_grid(path, rows, labels, step=None):
     canvas.save(path)
     if _TB[0] is not None:
         _TB[0].add_image(re.sub(r"_ep\d+.*", "", os.path.basename(path)), grid, step or 0)
-
-
-class Progress:
-    """A phase that can take long (feature extraction, a probe's epochs, propagation): `what i/total
-    (pct), elapsed, eta` at most every `every` seconds (rank 0), and a closing line with its time.
-    progress.step(n) after each unit; use as a context manager or call done()."""
-
-    def __init__(self, what, total, every=10.0):
-        self.what, self.total, self.every, self.i = what, max(1, total), every, 0
-        self.t0 = self.t = time.time()
-
-    def step(self, n=1):
-        self.i += n
-        now = time.time()
-        if now - self.t >= self.every and self.i < self.total:
-            self.t = now
-            eta = (now - self.t0) / self.i * (self.total - self.i)
-            print0(f"{self.what}: {self.i}/{self.total} ({100 * self.i / self.total:.0f}%), "
-                   f"{now - self.t0:.0f} s, eta {eta:.0f} s")
-
-    def done(self):
-        if time.time() - self.t0 >= self.every:                     # said only for phases that were long
-            print0(f"{self.what}: done in {time.time() - self.t0:.0f} s")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if exc[0] is None:
-            self.done()
 
 
 def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
@@ -201,10 +171,10 @@ def micro_slices(n, micro):
 
 
 def micro_batches(n, micro, ddp=None):
-    """The slices of this process's n samples, micro at a time, for a loss that is a sum over samples:
-    the caller weights each slice's loss by its share of the batch and back-propagates it, which
-    accumulates the exact batch gradient. With several slices under DDP, the reducer is paused
-    (no_sync) until the last backward and gradients are averaged once, as one DDP backward would."""
+    """The slices of this process's n samples, micro at a time, for a loss that is a sum over samples: the caller weights
+    each slice's loss by its share of the batch and back-propagates it, which accumulates the exact batch gradient.
+    With several slices under DDP, the reducer is paused (no_sync) until the last backward and gradients are averaged
+    once, as one DDP backward would."""
     slices = micro_slices(n, micro)
     if ddp is None or len(slices) == 1:
         yield from slices
@@ -314,8 +284,8 @@ def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=
 
 
 class CountsUnreadable:
-    """For a training dataset that skips what it cannot read: `bad` counts the distinct unreadable items
-    (files; SiamMAE: videos) met by this process and its forked workers, for --max-unreadable."""
+    """For a training dataset that skips what it cannot read: `bad` counts the distinct unreadable items (files; SiamMAE:
+    videos) met by this process and its forked workers, for --max-unreadable."""
 
     def count_unreadable_of(self, n):
         import multiprocessing                          # shared with forked DataLoader workers:
@@ -334,9 +304,9 @@ class CountsUnreadable:
 
 
 class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
-    """Images under a directory: class = first-level sub-folder (ImageFolder), or one class if flat.
-    skip_unreadable (training): an unreadable image is replaced by the next readable one (i+1, i+2,
-    ...: deterministic, resume stays exact), reported once and counted; else (evaluation) an error."""
+    """Images under a directory: class = first-level sub-folder (ImageFolder), or one class if flat. skip_unreadable
+    (training): an unreadable image is replaced by the next readable one (i+1, i+2, ...: deterministic, resume stays
+    exact), reported once and counted; else (evaluation) an error."""
 
     def __init__(self, root, skip_unreadable=False):
         if not os.path.isdir(root):
@@ -376,20 +346,35 @@ def read_rgb(path):
         return img.convert("RGB")
 
 
-def image_dataset(data, split="train", skip_unreadable=False):
-    """`synthetic`, or DIR (DIR/train or DIR/val when present, else DIR itself for training)."""
+def image_dataset(data, split="train", skip_unreadable=False, holdout=0):
+    """`synthetic`, or DIR (DIR/train or DIR/val when present, else DIR itself for training). holdout n:
+    split "train" is the training images but the n that held_out() keeps back, split "holdout" those n."""
     if data == "synthetic":
+        if holdout:
+            raise UserError("--holdout: the synthetic data has its own val split; leave --holdout out")
         from synthetic import SyntheticImages           # only for --data synthetic
         return SyntheticImages(split)
-    root = os.path.join(data, split) if os.path.isdir(os.path.join(data, split)) else None
-    if root is None and split == "train":
-        root = data
-    return ImageFiles(root, skip_unreadable) if root else None
+    sub = "train" if split == "holdout" else split
+    root = os.path.join(data, sub) if os.path.isdir(os.path.join(data, sub)) else (data if sub == "train" else None)
+    ds = ImageFiles(root, skip_unreadable) if root else None
+    if ds is not None and sub == "train" and holdout:
+        ds.samples = held_out(ds.samples, holdout, split == "holdout")
+        ds.count_unreadable_of(len(ds.samples))
+    return ds
+
+
+def held_out(items, n, held=False):
+    """--holdout n: the n of `items` (a sorted list: image files, videos) that training never sees, a draw fixed by
+    n and len(items) alone (not --seed), so that every run and evaluation agree. held: those n, else the others."""
+    if n and not 0 < n < len(items):
+        raise UserError(f"--holdout {n}: there are {len(items)} training items (hold back fewer)")
+    out = set(torch.randperm(len(items), generator=torch.Generator().manual_seed(0))[:n].tolist())
+    return [x for i, x in enumerate(items) if (i in out) == held]
 
 
 class Views(torch.utils.data.Dataset):
-    """`transform` of dataset.load(i) under an RNG seeded by (seed, epoch, i) (EpochSampler hands out
-    (index, epoch)): the same views for any number of workers and across resumes."""
+    """`transform` of dataset.load(i) under an RNG seeded by (seed, epoch, i) (EpochSampler hands out (index, epoch)):
+    the same views for any number of workers and across resumes."""
 
     def __init__(self, dataset, transform, seed=0):
         self.dataset, self.transform, self.seed = dataset, transform, seed
@@ -406,9 +391,9 @@ class Views(torch.utils.data.Dataset):
 
 
 class EpochSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler (also for one process) yielding (index, epoch) for `Views`, skipping `skip`
-    indices of the first epoch (mid-epoch resume). With `ipe` set it runs on through the next epochs,
-    each cut to ipe batches: one iterator for the whole run, workers prefetching across epochs."""
+    """DistributedSampler (also for one process) yielding (index, epoch) for `Views`, skipping `skip` indices of the
+    first epoch (mid-epoch resume). With `ipe` set it runs on through the next epochs, each cut to ipe batches: one
+    iterator for the whole run, workers prefetching across epochs."""
     skip, ipe, batch = 0, None, 1
 
     def __iter__(self):
@@ -428,9 +413,9 @@ def seed_epoch(seed, epoch, rank):
 
 
 def epoch_batches(loader, epoch, ipe, start_step, seed, rank):
-    """enumerate(batches of `epoch`) after those a checkpoint at global step start_step covered. A fresh
-    epoch reseeds (seed_epoch); a resumed one keeps the checkpoint's RNG state (masks and noise go on
-    exactly). One loader iterator runs on across epochs; waits are counted for the log (data_wait)."""
+    """enumerate(batches of `epoch`) after those a checkpoint at global step start_step covered. A fresh epoch reseeds
+    (seed_epoch); a resumed one keeps the checkpoint's RNG state (masks and noise go on exactly). One loader iterator
+    runs on across epochs; waits are counted for the log (data_wait)."""
     first = min(ipe, max(0, start_step - epoch * ipe))
     if first == 0:
         seed_epoch(seed, epoch, rank)
@@ -503,8 +488,8 @@ def resolve_device(name=None):
 
 def expand_nodelist(nodelist):
     """SLURM's compressed host list -> hosts, in order, without calling scontrol (which may be absent):
-    "gpu[01-03,07],cpu5" -> gpu01 gpu02 gpu03 gpu07 cpu5 (zero padding kept); a name with several
-    bracket groups ("r[1-2]n[3,5]") expands to their product, the last group fastest."""
+    "gpu[01-03,07],cpu5" -> gpu01 gpu02 gpu03 gpu07 cpu5 (zero padding kept); a name with several bracket groups
+    ("r[1-2]n[3,5]") expands to their product, the last group fastest."""
     hosts, depth, item = [], 0, ""
     for ch in nodelist.strip() + ",":                          # split on the commas outside brackets
         depth += (ch == "[") - (ch == "]")
@@ -543,14 +528,13 @@ MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SI
 
 
 def launcher(env=None):
-    """How this process was started, from the environment: (name, torchrun-style variables or None).
-    torchrun (WORLD_SIZE set; also inside an sbatch script) wins; else an srun step (SLURM_STEP_ID):
-    rank SLURM_PROCID, world SLURM_STEP_NUM_TASKS (else SLURM_NTASKS), local rank SLURM_LOCALID,
-    MASTER_ADDR the step's first host (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST), MASTER_PORT
-    derived from SLURM_JOB_ID unless set. Several tasks of a launcher that do not form one process
-    group here (an sbatch script's own shell with --ntasks > 1, srun tasks each running a standalone
-    torchrun, mpirun) would train as duplicates into one output: a one-line error naming the fix.
-    Partial or inconsistent variables: one line."""
+    """How this process was started, from the environment: (name, torchrun-style variables or None). torchrun (WORLD_SIZE
+    set; also inside an sbatch script) wins; else an srun step (SLURM_STEP_ID): rank SLURM_PROCID, world
+    SLURM_STEP_NUM_TASKS (else SLURM_NTASKS), local rank SLURM_LOCALID, MASTER_ADDR the step's first host
+    (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST), MASTER_PORT derived from SLURM_JOB_ID unless set. Several tasks of
+    a launcher that do not form one process group here (an sbatch script's own shell with --ntasks > 1, srun tasks
+    each running a standalone torchrun, mpirun) would train as duplicates into one output: a one-line error naming the
+    fix. Partial or inconsistent variables: one line."""
     env = os.environ if env is None else env
     num = lambda k: _int_var(env, k)                           # noqa: E731
     slurm_tasks = num("SLURM_STEP_NUM_TASKS") or num("SLURM_NTASKS") or 1
@@ -614,8 +598,8 @@ def _int_var(env, k):
 
 
 def init_distributed(device):
-    """One process group from torchrun's variables, or an srun step's (launcher()): nccl on CUDA, gloo on
-    CPU; one line (rank 0) names the launcher and the layout. Returns (rank, world, device)."""
+    """One process group from torchrun's variables, or an srun step's (launcher()): nccl on CUDA, gloo on CPU; one line
+    (rank 0) names the launcher and the layout. Returns (rank, world, device)."""
     device = str(resolve_device(device))
     name, derived = launcher() if not dist.is_initialized() else ("an initialised process group", None)
     if derived:
@@ -720,6 +704,8 @@ class RunArgs:
                       "official one by stated rules; flags given explicitly win (the values: end of --help)")
     tensorboard: bool = arg(False, "also write every logged scalar and the pictures to <output-dir>/tensorboard "
                             "(needs the tensorboard package)")
+    holdout: int = arg(0, "keep this many training images (SiamMAE: videos) out of training, a fixed draw: the "
+                       "validation split that eval_linear.py / eval_video.py --holdout N score (scripts/lr_sweep.py)")
 
 
 HELP = {  # help of the flags several scripts share, where a script gives none of its own
@@ -762,45 +748,64 @@ GROUPS = (  # --help sections, in order; a flag in none of them is the script's 
 
 
 OFFICIAL_IMG = 224                  # the image size every official recipe here trains at
+SHORT_EMA = 0.02                    # a short run's EMA horizon 1/(1 - m): at most this fraction of its steps
 
 
 def scale_recipe(cls, preset):
     """A small recipe: the official one (cls's defaults) at the preset's batch, length and image size,
-    by these rules (a value the preset sets itself wins; the preset's other choices are the budget's):
+    by these rules (a value the preset sets itself wins; the preset's other choices are the budget's;
+    docs/RESULTS.md gives the reasons):
       - lr linear in the global batch, per image as the official recipe: lr (and the schedule's start /
-        end lr) x batch / official batch. Recipes given as blr (lr = blr x batch / 256) keep their blr.
+        end lr) x batch / official batch (blr recipes, lr = blr x batch / 256, keep their blr), times the
+        preset's `lr_factor` (default 1), which scripts/lr_sweep.py chooses on held-out training images.
       - warm-up the same fraction of the run: warmup_epochs x epochs / official epochs.
+      - EMA: the horizon 1/(1 - m) at most SHORT_EMA of the run's steps (ema_horizon; the official
+        momentum where it is shorter). Weight-decay schedules keep their official values.
+      - batch-coupled counts keep their ratio to the batch: MSN's prototypes x batch / official batch.
       - view geometry x img_size / 224: focal crops rounded to a multiple of the patch, the master crop
-        to a pixel. Crop scales are fractions of the area and do not change.
-      - EMA momentum and weight-decay schedules keep their official values; they span the run as
-        officially (they are defined over the run, not over a number of steps).
+        to a pixel, the masking blocks (mask_unit, in patches) to whole patches. Crop scales are fractions
+        of the area and do not change.
     Returns the preset with the derived values added."""
     d = {f.name: f.default for f in dataclasses.fields(cls)}
     out, scale = dict(preset), preset["img_size"] / OFFICIAL_IMG
+    factor, ratio = out.pop("lr_factor", 1.0), preset["batch_size"] / d["batch_size"]
     if d.get("lr") is not None:                                   # an absolute lr for the official batch
         for k in ("lr", "start_lr", "min_lr"):
             if d.get(k):
-                out.setdefault(k, float(f"{d[k] * preset['batch_size'] / d['batch_size']:.4g}"))
+                out.setdefault(k, float(f"{d[k] * ratio * factor:.4g}"))
+    elif d.get("blr"):
+        out.setdefault("blr", float(f"{d['blr'] * factor:.4g}"))
     out.setdefault("warmup_epochs", float(f"{d['warmup_epochs'] * preset['epochs'] / d['epochs']:.4g}"))
+    if "ema_horizon" in d:
+        out.setdefault("ema_horizon", SHORT_EMA)
+    if "num_prototypes" in d:
+        out.setdefault("num_prototypes", max(2, round(d["num_prototypes"] * ratio)))
     p = preset.get("patch_size", d["patch_size"])
     if "focal_size" in d:
         out.setdefault("focal_size", max(p, round(d["focal_size"] * scale / p) * p))
     if "master_size" in d:
         out.setdefault("master_size", round(d["master_size"] * scale))
+    if "mask_unit" in d:                                          # official 2 x 16 px blocks: 32 px
+        out.setdefault("mask_unit", max(1, round(d["mask_unit"] * d["patch_size"] * scale / p)))
     return out
 
 
-def presets(cls):
-    """{name: derived values} of cls's named small recipes (--preset), 'synthetic' among them."""
+def ema_start(m, steps, horizon):
+    """The EMA's first momentum: m, lowered where its horizon 1 / (1 - m) exceeds `horizon` x steps (scale_recipe)."""
+    return min(m, 1 - 1 / max(1.0, horizon * steps)) if horizon else m
+
+
+def presets(cls, given=None):
+    """{name: derived values} of cls's small recipes, 'synthetic' among them; `given` flags enter the rules (--epochs)."""
     named = {**({"synthetic": cls.SYNTHETIC} if hasattr(cls, "SYNTHETIC") else {}), **getattr(cls, "PRESETS", {})}
-    return {k: scale_recipe(cls, v) if hasattr(cls, "PRESETS") else v for k, v in named.items()}
+    return {k: scale_recipe(cls, {**v, **(given or {})}) if hasattr(cls, "PRESETS") else v for k, v in named.items()}
 
 
 def parse_args(cls, argv=None):
-    """`cls` (a dataclass) from the command line, `--field-name value` per field. `--preset NAME` (or
-    `--data synthetic`, which implies `--preset synthetic`): fields not given take that small recipe's
-    values, derived from the official defaults by scale_recipe's rules. --help: the flags in groups,
-    each with its help and default, and every preset's values."""
+    """`cls` (a dataclass) from the command line, `--field-name value` per field. `--preset NAME` (or `--data synthetic`,
+    which implies `--preset synthetic`): fields not given take that small recipe's values, derived from the official
+    defaults by scale_recipe's rules. --help: the flags in groups, each with its help and default, and every preset's
+    values."""
     named = presets(cls)
     show = lambda d: ", ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"  # noqa: E731
                                for k, v in d.items())
@@ -835,13 +840,13 @@ def parse_args(cls, argv=None):
     if preset:
         if preset not in named:
             p.error(f"--preset {preset}: this script has {', '.join(named) if named else 'no presets'}")
-        given = {**named[preset], **given, "preset": preset}
+        given = {**presets(cls, given)[preset], **given, "preset": preset}
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
 
 
 def main(train, cls):
-    """`python method.py ...`: parse, train, and turn UserError into a one-line message. Preemption
-    signals are caught here for training runs (RunArgs), not when train() is called from other code."""
+    """`python method.py ...`: parse, train, and turn UserError into a one-line message. Preemption signals are caught
+    here for training runs (RunArgs), not when train() is called from other code."""
     if issubclass(cls, RunArgs):
         catch_preemption()
     t0 = time.time()
@@ -878,11 +883,13 @@ def setup(args, method):
         raise UserError("--data is required: an image folder (ImageFolder layout) or 'synthetic'")
     if args.data != "synthetic" and not os.path.isdir(args.data):                   # before any plan is printed
         raise UserError(f"--data {args.data}: no such directory (give an image folder or 'synthetic')")
-    if (getattr(args, "knn", None) and args.data != "synthetic"
-            and not any(os.path.isdir(os.path.join(args.data, s)) for s in ("val", "test"))
-            and importlib.util.find_spec("eval_linear")):                    # else knn_report skips it
-        raise UserError(f"--knn: --data {args.data} has no val/ (or test/) next to train/ (the k-NN's queries, read after "
-                        "training): add one or leave out --knn")
+    if getattr(args, "knn", None) and args.data != "synthetic" and importlib.util.find_spec("eval_linear"):
+        ev = next((s for s in ("val", "test") if os.path.isdir(os.path.join(args.data, s))), None)   # as eval_linear's
+        names = lambda s: {e.name for e in os.scandir(os.path.join(args.data, s)) if e.is_dir()} if s else set()  # noqa: E731
+        extra = sorted(names(ev) - names("train" if os.path.isdir(os.path.join(args.data, "train")) else None))
+        if not ev or extra:                          # the k-NN monitor reads them after training: refused before it
+            raise UserError(f"--knn: --data {args.data} has no val/ (or test/) next to train/ (the k-NN's queries): add one "
+                            f"or leave out --knn" if not ev else f"--knn: {ev}/ has class {extra[0]!r}, which train/ lacks")
     torch.manual_seed(args.seed)                        # same initial weights on every rank
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -901,7 +908,13 @@ def setup(args, method):
         print(json.dumps(dataclasses.asdict(args)))
         with open(os.path.join(out, "args.json"), "w") as f:                      # the run's flags, readable
             json.dump(dataclasses.asdict(args), f, indent=1)
-        _TB[0] = tensorboard_writer(out) if getattr(args, "tensorboard", False) else None
+        _TB[0] = None
+        if getattr(args, "tensorboard", False):                                     # the package is needed only then
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard), or leave the flag out") from None
+            _TB[0] = SummaryWriter(os.path.join(out, "tensorboard"))
     _OUT[0] = out
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
@@ -909,21 +922,11 @@ def setup(args, method):
                               ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device))
 
 
-def tensorboard_writer(out):
-    """A SummaryWriter on <out>/tensorboard (--tensorboard); the tensorboard package is needed only then."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard), or leave the flag out") from None
-    return SummaryWriter(os.path.join(out, "tensorboard"))
-
-
 def device_defaults(args, device):
-    """Flags whose default (None) follows the device, on with CUDA: --compile (torch.compile of the
-    networks; the first steps compile) and, where the method has it, --gpu-aug (gpu_aug.py: workers
-    only decode, crop and flip; the colour ops run batched on the device; off, with a line, where
-    gpu_aug.py was not copied along). A compile that is on by default and fails (e.g. a graph torch
-    cannot compile) falls back to eager with a warning, not an error."""
+    """Flags whose default (None) follows the device, on with CUDA: --compile (torch.compile of the networks; the first
+    steps compile) and, where the method has it, --gpu-aug (gpu_aug.py: workers only decode, crop and flip; the colour
+    ops run batched on the device; off, with a line, where gpu_aug.py was not copied along). A compile that is on by
+    default and fails (e.g. a graph torch cannot compile) falls back to eager with a warning, not an error."""
     if args.compile is None:
         args.compile = device.type == "cuda"
         if args.compile:
@@ -938,8 +941,8 @@ def device_defaults(args, device):
 
 
 def distribute(net, run):
-    """(net, ddp): net in DistributedDataParallel when several processes run (ddp: that wrapper, whose
-    no_sync the micro-batch helpers use), else (net, None)."""
+    """(net, ddp): net in DistributedDataParallel when several processes run (ddp: that wrapper, whose no_sync the
+    micro-batch helpers use), else (net, None)."""
     if run.world == 1:
         return net, None
     ddp = torch.nn.parallel.DistributedDataParallel(net, device_ids=[run.device] if run.device.type == "cuda" else None)
@@ -947,8 +950,8 @@ def distribute(net, run):
 
 
 def check_writable(out, what):
-    """Create `out` and write (then remove) a probe file in it, before any work: an unusable output
-    directory (not creatable, a file, read-only, full) is a one-line error at start."""
+    """Create `out` and write (then remove) a probe file in it, before any work: an unusable output directory (not
+    creatable, a file, read-only, full) is a one-line error at start."""
     probe = os.path.join(out, f".write_test.{os.getpid()}")
     try:
         os.makedirs(out, exist_ok=True)
@@ -965,13 +968,13 @@ POSITIVE = {"epochs", "batch_size", "img_size", "patch_size", "focal_size", "mas
 NON_NEGATIVE = {"seed", "warmup_lr", "start_lr", "steps_per_epoch", "stop_epoch", "stop_step", "save_every", "workers",
                 "save_every_minutes", "micro_batch", "warmup_epochs", "min_lr", "weight_decay", "final_weight_decay",
                 "clip_grad", "drop_path", "me_max_weight", "lambda_c", "sinkhorn_iters", "focal_views",
-                "feature_decoder_depth"}
+                "feature_decoder_depth", "holdout", "ema_horizon"}
 
 
 def validate(args):
-    """One-line errors for flags out of range, before anything starts. Rules by field name, so every
-    method's Args is covered: sizes / counts / temperatures positive, ratios and probabilities in
-    [0, 1], scale ranges ordered within (0, 1], warm-up within training, sizes multiples of the patch."""
+    """One-line errors for flags out of range, before anything starts. Rules by field name, so every method's Args is
+    covered: sizes / counts / temperatures positive, ratios and probabilities in [0, 1], scale ranges ordered within
+    (0, 1], warm-up within training, sizes multiples of the patch."""
     d = dataclasses.asdict(args)
     bad = lambda msg: UserError(f"--{msg}")                                    # noqa: E731
     for k, v in d.items():
@@ -1021,9 +1024,9 @@ def validate(args):
 
 
 def batch_plan(args, run, recipe, weakens, unit="images", batchnorm=None):
-    """(per-process batch, micro-batch) from the GLOBAL --batch-size, printed; a warning, saying what
-    it weakens, when the global batch is below the recipe's. batchnorm: the modules whose BatchNorm
-    normalises over the images of one forward (a micro-batch needs 2, unless SyncBN spans processes)."""
+    """(per-process batch, micro-batch) from the GLOBAL --batch-size, printed; a warning, saying what it weakens, when
+    the global batch is below the recipe's. batchnorm: the modules whose BatchNorm normalises over the images of one
+    forward (a micro-batch needs 2, unless SyncBN spans processes)."""
     B, W = args.batch_size, run.world
     if B <= 0 or args.micro_batch < 0:
         raise UserError(f"--batch-size must be positive and --micro-batch >= 0, got {B} and {args.micro_batch}")
@@ -1047,9 +1050,9 @@ def batch_plan(args, run, recipe, weakens, unit="images", batchnorm=None):
 # During the run: non-finite guard, preemption, checkpoint timing, unreadable images
 # ----------------------------------------------------------------------------------------------
 class Guard:
-    """Device-side watch for a non-finite loss or gradient norm (bf16 / fp32), or, with fp16, a run of
-    `max_skipped` GradScaler-skipped steps. No host sync in the step: check() syncs at log steps and
-    before every checkpoint, so no checkpoint with non-finite weights is written."""
+    """Device-side watch for a non-finite loss or gradient norm (bf16 / fp32), or, with fp16, a run of `max_skipped`
+    GradScaler-skipped steps. No host sync in the step: check() syncs at log steps and before every checkpoint, so no
+    checkpoint with non-finite weights is written."""
 
     def __init__(self, device, precision, ckpt, max_skipped=100):
         self.fp16, self.ckpt, self.max_skipped = precision == "fp16", ckpt, max_skipped
@@ -1083,10 +1086,9 @@ class Guard:
 
 
 class Control:
-    """When to write a mid-epoch checkpoint and when to stop: SIGTERM / SIGUSR1 (preemption: finish the
-    step, write, exit), --save-every, --save-every-minutes, --stop-step. With several processes, agreed
-    by one all_reduce every `sync_every` steps (signals reach ranks at different steps; saving is
-    collective)."""
+    """When to write a mid-epoch checkpoint and when to stop: SIGTERM / SIGUSR1 (preemption: finish the step, write,
+    exit), --save-every, --save-every-minutes, --stop-step. With several processes, agreed by one all_reduce every
+    `sync_every` steps (signals reach ranks at different steps; saving is collective)."""
 
     def __init__(self, args, device, sync_every=10):
         self.args, self.device, self.sync_every = args, device, sync_every
@@ -1124,12 +1126,11 @@ STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 
 def catch_preemption():
-    """SIGTERM / SIGUSR1 / SIGINT -> remembered in _SIGNAL; the loop finishes its step, writes a
-    checkpoint and exits 0. Clusters (SLURM, scancel, timeout, kill -TERM -PGID) signal the whole
-    process group: the DataLoader workers ignore these signals (ignore_stop_signals) so the main
-    process can finish. A second Ctrl-C more than a second after the first stops at once (not under
-    torchrun, whose agent forwards the signal it got to every rank, a second copy of the same one).
-    Workers that survive SIGTERM need stop_workers_at_exit: an error or crash would otherwise hang."""
+    """SIGTERM / SIGUSR1 / SIGINT -> remembered in _SIGNAL; the loop finishes its step, writes a checkpoint and exits 0.
+    Clusters (SLURM, scancel, timeout, kill -TERM -PGID) signal the whole process group: the DataLoader workers ignore
+    these signals (ignore_stop_signals) so the main process can finish. A second Ctrl-C more than a second after the
+    first stops at once (not under torchrun, whose agent forwards the signal it got to every rank, a second copy of
+    the same one). Workers that survive SIGTERM need stop_workers_at_exit: an error or crash would otherwise hang."""
     import atexit
     import signal
 
@@ -1149,11 +1150,10 @@ def catch_preemption():
 
 
 def stop_workers_at_exit():
-    """At interpreter exit, multiprocessing terminates (SIGTERM) its daemonic children, the DataLoader
-    workers, then joins them. Ours ignore SIGTERM (ignore_stop_signals; eval loaders inherit the
-    handler), so a run ending with workers alive (an error or a crash keeps its loaders referenced
-    from the traceback) waited forever after printing its error: SIGKILL them first, as the SIGTERM
-    multiprocessing means them to get (tests/test_faults.py)."""
+    """At interpreter exit, multiprocessing terminates (SIGTERM) its daemonic children, the DataLoader workers, then
+    joins them. Ours ignore SIGTERM (ignore_stop_signals; eval loaders inherit the handler), so a run ending with
+    workers alive (an error or a crash keeps its loaders referenced from the traceback) waited forever after printing
+    its error: SIGKILL them first, as the SIGTERM multiprocessing means them to get (tests/test_faults.py)."""
     import multiprocessing
     import signal
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)     # torch's SIGCHLD check would report the kills as errors
@@ -1163,16 +1163,16 @@ def stop_workers_at_exit():
 
 
 def ignore_stop_signals(_worker_id=None):
-    """DataLoader worker_init_fn: a signal to the whole process group must not kill the workers
-    while the main process writes its checkpoint (they exit with the main process)."""
+    """DataLoader worker_init_fn: a signal to the whole process group must not kill the workers while the main process
+    writes its checkpoint (they exit with the main process)."""
     import signal
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def end_step(run, log, args, step, epoch, parts, save, dataset=None, reads=0, bad0=0, **scalars):
-    """After each optimiser step: the non-finite watch, the unreadable-image count, the log line, a
-    mid-epoch checkpoint when due. True when the run must stop now (checkpoint written)."""
+    """After each optimiser step: the non-finite watch, the unreadable-image count, the log line, a mid-epoch checkpoint
+    when due. True when the run must stop now (checkpoint written)."""
     run.guard.update(step, parts, run.scaler)
     bad = check_unreadable(dataset, reads, bad0, args.max_unreadable) if dataset is not None else None
     due, stop = run.control.poll(step)
@@ -1192,10 +1192,10 @@ def bad_reads(dataset):
 
 
 def check_unreadable(dataset, reads, bad0, max_frac, final=False):
-    """Stop when more than max_frac of the `reads` images read in this epoch are unreadable files (bad0:
-    the count at the epoch start; each file counts once per run, however often it is met); judged
-    from 1000 reads on, and at the epoch's end whatever the count. Returns the epoch's count of
-    newly met unreadable files, or None when there is none (for the log)."""
+    """Stop when more than max_frac of the `reads` images read in this epoch are unreadable files (bad0: the count at the
+    epoch start; each file counts once per run, however often it is met); judged from 1000 reads on, and at the
+    epoch's end whatever the count. Returns the epoch's count of newly met unreadable files, or None when there is
+    none (for the log)."""
     bad, unit = bad_reads(dataset) - bad0, getattr(dataset, "unit", "images")
     if (final or reads >= 1000) and bad > max_frac * reads:
         raise UserError(f"{bad} of {reads} {unit} read in this epoch were unreadable (> --max-unreadable "
@@ -1214,8 +1214,8 @@ def unwrap(model):
 
 
 def save_checkpoint(path, state):
-    """Atomic write: save to a temp file in the same dir, then rename over the target. A failed write
-    (disk full, permissions) leaves the previous file intact and stops with a one-line error."""
+    """Atomic write: save to a temp file in the same dir, then rename over the target. A failed write (disk full,
+    permissions) leaves the previous file intact and stops with a one-line error."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         torch.save(state, tmp)
@@ -1248,8 +1248,8 @@ def _legacy_keys(sd):
 
 
 def load_checkpoint(path, method=None):
-    """Load a checkpoint of the common format (older ones are remapped to today's key names); clear
-    errors for missing / foreign / other-method files."""
+    """Load a checkpoint of the common format (older ones are remapped to today's key names); clear errors for missing /
+    foreign / other-method files."""
     ckpt = read_checkpoint_file(path)
     if not isinstance(ckpt, dict) or "method" not in ckpt or "encoder" not in ckpt:
         raise UserError(f"{path} is not a checkpoint of this project (no 'method'/'encoder' keys)")
@@ -1274,9 +1274,9 @@ def rng_states():
 
 
 def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=None):
-    """Write the common checkpoint format; called by every rank (the RNG states are gathered), rank 0
-    writes. `encoder` is the ViT the paper evaluates; `rng` holds each rank's generator states, so
-    a checkpoint written mid-epoch resumes exactly. Never writes non-finite weights."""
+    """Write the common checkpoint format; called by every rank (the RNG states are gathered), rank 0 writes. `encoder`
+    is the ViT the paper evaluates; `rng` holds each rank's generator states, so a checkpoint written mid-epoch
+    resumes exactly. Never writes non-finite weights."""
     run.guard.check()
     rng = rng_states()
     if not is_main():
@@ -1299,8 +1299,8 @@ SCHEDULE = {"epochs", "steps_per_epoch"}              # may change on resume, wi
 
 
 def resume_run(run, method, args, model, optimizer, target=None):
-    """Continue from <output-dir>/checkpoint.pth when it exists and --resume; returns the global step
-    to start from (0 for a new run). The RNG state is this rank's at the checkpoint."""
+    """Continue from <output-dir>/checkpoint.pth when it exists and --resume; returns the global step to start from (0
+    for a new run). The RNG state is this rank's at the checkpoint."""
     if not (args.resume and os.path.isfile(run.ckpt)):
         return 0
     ckpt = load_checkpoint(run.ckpt, method)
@@ -1356,10 +1356,10 @@ def _logged_step(line):
 
 
 class Logger:
-    """Every `every` steps and at the run's last step (the schedule's end, --stop-epoch's end `stop`,
-    or a stop that end_step forces): one host sync, a console line and a JSONL record (rank 0 only).
-    A resumed run first drops the records of steps after its checkpoint (a run killed between two
-    checkpoints logged steps it now trains again), so each step is in log.jsonl once."""
+    """Every `every` steps and at the run's last step (the schedule's end, --stop-epoch's end `stop`, or a stop that
+    end_step forces): one host sync, a console line and a JSONL record (rank 0 only). A resumed run first drops the
+    records of steps after its checkpoint (a run killed between two checkpoints logged steps it now trains again), so
+    each step is in log.jsonl once."""
 
     def __init__(self, run, total_steps, batch_size, every, start_step=0, stop=0):
         self.total, self.batch, self.every, self.guard = total_steps, batch_size, every, run.guard
@@ -1430,11 +1430,11 @@ class Logger:
 
 
 def knn_wanted(args):
-    """Whether this process runs the end-of-run k-NN monitor (eval_linear.knn_report): on with --knn, or
-    by default for --data synthetic, on rank 0, and only where eval_linear.py is next to this file (a
-    method file copied with common.py alone skips it, with a line). The method file imports it: this
-    module never imports the evaluation (a lower floor does not import a higher one). Called after the
-    final checkpoint: from here on a stop signal ends the program at once (exit 0)."""
+    """Whether this process runs the end-of-run k-NN monitor (eval_linear.knn_report): on with --knn, or by default for
+    --data synthetic, on rank 0, and only where eval_linear.py is next to this file (a method file copied with
+    common.py alone skips it, with a line). The method file imports it: this module never imports the evaluation (a
+    lower floor does not import a higher one). Called after the final checkpoint: from here on a stop signal ends the
+    program at once (exit 0)."""
     _TRAINED[:] = [os.path.join(_OUT[0], "checkpoint.pth")]                   # the run's (setup)
     if not (args.knn if args.knn is not None else args.data == "synthetic") or not is_main():
         return False

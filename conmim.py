@@ -88,6 +88,8 @@ class Args(C.RunArgs):
     betas: tuple = (0.9, 0.98)
     clip_grad: float = 1.0
     ema: tuple = field(default=(0.996, 1.0), metadata={"help": "teacher momentum start, end (cosine)"})
+    ema_horizon: float = field(default=0.0, metadata={"help": "cap the EMA horizon 1/(1-m) at this fraction of the "
+                               "run's steps by lowering the first momentum (0: official; short-run presets: 0.02)"})
     mask_ratio: float = 0.75
     mask_unit: int = field(default=2, metadata={"help": "mask in unit x unit patch blocks (1 = per patch)"})
     proj_hidden: int = 4096
@@ -107,7 +109,7 @@ class Args(C.RunArgs):
     # batch, warm-up the same fraction of the run, view sizes x img / 224, EMA and wd schedules as official);
     # the values written here are choices for the budget (model, heads, batch, length) or the data. `--preset small`:
     # 32-px images (CIFAR-10) on 2 CPU cores; `--data synthetic` applies SYNTHETIC the same way.
-    PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=1, batch_size=256, proj_hidden=512,
+    PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=6, batch_size=256, proj_hidden=512,
                              workers=2, log_every=20)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=32, proj_hidden=256, proj_dim=64,
                      drop_path=0.0, crop_scale=(0.3, 1.0), workers=2, log_every=20, steps_per_epoch=100)
@@ -424,10 +426,11 @@ def train(args):
                        grid * grid)
     per, micro = C.batch_plan(args, run, 2048, "the loss is per image, so only the gradient noise and the "
                               "lr / batch pairing of the recipe change")
-    dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
+    dataset = C.image_dataset(args.data, "train", skip_unreadable=True, holdout=args.holdout)
     loader = C.make_loader(C.Views(dataset, WeakStrongViews(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
+    m0 = C.ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
 
     model = Net(args).to(dev)
     teacher = make_teacher(model)
@@ -441,8 +444,8 @@ def train(args):
         return
     save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, teacher)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute; " +
-             (f"--preset {args.preset}: the official 7.5e-4 x {args.batch_size} / 2048)" if args.preset
-              else "for the official global batch 2048, not rescaled)"))
+             (f"--preset {args.preset}: common.scale_recipe's rules)" if args.preset
+              else "for the official global batch 2048, not rescaled)") + f"; teacher momentum {m0:g} -> {args.ema[1]:g}")
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), teacher.train()
@@ -450,7 +453,7 @@ def train(args):
         for it, ((x_weak, x_strong), _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, total, args.lr, args.min_lr, args.warmup_epochs * ipe)
-            m = C.cosine_schedule(step, total, args.ema[0], args.ema[1])    # 0.996 -> 1, cosine
+            m = C.cosine_schedule(step, total, m0, args.ema[1])             # 0.996 -> 1, cosine
             C.set_hparams(opt, lr)
             x_weak, x_strong = x_weak.to(dev, non_blocking=True), x_strong.to(dev, non_blocking=True)
             if args.gpu_aug:                                          # the strong view's photometric ops

@@ -48,6 +48,7 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -78,6 +79,10 @@ class Args:
                             "size"})
     random_init: bool = field(default=False, metadata={"help": "evaluate the same ViT at its default random "
                               "initialisation (run's seed; may differ from the run's exact initial weights)"})
+    online: bool = field(default=False, metadata={"help": "evaluate the online network's encoder (the checkpoint's "
+                         "`model`) instead of the one the paper evaluates (MSN's EMA target, ConMIM's teacher)"})
+    holdout: int = field(default=0, metadata={"help": "evaluate the N train/ images that a --holdout N run kept out "
+                         "(the k-NN bank: the other train/ images): the lr sweep's validation, never test/"})
     k: int = 20
     temperature: float = 0.07
     linear_epochs: int = 100
@@ -363,16 +368,21 @@ def foreign_encoder(obj, path, model=None):
     return {"target_encoder": "msn", "model": "mae-style"}.get(layout, "timm"), config, vit
 
 
-def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path=0.0, per_block_rel_pos=False):
+def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path=0.0, per_block_rel_pos=False,
+                 online=False):
     """(encoder, checkpoint) of a checkpoint file: this project's format, or (see foreign_encoder)
     the official MSN layout, an MAE-style `model` dict or a timm/DeiT state dict, whose `method` is
     then "msn", "mae-style" or "timm". random_init: the same ViT at its default initialisation drawn
     with the run's seed (weights not loaded). per_block_rel_pos: a BEiT encoder's shared relative
     position bias becomes one table per block, each a copy (fine-tuning, as BEiT / ConMIM's
-    run_class_finetuning). Returned in eval mode."""
+    run_class_finetuning). online: the online network's encoder (online_encoder). In eval mode."""
     obj = C.read_checkpoint_file(path)
+    if online and not (isinstance(obj, dict) and "method" in obj and "model" in obj):
+        raise C.UserError(f"--online: {path} is not a checkpoint of this project's training scripts (no `model`)")
     if isinstance(obj, dict) and "method" in obj and "encoder" in obj:
         ckpt = C.load_checkpoint(path)
+        if online:
+            ckpt["encoder"] = online_encoder(ckpt, path)
         v = ckpt["vit"]                                              # --model: checked here too
         if model is not None and SIZES.get(model, ())[:3] != (v["dim"], v["depth"], v["heads"]):
             raise C.UserError(f"--model {model} does not match {path} (width {v['dim']}, depth {v['depth']})")
@@ -399,6 +409,48 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
         except RuntimeError as e:
             raise C.UserError(f"{path}: the encoder does not fit a ViT ({' '.join(str(e).split())[:300]})") from None
     return enc.eval(), ckpt
+
+
+def online_encoder(ckpt, path):
+    """The online network's encoder in a checkpoint's `model` (MSN: net.encoder.*; CMAE, ConMIM, CAN,
+    SiamMAE: encoder.*): the keys under the prefix whose names are exactly those of the evaluated
+    `encoder` (for CMAE, CAN and SiamMAE the same weights: they evaluate the online encoder)."""
+    model, names = ckpt.get("model") or {}, set(ckpt["encoder"])
+    for prefix in sorted({k[:k.index("encoder.") + 8] for k in model if "encoder." in k}):
+        sd = {k[len(prefix):]: v for k, v in model.items() if k.startswith(prefix)}
+        if set(sd) == names:
+            return sd
+    raise C.UserError(f"--online: {path}'s `model` holds no encoder with the evaluated encoder's weights' names")
+
+
+class Progress:
+    """A phase that can take long (feature extraction, a probe's epochs, propagation): `what i/total
+    (pct), elapsed, eta` at most every `every` seconds (rank 0), and a closing line with its time.
+    progress.step(n) after each unit; use as a context manager or call done()."""
+
+    def __init__(self, what, total, every=10.0):
+        self.what, self.total, self.every, self.i = what, max(1, total), every, 0
+        self.t0 = self.t = time.time()
+
+    def step(self, n=1):
+        self.i += n
+        now = time.time()
+        if now - self.t >= self.every and self.i < self.total:
+            self.t = now
+            eta = (now - self.t0) / self.i * (self.total - self.i)
+            C.print0(f"{self.what}: {self.i}/{self.total} ({100 * self.i / self.total:.0f}%), "
+                   f"{now - self.t0:.0f} s, eta {eta:.0f} s")
+
+    def done(self):
+        if time.time() - self.t0 >= self.every:                     # said only for phases that were long
+            C.print0(f"{self.what}: done in {time.time() - self.t0:.0f} s")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.done()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,7 +484,7 @@ def extract_features(encoder, loader, device, features, autocast=contextlib.null
     encoder.eval()
     feats, labels = [], []
     n = len(getattr(loader, "dataset", loader))
-    with C.Progress(f"features of {n} images", len(loader)) as progress:
+    with Progress(f"features of {n} images", len(loader)) as progress:
         for x, y in loader:
             with autocast:
                 feats.append(features(encoder, C.normalize(x.to(device, non_blocking=True))).float().cpu())
@@ -471,19 +523,28 @@ def knn_report(args, run, log, encoder, build_init, how, what):
              f"initialisation {accs[1]:.1f}%")
 
 
-def eval_split(data, split=None):
-    """The evaluated folder's name: `split` when given, else val/, else test/ (CIFAR-10's folders)."""
+def eval_split(data, split=None, holdout=0):
+    """The evaluated folder's name: `split` when given, else val/, else test/ (CIFAR-10's folders);
+    "holdout" for --holdout (images of train/)."""
+    if holdout:
+        return "holdout"
     if split or data == "synthetic":
         return split or "val"
     return "test" if not os.path.isdir(os.path.join(data, "val")) and os.path.isdir(os.path.join(data, "test")) else "val"
 
 
-def splits(data, skip_unreadable=False, split=None):
+def splits(data, skip_unreadable=False, split=None, holdout=0):
     """The train and evaluated (val) datasets, checked before any feature is computed, and val's labels
     mapped to train's class indices BY NAME (a val/ that lacks a class, or orders them otherwise, keeps
     every label right); a val class that train lacks is an error. Returns (train, val, val_to_train).
     split: the evaluated folder (default val/, else test/). skip_unreadable: for train (fine-tuning
-    skips bad images as training does)."""
+    skips bad images as training does). holdout n: val is the n train images C.held_out() keeps out of
+    a --holdout n run, train the others (no other folder is read)."""
+    if holdout:
+        if split:
+            raise C.UserError(f"--holdout evaluates images of train/, not --split {split}: give one of them")
+        train, val = (C.image_dataset(data, s, skip_unreadable, holdout) for s in ("train", "holdout"))
+        return train, val, torch.arange(len(train.classes))
     split = eval_split(data, split)
     train = C.image_dataset(data, "train", skip_unreadable)
     val = C.image_dataset(data, split) if os.path.isdir(os.path.join(data, split)) or data == "synthetic" else None
@@ -510,7 +571,7 @@ def features(a, enc, ckpt, split, ds, device):
     st = os.stat(a.ckpt) if a.ckpt else None
     files = [p for p, _ in getattr(ds, "samples", [])]
     key = st and hashlib.sha1(json.dumps([os.path.abspath(a.ckpt), st.st_size, st.st_mtime_ns, pool, size, a.data,
-                                          a.random_init, a.model, a.patch_size, len(ds), list(ds.classes),
+                                          a.random_init, a.online, a.model, a.patch_size, len(ds), list(ds.classes),
                                           files]).encode()).hexdigest()[:16]
     path = st and os.path.join(os.path.dirname(os.path.abspath(a.ckpt)), "features", f"{key}_{split}.pt")
     C._OUT[0] = os.path.dirname(path) if a.cache else None                  # main's closing line: the cache
@@ -556,7 +617,7 @@ def linear_head(xt, train_y, num_classes, epochs=100, lr=0.1, batch=1024, seed=0
     opt = torch.optim.SGD(head.parameters(), lr=lr, momentum=0.9)
     steps = epochs * max(1, (len(xt) + batch - 1) // batch)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
-    progress = C.Progress("linear probe epochs", epochs)
+    progress = Progress("linear probe epochs", epochs)
     for _ in range(epochs):
         progress.step()
         perm = torch.randperm(len(xt), generator=g)
@@ -663,16 +724,24 @@ def evaluate(a):
             raise C.UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(a, k)}")
     if not (0 <= a.percent <= 100 and a.lambd >= 0 and a.workers >= 0):        # NaN fails each
         raise C.UserError("--percent must be in [0, 100], --lambd and --workers >= 0")
+    if a.online and (a.random_init or a.pixels):
+        raise C.UserError("--online reads a checkpoint's trained online network: not with --random-init or --pixels")
+    if a.holdout < 0:
+        raise C.UserError(f"--holdout must be >= 0, got {a.holdout}")
     device = C.resolve_device(a.device)
     enc, ckpt = (Pixels(), {"method": "pixels", "vit": {"img_size": a.img_size}}) if a.pixels else \
-        load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
+        load_encoder(a.ckpt, a.random_init, a.model, a.patch_size, online=a.online)
+    trained = ckpt.get("args", {}).get("holdout", 0) if "encoder" in ckpt and not a.random_init else a.holdout
+    if a.holdout and trained != a.holdout:           # the held-out images must be ones it never trained on
+        raise C.UserError(f"--holdout {a.holdout}: {a.ckpt} was trained with --holdout {trained}"
+                          f"{' (on every train/ image)' if not trained else ''}: its held-out images are not these")
     if a.img_size is not None and (a.img_size <= 0 or a.img_size % enc.patch_size):
         raise C.UserError(f"--img-size {a.img_size} is not a positive multiple of the checkpoint's patch size {enc.patch_size}")
     if a.subset_file and a.mode not in ("lowshot", "all"):
         raise C.UserError(f"--subset-file is read by --mode lowshot or all, not {a.mode}")
-    train, val, val_to_train = splits(a.data, split=a.split)      # layout checked before any extraction
+    train, val, val_to_train = splits(a.data, split=a.split, holdout=a.holdout)   # layout checked before any extraction
     subset = subset_from_file(a.subset_file, a.data) if a.subset_file else None           # so is the subset
-    C.print0(f"train: {len(train)} images in {len(train.classes)} classes; {eval_split(a.data, a.split)}: {len(val)} images in "
+    C.print0(f"train: {len(train)} images in {len(train.classes)} classes; {eval_split(a.data, a.split, a.holdout)}: {len(val)} images in "
              f"{len(val.classes)} classes (labels matched by class name)")
     enc = enc.to(device)
     ftr, ytr = features(a, enc, ckpt, "train", train, device)
@@ -682,7 +751,8 @@ def evaluate(a):
         mean = ftr.mean(0)
         ftr, fva = ftr - mean, fva - mean
     nc = len(train.classes)
-    res = {"method": ckpt["method"], "ckpt": a.ckpt, "random_init": a.random_init, "split": eval_split(a.data, a.split),
+    res = {"method": ckpt["method"], "ckpt": a.ckpt, "random_init": a.random_init, "online": a.online,
+           "split": eval_split(a.data, a.split, a.holdout),
            "pool": a.pool or DEFAULT_POOL.get(ckpt["method"], "cls"),
            "train_classes": len(train.classes), "val_classes": len(val.classes)}
     if a.mode in ("knn", "all"):

@@ -119,6 +119,10 @@ class Args:
     patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's patch "
                             "size"})
     random_init: bool = False
+    online: bool = field(default=False, metadata={"help": "evaluate the online network's encoder (the checkpoint's "
+                         "`model`) instead of the evaluated one (for SiamMAE they are the same)"})
+    holdout: int = field(default=0, metadata={"help": "davis: evaluate only the N videos of --split (train) that a "
+                         "siammae.py --holdout N run kept out (the lr sweep's validation)"})
     pixels: bool = field(default=False, metadata={"help": "baseline, no checkpoint: each patch's normalised pixels "
                          "(3 x p^2 numbers, p = --patch-size) as its feature, through the same propagation"})
     copy_first: bool = field(default=False, metadata={"help": "baseline, no checkpoint: every frame's prediction is the "
@@ -365,7 +369,7 @@ def davis2016_list(root, lst):
     return {v: sorted(videos[v], key=lambda fm: C.frame_order(os.path.basename(fm[0]))) for v in sorted(videos)}
 
 
-def davis_videos(root, split):
+def davis_videos(root, split, holdout=0):
     """(name, frames, masks) of each video of the split; masks[t] is None where frame t has no
     annotation. The layout is recognised from its list file: DAVIS-2016, ImageSets/480p/<split>.txt
     ("frame mask" pairs; one object per video, mask 255 = the object, read as label 1, no void), or
@@ -386,6 +390,8 @@ def davis_videos(root, split):
         videos = [(v, [os.path.join(folder, f) for f in frames],
                    [os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png") for f in frames])
                   for v, folder, frames in _listed_videos(root, lst, split, img_root)]
+    if holdout:                                                      # the videos a siammae.py --holdout run left out
+        videos = C.held_out(sorted(videos), holdout, held=True)
     for v, frames, ann in videos:                                    # all checked before any work
         if not os.path.isfile(ann[0]):
             raise C.UserError(f"video {v}: no first-frame annotation {ann[0]}")
@@ -671,7 +677,15 @@ def evaluate(a):
     if baseline:
         enc, ckpt = PatchPixels(a.patch_size or 1), {"method": "pixels" if a.pixels else "copy-first"}
     else:
-        enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size)
+        enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size, online=a.online)
+    if a.holdout and (a.task != "davis" or a.data == "synthetic"):
+        raise C.UserError("--holdout is for --task davis on a DAVIS root (the train videos a --holdout run left out)")
+    trained = ckpt.get("args", {}).get("holdout", 0) if a.ckpt and not a.random_init else a.holdout
+    if a.holdout and trained != a.holdout:
+        raise C.UserError(f"--holdout {a.holdout}: {a.ckpt} was trained with --holdout {trained}: its held-out "
+                          "videos are not these")
+    if a.online and (a.random_init or baseline):
+        raise C.UserError("--online reads a checkpoint's trained online network: not with --random-init or a baseline")
     side = a.short_side if a.task == "davis" else a.size
     side = {"davis": 480, **SIZE}[a.task] if side is None else side
     if 0 < side < enc.patch_size:
@@ -684,9 +698,9 @@ def evaluate(a):
     if synthetic:
         videos = synthetic_videos(a.task)
     else:
-        videos = {"davis": lambda: davis_videos(a.data, a.split), "vip": lambda: vip_videos(a.data, a.split),
+        videos = {"davis": lambda: davis_videos(a.data, a.split, a.holdout), "vip": lambda: vip_videos(a.data, a.split),
                   "jhmdb": lambda: jhmdb_videos(a.data)}[a.task]()
-    res = {"method": ckpt["method"], "random_init": a.random_init, "task": a.task, "videos": 0}
+    res = {"method": ckpt["method"], "random_init": a.random_init, "online": a.online, "task": a.task, "videos": 0}
     Js, Fs, hist, poses = [], [], 0, []                            # Js, Fs: each object's mean over its frames
     for name, frames, labels in videos:
         res["videos"] += 1

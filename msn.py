@@ -97,6 +97,8 @@ class Args(C.RunArgs):
     betas: tuple = (0.9, 0.999)
     clip_grad: float = field(default=3.0, metadata={"help": "max grad norm of encoder+head (0 = off)"})
     ema: tuple = field(default=(0.996, 1.0), metadata={"help": "EMA momentum start, end (linear)"})
+    ema_horizon: float = field(default=0.0, metadata={"help": "cap the EMA horizon 1/(1-m) at this fraction of the "
+                               "run's steps by lowering the first momentum (0: official; short-run presets: 0.02)"})
     ipe_scale: float = field(default=1.25, metadata={"help": "schedules span ipe_scale x the steps run"})
     drop_path: float = 0.0
     # views and masking
@@ -125,7 +127,7 @@ class Args(C.RunArgs):
     # batch, warm-up the same fraction of the run, view sizes x img / 224, EMA and wd schedules as official);
     # the values written here are choices for the budget (model, heads, batch, length) or the data. `--preset small`:
     # 32-px images (CIFAR-10) on 2 CPU cores; `--data synthetic` applies SYNTHETIC the same way.
-    PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=1, batch_size=256, head_hidden=512,
+    PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=4, batch_size=256, head_hidden=512,
                              workers=2, log_every=20)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, focal_views=4, epochs=8, batch_size=64,
                      head_hidden=256, head_dim=64, num_prototypes=64, workers=2, log_every=20, steps_per_epoch=40)
@@ -444,7 +446,7 @@ def train(args):
                               f"global batch; with {args.batch_size} images against {args.num_prototypes} "
                               "prototypes the targets flatten and the prototype marginal is noisier",
                               batchnorm="the projection head's")
-    dataset = C.image_dataset(args.data, "train", skip_unreadable=True)
+    dataset = C.image_dataset(args.data, "train", skip_unreadable=True, holdout=args.holdout)
     if args.gpu_decode:                                              # workers read files and draw the boxes
         if not args.gpu_aug:
             raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, colour runs on the device")
@@ -456,6 +458,7 @@ def train(args):
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
     sched = int(args.ipe_scale * total)                              # schedules over 1.25x, stop at 80%
+    m0 = C.ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
 
     model = MSN(args).to(dev)                                        # seeded in setup: same on all ranks
     target = make_target(model.net)                                  # f_theta_bar: EMA of f_theta, no drop path
@@ -472,8 +475,9 @@ def train(args):
     save = lambda s: C.save_run(run, "msn", args, s // ipe, s, target.encoder, model, opt, target)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps ({args.epochs} epochs; schedules span "
              f"{sched}), {1 + R + args.focal_views} views/image; lr {args.start_lr:g} -> {args.lr:g} -> "
-             f"{args.min_lr:g} (absolute; " + (f"--preset {args.preset}: the official values x {args.batch_size} / 1024)"
-                                               if args.preset else "not scaled with the batch, as official)"))
+             f"{args.min_lr:g} (absolute; " + (f"--preset {args.preset}: common.scale_recipe's rules)" if args.preset
+                                               else "not scaled with the batch, as official); EMA momentum "
+             f"{m0:g} -> {args.ema[1]:g}"))
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), target.train()                                # official target uses batch BN stats
@@ -482,7 +486,7 @@ def train(args):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, sched, args.lr, args.min_lr, args.warmup_epochs * ipe, args.start_lr)
             wd = C.cosine_schedule(step, sched, args.weight_decay, args.final_weight_decay)
-            m = linear_schedule(step, sched, *args.ema)
+            m = linear_schedule(step, sched, m0, args.ema[1])
             C.set_hparams(opt, lr, wd)
 
             views = (G.views(views, dev, boxes.sizes, dataset) if args.gpu_decode   # decoded, cropped, flipped here

@@ -138,7 +138,7 @@ class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
     `bad` (shared with forked DataLoader workers; train() stops above --max-unreadable)."""
     unit = "videos"                                      # what --max-unreadable's share counts
 
-    def __init__(self, root, min_frames=2):
+    def __init__(self, root, min_frames=2, holdout=0):
         if not os.path.isdir(root):
             raise C.UserError(f"--data {root}: no such directory (give a folder of frame folders or 'synthetic')")
         self.videos, short, bad = [], 0, 0
@@ -161,6 +161,8 @@ class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
             C.print0(f"warning: skipped {short} video(s) with < {min_frames} frames and {bad} with an unreadable first frame")
         if not self.videos:
             raise C.UserError(f"--data {root}: no usable videos (folders with >= {min_frames} JPEG/PNG frames)")
+        if holdout:                                                  # --holdout: eval_video.py --holdout scores them
+            self.videos = [FrameFolder(v.paths, self, i) for i, v in enumerate(C.held_out(self.videos, holdout))]
         self.count_unreadable_of(len(self.videos))                  # distinct videos with an unreadable frame
 
     def __len__(self):
@@ -189,11 +191,13 @@ def davis_train_folders(root):
     return [(os.path.join(img, v), [], os.listdir(os.path.join(img, v))) for v in names]
 
 
-def video_dataset(data, split="train"):
+def video_dataset(data, split="train", holdout=0):
     if data == "synthetic":
+        if holdout:
+            raise C.UserError("--holdout: the synthetic clips have their own val split; leave --holdout out")
         from synthetic import SyntheticVideos           # only for --data synthetic
         return SyntheticVideos(split)
-    return VideoFolders(data)
+    return VideoFolders(data, holdout=holdout)
 
 
 class FramePair:
@@ -511,7 +515,7 @@ def train(args):
                        need_kept=False)                                # all of f2 masked is valid: f1 is seen
     per, micro = C.batch_plan(args, run, 1024, "the loss is per pair, so only the gradient noise and the "
                               "lr / batch pairing of the recipe change", unit="videos")
-    dataset = video_dataset(args.data)
+    dataset = video_dataset(args.data, holdout=args.holdout)
     loader = C.make_loader(C.Views(dataset, FramePair(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     R = args.repeated_sampling

@@ -508,7 +508,8 @@ def test_progress_lines_and_the_first_training_step_and_the_closing_line(tmp_pat
     import can
     from helpers import run_cli
     from test_can import tiny_args
-    p = C.Progress("things", 3, every=0)
+    import eval_linear as E
+    p = E.Progress("things", 3, every=0)
     for _ in range(3):
         p.step()
     p.done()
@@ -528,34 +529,55 @@ def test_progress_lines_and_the_first_training_step_and_the_closing_line(tmp_pat
 
 @pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can", "siammae"])
 def test_small_recipes_follow_the_stated_rules_from_the_official_defaults(method):
-    """--preset NAME / --data synthetic: lr linear in the batch per image (blr recipes keep blr), warm-up the
-    same fraction of the run, view geometry x img / 224, EMA / weight-decay schedules untouched; a flag
-    given on the command line wins; an unknown preset is refused."""
+    """--preset NAME / --data synthetic: lr linear in the batch per image (blr recipes keep blr) times the
+    preset's swept lr_factor, warm-up the same fraction of the run, the EMA horizon capped at SHORT_EMA of
+    the run, MSN's prototypes in their official ratio to the batch, view geometry x img / 224, weight-decay
+    schedules untouched; a flag given on the command line wins and enters the rules (--epochs keeps the
+    warm-up's share); an unknown preset is refused."""
     import importlib
     M = importlib.import_module(method)
     d = {f.name: f.default for f in dataclasses.fields(M.Args)}
     for name, p in C.presets(M.Args).items():
         raw = {**M.Args.PRESETS, "synthetic": M.Args.SYNTHETIC}[name]
-        k = p["batch_size"] / d["batch_size"]
+        k, f = p["batch_size"] / d["batch_size"], raw.get("lr_factor", 1.0)
+        assert "lr_factor" not in p                                          # a rule's input, not a flag
         if d.get("lr") is not None:
-            assert p["lr"] == pytest.approx(d["lr"] * k, rel=1e-3) and p["lr"] < d["lr"]
-            assert "blr" not in p
+            assert p["lr"] == pytest.approx(d["lr"] * k * f, rel=1e-3) and "blr" not in p
+            assert p["min_lr"] == pytest.approx(d["min_lr"] * k * f, rel=1e-3)
         else:
-            assert "lr" not in p and p.get("blr", d["blr"]) == d["blr"]       # blr x batch / 256 is the rule
+            assert "lr" not in p and p["blr"] == pytest.approx(d["blr"] * f, rel=1e-3)   # lr = blr x batch / 256
         if d.get("start_lr"):
-            assert p["start_lr"] == pytest.approx(d["start_lr"] * k, rel=1e-3)
+            assert p["start_lr"] == pytest.approx(d["start_lr"] * k * f, rel=1e-3)
         assert p["warmup_epochs"] == pytest.approx(d["warmup_epochs"] * p["epochs"] / d["epochs"], rel=1e-3)
-        for f in ("ema", "weight_decay", "final_weight_decay", "mask_ratio", "tau"):
-            assert f not in raw, f"{name} overrides {f}: the rules keep it"
+        assert p.get("ema_horizon") == (C.SHORT_EMA if "ema" in d else None)
+        if "num_prototypes" in d and "num_prototypes" not in raw:
+            assert p["num_prototypes"] == d["num_prototypes"] * k                # 1024 at 1024 -> 256 at 256
+        for g in ("ema", "weight_decay", "final_weight_decay", "mask_ratio", "tau"):
+            assert g not in raw, f"{name} overrides {g}: the rules keep it"
         if "focal_size" in d:
             assert p["focal_size"] == 12                                  # 96 x 32 / 224 = 13.7 -> patch 4 multiple
         if "master_size" in d:
             assert p["master_size"] == 37                                 # 256 x 32 / 224 = 36.6
+        if "mask_unit" in d:
+            assert p["mask_unit"] == 1                                    # 2 x 16 px = 32 px -> 4.6 px: 1 patch of 4
         args = C.parse_args(M.Args, ["--data", "x", "--preset", name] if name != "synthetic" else ["--data", "synthetic"])
-        assert all(getattr(args, f) == (tuple(v) if isinstance(v, list) else v) for f, v in p.items())
+        assert all(getattr(args, g) == (tuple(v) if isinstance(v, list) else v) for g, v in p.items())
         assert args.preset == name
     for name in M.Args.PRESETS:
         args = C.parse_args(M.Args, ["--data", "x", "--preset", name, "--batch-size", "7", "--warmup-epochs", "0"])
         assert args.batch_size == 7 and args.warmup_epochs == 0
+        p = C.presets(M.Args)[name]
+        args = C.parse_args(M.Args, ["--data", "x", "--preset", name, "--epochs", str(2 * p["epochs"])])
+        assert args.warmup_epochs == pytest.approx(2 * p["warmup_epochs"], rel=1e-3)   # the same share of the run
+        if d.get("lr") is not None:                                             # --batch-size enters the lr rule
+            args = C.parse_args(M.Args, ["--data", "x", "--preset", name, "--batch-size", str(2 * p["batch_size"])])
+            assert args.lr == pytest.approx(2 * p["lr"], rel=1e-3)
     with pytest.raises(SystemExit):
         C.parse_args(M.Args, ["--data", "x", "--preset", "nope"])
+
+
+def test_ema_start_caps_the_horizon_at_a_share_of_the_run():
+    """1 / (1 - m) <= horizon x steps: official 0.996 (250 steps) kept in a run of 1M steps, lowered in 700."""
+    assert C.ema_start(0.996, 10 ** 6, 0.02) == 0.996 and C.ema_start(0.996, 700, 0.0) == 0.996
+    m = C.ema_start(0.996, 700, 0.02)
+    assert 1 / (1 - m) == pytest.approx(14) and C.ema_start(0.996, 10, 0.02) == 0.0   # below one step: the online net

@@ -218,6 +218,67 @@ def test_each_method_checkpoint_evaluates(method, tmp_path):
     assert rnd["random_init"] and len(os.listdir(tmp_path / "run" / "features")) == 4
 
 
+def test_the_sweeps_validation_is_train_images_held_out_of_training_never_val(tmp_path, monkeypatch):
+    """--holdout n: a fixed draw of n train/ images (whatever --seed), which a --holdout n training run never
+    reads and eval_linear --holdout n scores against the other train/ images as its k-NN bank; no val/ or
+    test/ image is read. A checkpoint trained on them (no --holdout, or another n) is refused."""
+    data = tiny_folder(tmp_path / "data")                                 # 18 train/, 9 val/ images
+    every = [p for p, _ in C.image_dataset(data, "train").samples]
+    held = [p for p, _ in C.image_dataset(data, "holdout", holdout=5).samples]
+    torch.manual_seed(123)
+    rest = [p for p, _ in C.image_dataset(data, "train", holdout=5).samples]
+    assert len(held) == 5 and not set(held) & set(rest) and sorted(held + rest) == sorted(every)
+    assert len({p.split(os.sep)[-2] for p in held}) > 1                    # a draw, not the first files
+    read = []
+    real = C.read_rgb
+    monkeypatch.setattr(C, "read_rgb", lambda p: (read.append(p), real(p))[1])
+    mod = importlib.import_module("msn")
+    mod.train(mod.Args(data=data, output_dir=str(tmp_path / "run"), model="nano", patch_size=4, img_size=16, epochs=1,
+                       batch_size=4, workers=0, knn=False, warmup_epochs=0, holdout=5, **TINY["msn"]))
+    assert len(read) == 12 and not set(read) & set(held)                   # 3 steps of 4 of the 13 others
+    read.clear()
+    shapes = []
+    real_knn = E.knn
+    monkeypatch.setattr(E, "knn", lambda tr, ytr, va, yva, *a: (shapes.append((len(tr), len(va))), real_knn(tr, ytr, va, yva, *a))[1])
+    ckpt = str(tmp_path / "run" / "checkpoint.pth")
+    res = E.evaluate(E.Args(ckpt=ckpt, data=data, holdout=5, workers=0, k=3))
+    assert res["split"] == "holdout" and shapes == [(13, 5)] and sorted(read) == sorted(every)
+    for bad, match in ((dict(holdout=4), "trained with --holdout 5"), (dict(holdout=5, split="val"), "not --split val")):
+        with pytest.raises(C.UserError, match=match):
+            E.evaluate(E.Args(ckpt=ckpt, data=data, workers=0, k=3, **bad))
+    with pytest.raises(C.UserError, match="trained with --holdout 0 .on every train/ image"):
+        E.evaluate(E.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", "cmae"), data=data, holdout=5, workers=0, k=3))
+    assert E.evaluate(E.Args(ckpt=ckpt, data=data, holdout=5, workers=0, k=3, random_init=True))["split"] == "holdout"
+
+
+@pytest.mark.parametrize("method,prefix", [("msn", "net.encoder."), ("conmim", "encoder."), ("cmae", "encoder.")])
+def test_online_reads_the_online_networks_encoder(method, prefix, tmp_path):
+    """--online: the encoder inside the checkpoint's `model` (a hand-built copy of it loads the same weights);
+    for MSN and ConMIM not the evaluated EMA network, for CMAE the same weights; cached apart."""
+    mod = importlib.import_module(method)
+    data = tiny_folder(tmp_path / "data")
+    mod.train(mod.Args(data=data, output_dir=str(tmp_path / "run"), model="nano", patch_size=4, img_size=16, epochs=1,
+                       batch_size=4, workers=0, knn=False, warmup_epochs=0, **TINY[method]))
+    path = str(tmp_path / "run" / "checkpoint.pth")
+    ckpt = C.load_checkpoint(path)
+    online, _ = E.load_encoder(path, online=True)
+    hand = E.ViT(**ckpt["vit"])
+    hand.load_state_dict({k[len(prefix):]: v for k, v in ckpt["model"].items() if k.startswith(prefix)})
+    for k, v in hand.state_dict().items():
+        assert torch.equal(online.state_dict()[k], v), k
+    evaluated, _ = E.load_encoder(path)
+    same = all(torch.equal(evaluated.state_dict()[k], v) for k, v in hand.state_dict().items())
+    assert same == (method == "cmae")
+    a = E.evaluate(E.Args(ckpt=path, data=data, workers=0, k=3, online=True))
+    b = E.evaluate(E.Args(ckpt=path, data=data, workers=0, k=3))
+    assert a["online"] and not b["online"] and len(os.listdir(tmp_path / "run" / "features")) == 4
+    for bad in (dict(random_init=True), dict(ckpt=None, pixels=True, img_size=16)):
+        with pytest.raises(C.UserError, match="--online reads"):
+            E.evaluate(E.Args(**{**dict(ckpt=path, data=data, workers=0, online=True), **bad}))
+    with pytest.raises(C.UserError, match="--online: .* is not a checkpoint of this project's training scripts"):
+        E.load_encoder(vit_checkpoint(tmp_path / "c.pth", "cmae"), online=True)
+
+
 def test_bad_checkpoints(tmp_path):
     one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "missing.pth"), "--data", "synthetic"), "does not exist")
     (tmp_path / "junk.pth").write_bytes(b"junk")
@@ -542,6 +603,12 @@ def test_a_test_folder_is_evaluated_where_there_is_no_val(tmp_path, monkeypatch)
     assert queries == [9]                                         # the monitor queries test/'s 9 images
     shutil.copytree(os.path.join(data, "test"), os.path.join(data, "val"))
     assert E.eval_split(data) == "val" and E.eval_split(data, "test") == "test"
+    for name in ("1.png", "2.png"):                                 # val/ (7 images) and test/ (9) now differ
+        os.remove(os.path.join(data, "val", "c0", name))
+    for split, n in (("test", 9), (None, 7)):                       # --split test reads test/, the default val/
+        queries.clear()
+        res = E.evaluate(E.Args(ckpt=ckpt, data=data, split=split, mode="knn", workers=0, k=3, cache=False))
+        assert res["split"] == (split or "val") and queries == [n]
     shutil.rmtree(os.path.join(data, "val")), shutil.rmtree(os.path.join(data, "test"))
     with pytest.raises(C.UserError, match="expected train/ and val/ class folders .*test/ folder is used"):
         E.splits(data)

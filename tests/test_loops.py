@@ -36,6 +36,11 @@ def mae_lr(k, total, warmup, peak, min_lr):
     return min_lr + (peak - min_lr) * 0.5 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup)))
 
 
+def short_ema(m, a, total):
+    """A short run's first momentum: 1 / (1 - m) at most ema_horizon x the run's steps (scale_recipe's rule)."""
+    return min(m, 1 - 1 / (a.ema_horizon * total)) if a.ema_horizon else m
+
+
 def msn_reference(k, a, total, ipe):
     """facebookresearch/msn: WarmupCosineSchedule / CosineWDSchedule over T_max = int(1.25 x steps),
     momentum_scheduler 0.996 + i (1 - 0.996) / (ipe x epochs x 1.25). Evaluated at iteration k (the
@@ -46,7 +51,8 @@ def msn_reference(k, a, total, ipe):
     else:
         lr = max(a.min_lr, a.min_lr + (a.lr - a.min_lr) * 0.5 * (1 + math.cos(math.pi * (k - W) / (T - W))))
     wd = a.final_weight_decay + (a.weight_decay - a.final_weight_decay) * 0.5 * (1 + math.cos(math.pi * k / T))
-    m = a.ema[0] + k * (a.ema[1] - a.ema[0]) / (ipe * a.epochs * a.ipe_scale)
+    m0 = short_ema(a.ema[0], a, total)
+    m = m0 + k * (a.ema[1] - m0) / (ipe * a.epochs * a.ipe_scale)
     return lr, wd, m
 
 
@@ -57,7 +63,7 @@ def conmim_reference(k, a, total, ipe):
     W = a.warmup_epochs * ipe
     lr = a.lr * k / W if k < W else \
         a.min_lr + 0.5 * (a.lr - a.min_lr) * (1 + math.cos(math.pi * (k - W) / (total - W)))
-    m = a.ema[1] + 0.5 * (a.ema[0] - a.ema[1]) * (1 + math.cos(math.pi * k / total))
+    m = a.ema[1] + 0.5 * (short_ema(a.ema[0], a, total) - a.ema[1]) * (1 + math.cos(math.pi * k / total))
     return lr, a.weight_decay, m
 
 
@@ -65,7 +71,7 @@ def mae_reference(k, a, total, ipe):
     """CMAE, CAN (MAE recipe): lr = blr x batch / 256, warm-up + cosine per iteration, constant weight
     decay; CMAE's EMA momentum is constant (official)."""
     lr = mae_lr(k, total, a.warmup_epochs * ipe, a.blr * a.batch_size / 256, a.min_lr)
-    return lr, a.weight_decay, getattr(a, "ema", None)
+    return lr, a.weight_decay, short_ema(a.ema, a, total) if hasattr(a, "ema") else None
 
 
 def siammae_reference(k, a, total, ipe):
@@ -116,10 +122,14 @@ def _record(monkeypatch, mod):
     return events, steps, bn_modes
 
 
-@pytest.mark.parametrize("method", sorted(CASES))
-def test_loop_applies_the_official_schedules_and_updates_the_target_after_each_step(method, tmp_path, monkeypatch):
+@pytest.mark.parametrize("method,horizon", [(m, 0.0) for m in sorted(CASES)] + [(m, 0.5) for m in ("msn", "cmae", "conmim")])
+def test_loop_applies_the_official_schedules_and_updates_the_target_after_each_step(method, horizon, tmp_path, monkeypatch):
+    """Each step's lr, weight decay and EMA momentum are the official schedules' (horizon 0.5: the short-run
+    EMA rule, the first momentum lowered so that its horizon is half the run)."""
     mod, make, reference = CASES[method]
     a = make(tmp_path)
+    if horizon:
+        a.ema_horizon = horizon
     events, steps, bn_modes = _record(monkeypatch, mod)
     mod.train(a)
     ipe = a.steps_per_epoch

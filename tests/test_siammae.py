@@ -248,6 +248,9 @@ def test_a_davis_root_trains_on_its_train_videos_only(tmp_path, edition):
     assert all(p.endswith(".jpg") for v in ds.videos for p in v.paths) and len(ds.videos[0]) == 3
     import eval_video                                   # its own parser of the same lists must agree
     assert sorted((v, len(f)) for v, f, _ in eval_video.davis_videos(str(root), "train")) == [("a", 3), ("c", 3)]
+    trained = [os.path.basename(os.path.dirname(v.paths[0])) for v in siammae.video_dataset(str(root), holdout=1).videos]
+    held = [v for v, _, _ in eval_video.davis_videos(str(root), "train", holdout=1)]   # --holdout 1: what the sweep scores
+    assert len(held) == 1 and sorted(trained + held) == ["a", "c"]                    # never a video it trained on
     lst.write_text(lst.read_text().replace("a", "z"))
     with pytest.raises(C.UserError, match="lists z, which has no folder in"):
         siammae.video_dataset(str(root))
