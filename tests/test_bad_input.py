@@ -143,15 +143,19 @@ def test_train_flags_are_one_line_errors_at_start(kw, msg, tmp_path):
         can.train(tiny_args(tmp_path, **kw))
 
 
-def test_knn_without_a_val_split_is_a_one_line_error_at_start_not_after_training(tmp_path):
-    """--knn reads DATA/val/ after the last epoch: a folder without it is refused before any step (it
-    failed at the end of the run)."""
+def test_knn_without_a_val_split_or_with_a_val_class_train_lacks_is_refused_at_start(tmp_path):
+    """--knn reads DATA/val/ after the last epoch: a folder without it, or whose val/ has a class that train/
+    lacks, is refused before any step (both failed at the end of the run)."""
     for i in range(8):
         _png(tmp_path / "d" / "train" / f"c{i % 2}" / f"{i}.png", i)
     with pytest.raises(C.UserError, match=r"--knn: --data .* has no val/ \(or test/\) next to train/"):
         can.train(tiny_args(tmp_path / "o", data=str(tmp_path / "d"), knn=True))
     assert not os.path.exists(tmp_path / "o" / "log.jsonl")
-    _png(tmp_path / "d" / "val" / "c0" / "0.png", 0, "val")
+    _png(tmp_path / "d" / "val" / "c9" / "0.png", 0, "val")                          # a class train/ lacks
+    with pytest.raises(C.UserError, match=r"--knn: val/ has class 'c9', which train/ lacks"):
+        can.train(tiny_args(tmp_path / "o", data=str(tmp_path / "d"), knn=True))
+    assert not os.path.exists(tmp_path / "o" / "log.jsonl")                           # refused before any step
+    shutil.move(tmp_path / "d" / "val" / "c9", tmp_path / "d" / "val" / "c0")
     can.train(tiny_args(tmp_path / "o", data=str(tmp_path / "d"), knn=True))          # with val/: trains, reports
     assert "knn_learned" in (tmp_path / "o" / "log.jsonl").read_text()
 

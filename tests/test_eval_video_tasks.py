@@ -44,6 +44,16 @@ def test_pck_hand_case_scale_frame_zero_and_pooling():
     assert V.pck([(gt2[:1], pr2[:1])]) == {0.1: None, 0.2: None}     # one frame: nothing to score
 
 
+def test_pck_scale_box_leaves_out_a_joint_that_was_not_propagated():
+    """CRW's box is over the joints that have a prediction: a far joint that was not propagated (NaN) must
+    not widen it. Joint 0 off by 4.5 px in a box of diagonal 50 (scale 30): 0.15, a miss at 0.1; with the
+    far joint in the box (scale 300) it would be a hit."""
+    nan = np.nan
+    gt = np.array([[[0, 0], [30, 40], [300, 400]]] * 2, float)
+    pred = np.array([[[0, 0], [30, 40], [nan, nan]], [[4.5, 0], [30, 40], [nan, nan]]], float)
+    assert V.pck([(gt, pred)]) == {0.1: pytest.approx(50.0), 0.2: pytest.approx(100.0)}
+
+
 def test_keypoint_maps_are_crw_gaussians_and_read_back_at_the_joint():
     lab = V.keypoint_maps(np.array([[5.2, 3.4], [20.0, 1.0]]), 8, 10)  # second joint outside the 10-wide grid
     assert lab.shape == (8, 10, 3)
@@ -76,20 +86,40 @@ def _texture(w, h, seed=0):
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
-def _vip_root(root, T=4, W=48, H=32, p=4):
-    """A VIP layout with one static video: textured frames, class ids in patch-aligned bands (a block's
+def _vip_root(root, T=4, W=48, H=32, p=4, videos=("v1",)):
+    """A VIP layout with static videos: textured frames, class ids in patch-aligned bands (a block's
     convex corner would lose pixels to the bilinear upsampling of one-hot labels, as in CRW)."""
-    os.makedirs(root / "Images" / "v1")
-    os.makedirs(root / "Annotations" / "Category_ids" / "v1")
     os.makedirs(root / "lists")
-    (root / "lists" / "val_videos.txt").write_text("v1\n")
+    (root / "lists" / "val_videos.txt").write_text("".join(f"{v}\n" for v in videos))
     lab = np.zeros((H, W), np.uint8)
     lab[2 * p:5 * p] = 13                                              # face
     lab[6 * p:] = 2                                                    # hair
-    for t in range(T):
-        _texture(W, H).save(root / "Images" / "v1" / f"{t:05d}.jpg", quality=100)
-        Image.fromarray(lab).save(root / "Annotations" / "Category_ids" / "v1" / f"{t:05d}.png")
+    for v in videos:
+        os.makedirs(root / "Images" / v)
+        os.makedirs(root / "Annotations" / "Category_ids" / v)
+        for t in range(T):
+            _texture(W, H).save(root / "Images" / v / f"{t:05d}.jpg", quality=100)
+            Image.fromarray(lab).save(root / "Annotations" / "Category_ids" / v / f"{t:05d}.png")
     return lab
+
+
+def test_vip_miou_pools_one_confusion_over_every_frame_of_every_video(tmp_path, monkeypatch):
+    """CRW's eval_vip: one histogram over all videos' frames, then IoU per class. Three videos with
+    different errors (none, the face lost, half the hair lost) against per-class IoUs counted here from
+    the pooled pixels: the last video's or the mean of the videos' mIoUs differ."""
+    lab = _vip_root(tmp_path / "vip", videos=("v1", "v2", "v3"))
+    wrong = [lab.copy(), np.where(lab == 13, 0, lab), lab.copy()]
+    wrong[2][lab.shape[0] - 4:] = 0                                      # the bottom rows of hair -> background
+    preds = iter(wrong)
+    monkeypatch.setattr(V, "propagate_labels", lambda enc, frames, gt0, a, geom, device:
+                        (np.repeat(next(preds)[None], len(frames), 0), []))
+    res = V.evaluate(V.Args(copy_first=True, data=str(tmp_path / "vip"), task="vip", size=0))
+    gt, pred = np.stack([lab] * 3), np.stack(wrong)                      # each frame of a video is the same
+    ious = [((gt == c) & (pred == c)).sum() / ((gt == c) | (pred == c)).sum() for c in (0, 2, 13)]
+    assert res["videos"] == 3 and res["mIoU"] == pytest.approx(100 * np.mean(ious))
+    per_video = [np.mean([((lab == c) & (w == c)).sum() / ((lab == c) | (w == c)).sum() for c in (0, 2, 13)
+                          if ((lab == c) | (w == c)).any()]) for w in wrong]
+    assert min(abs(res["mIoU"] - 100 * per_video[-1]), abs(res["mIoU"] - 100 * np.mean(per_video))) > 1
 
 
 def test_a_static_vip_clip_propagates_perfectly_through_the_released_layout(tmp_path):

@@ -74,6 +74,8 @@ def test_srun_variables_give_rank_world_local_rank_and_the_rendezvous():
     name, env = C.launcher(slurm_vars(5, world=16, job=123456, nodes="gpu[07-08]", per_node=8))
     assert name == "srun" and env == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "MASTER_ADDR": "gpu07",
                                       "MASTER_PORT": str(20000 + 123456 % 20000), "LOCAL_WORLD_SIZE": "8"}
+    second_node = C.launcher(slurm_vars(13, world=16, job=123456, nodes="gpu[07-08]", per_node=8))[1]
+    assert (second_node["RANK"], second_node["LOCAL_RANK"]) == ("13", "5")   # device by local rank, data by rank
     set_port = C.launcher({**slurm_vars(0, job=9), "MASTER_PORT": "1234", "MASTER_ADDR": "head"})[1]
     assert set_port["MASTER_PORT"] == "1234" and set_port["MASTER_ADDR"] == "head"
     step_only = {k: v for k, v in slurm_vars(1, world=2, nodes="n[1-2]").items() if k != "SLURM_STEP_NODELIST"}
