@@ -447,7 +447,7 @@ def test_evaluate_reports_the_mean_over_objects_and_checks_its_flags(tmp_path, m
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["a", "J", "70.0", "F", "50.0", "objects", "2"]
     assert out[1].split() == ["b", "J", "10.0", "F", "20.0", "objects", "1"]
-    assert json.loads(out[-1]) == {"method": "siammae", "random_init": False, "task": "davis", "videos": 2, "J_mean": 50.0,
+    assert json.loads(out[-1]) == {"method": "siammae", "random_init": False, "online": False, "task": "davis", "videos": 2, "J_mean": 50.0,
                                    "F_mean": 40.0, "JF_mean": 45.0}
     for _ in range(2):                                                  # twice into the same --output
         run(output=str(tmp_path / "out"))
