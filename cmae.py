@@ -94,11 +94,13 @@ class Args(C.RunArgs):
                           "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
 
-    # Small recipes: the official recipe above scaled by common.scale_recipe's rules (lr x batch / official
-    # batch, warm-up the same fraction of the run, view sizes x img / 224, EMA and wd schedules as official);
-    # the values written here are choices for the budget (model, heads, batch, length) or the data. `--preset small`:
-    # 32-px images (CIFAR-10) on 2 CPU cores; `--data synthetic` applies SYNTHETIC the same way.
-    PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=9, batch_size=256, decoder_dim=128,
+    # Small recipes: the official recipe above scaled by common.scale_recipe's short-run rules (lr per image x
+    # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
+    # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
+    # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
+    # <= ~45 min alone on 2 CPU cores) or the sweep's (lr_factor; docs/RESULTS.md). `--preset small`: 32-px
+    # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
+    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=9, batch_size=256, decoder_dim=128,
                              decoder_depth=2, decoder_heads=4, feature_decoder_depth=1, proj_hidden=512, workers=2,
                              log_every=20)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64,

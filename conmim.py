@@ -105,10 +105,12 @@ class Args(C.RunArgs):
 
     # --data synthetic: batch 32 x 800 steps (k-NN 23.1% vs 16.7% at init) learned more than 64 x 400
     # (19.1%) in the same ~4.5 min; at EMA 0.996 the teacher would stay near its init in so few steps.
-    # Small recipes: the official recipe above scaled by common.scale_recipe's rules (lr x batch / official
-    # batch, warm-up the same fraction of the run, view sizes x img / 224, EMA and wd schedules as official);
-    # the values written here are choices for the budget (model, heads, batch, length) or the data. `--preset small`:
-    # 32-px images (CIFAR-10) on 2 CPU cores; `--data synthetic` applies SYNTHETIC the same way.
+    # Small recipes: the official recipe above scaled by common.scale_recipe's short-run rules (lr per image x
+    # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
+    # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
+    # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
+    # <= ~45 min alone on 2 CPU cores) or the sweep's (lr_factor; docs/RESULTS.md). `--preset small`: 32-px
+    # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
     PRESETS = {"small": dict(model="micro", patch_size=4, img_size=32, epochs=6, batch_size=256, proj_hidden=512,
                              workers=2, log_every=20)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=32, proj_hidden=256, proj_dim=64,

@@ -195,22 +195,24 @@ def test_davis_layout_end_to_end_and_palette_output(tmp_path):
                    "is not a writable directory (Not a directory)")
 
 
-def test_synthetic_siammae_learns_its_pretext_task_and_its_checkpoint_propagates(tmp_path):
-    """The README's `python siammae.py --data synthetic`, shortened to a first pass of 45 steps (of a
-    4-effective-epoch schedule, in its warm-up; ~70 s on 2 CPU cores): the norm-pix loss on f2's masked
-    patches falls (colour clips, lr by the batch rule: 2.15 at step 10 -> 1.59 at step 45 measured; a
-    constant prediction scores 0.84 on them), the pass's last step is logged, and the trained encoder
-    propagates the 20 synthetic validation clips (72.3 J&F measured). Whether it beats its random
-    initialisation is measured (docs/RESULTS.md), not asserted: after the full 496 steps it does not
-    (72.2 vs 74.6 J&F)."""
+def test_synthetic_siammae_learns_its_pretext_task_and_its_checkpoint_propagates(tmp_path, monkeypatch):
+    """The README's `python siammae.py --data synthetic`, shortened to a first pass of 45 steps of a
+    4-effective-epoch schedule (warm-up 9 steps, the same share as the config's): the norm-pix loss on f2's
+    masked patches falls (colour clips, lr by the batch rule: 2.05 at step 10 -> 1.48 at step 45 measured;
+    a constant prediction scores 0.84 on them), the pass's last step is logged, and the trained encoder
+    propagates synthetic validation clips (4 of the 20, to keep the suite fast: 73.2 J&F measured).
+    Whether it beats its random initialisation is measured (docs/RESULTS.md), not asserted: here it does
+    not (81.1 on the same 4 clips)."""
     r = run_cli("siammae.py", "--data", "synthetic", "--epochs", "4", "--stop-epoch", "1", "--steps-per-epoch", "45",
                 "--log-every", "10", "--output-dir", str(tmp_path), timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     recs = [json.loads(line) for line in open(tmp_path / "log.jsonl") if '"step"' in line]
     assert [r["step"] for r in recs] == [10, 20, 30, 40, 45], recs   # every 10, and the pass's last
     assert recs[-1]["loss"] < 0.8 * recs[0]["loss"], recs
+    clips = V.synthetic_videos
+    monkeypatch.setattr(V, "synthetic_videos", lambda task: clips(task, n=4))
     res = V.evaluate(V.Args(ckpt=str(tmp_path / "checkpoint.pth"), data="synthetic"))
-    assert res["videos"] == 20 and 40 < res["JF_mean"] <= 100, res
+    assert res["videos"] == 4 and 40 < res["JF_mean"] <= 100, res
 
 
 def test_memory_carries_soft_labels():

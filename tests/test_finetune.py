@@ -96,15 +96,18 @@ def test_smoothed_loss_equals_its_formula(eps):
     torch.testing.assert_close(got.double(), F.cross_entropy(logits, y, label_smoothing=eps))
 
 
-def _pretrained(tmp_path, steps=3):
-    can.train(can.Args(data="synthetic", output_dir=str(tmp_path / "pre"), model="nano", patch_size=4, img_size=16,
-                       epochs=1, steps_per_epoch=steps, batch_size=16, warmup_epochs=0, decoder_dim=16, decoder_depth=1,
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """One tiny CAN checkpoint (3 steps) that the fine-tuning tests below share (they only read it)."""
+    out = tmp_path_factory.mktemp("pre")
+    can.train(can.Args(data="synthetic", output_dir=str(out), model="nano", patch_size=4, img_size=16,
+                       epochs=1, steps_per_epoch=3, batch_size=16, warmup_epochs=0, decoder_dim=16, decoder_depth=1,
                        decoder_heads=2, proj_hidden=16, proj_dim=8, workers=0, knn=False, device="cpu"))
-    return str(tmp_path / "pre" / "checkpoint.pth")
+    return str(out / "checkpoint.pth")
 
 
-def test_resume_is_exact_and_the_run_reports_top1(tmp_path):
-    ckpt = _pretrained(tmp_path)
+def test_resume_is_exact_and_the_run_reports_top1(tmp_path, pretrained):
+    ckpt = pretrained
 
     def make(out, **kw):
         return FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(out), epochs=2, steps_per_epoch=2, batch_size=8,
@@ -150,8 +153,8 @@ def test_evaluate_reports_top1_top5_and_cross_entropy_over_every_val_image():
     assert loss == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
 
 
-def test_micro_batches_give_the_step_of_one_batch(tmp_path):
-    ckpt = _pretrained(tmp_path)
+def test_micro_batches_give_the_step_of_one_batch(tmp_path, pretrained):
+    ckpt = pretrained
     out = {}
     for micro in (0, 2):
         FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / f"m{micro}"), epochs=1,
@@ -162,11 +165,11 @@ def test_micro_batches_give_the_step_of_one_batch(tmp_path):
         torch.testing.assert_close(out[2][k], v, rtol=1e-4, atol=1e-6, msg=k)
 
 
-def test_bad_input_is_one_line(tmp_path):
+def test_bad_input_is_one_line(tmp_path, pretrained):
     one_line_error(run_cli("eval_finetune.py", "--data", "synthetic", "--output-dir", str(tmp_path)), "--ckpt is required")
     one_line_error(run_cli("eval_finetune.py", "--ckpt", str(tmp_path / "none.pth"), "--data", "synthetic",
                            "--output-dir", str(tmp_path)), "does not exist")
-    ckpt = _pretrained(tmp_path, steps=1)
+    ckpt = pretrained
     with pytest.raises(C.UserError, match="--recipe must be mae or beit"):
         FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", recipe="deit", output_dir=str(tmp_path / "o")))
     with pytest.raises(C.UserError, match="--layer-decay must be in"):
@@ -177,9 +180,9 @@ def test_bad_input_is_one_line(tmp_path):
         FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", warmup_lr=-0.1, output_dir=str(tmp_path / "o")))
 
 
-def test_the_network_sees_the_mixed_images_and_the_loss_the_mixed_targets(tmp_path, monkeypatch):
+def test_the_network_sees_the_mixed_images_and_the_loss_the_mixed_targets(tmp_path, pretrained, monkeypatch):
     """Wiring of the step: MixUp/CutMix output (images AND targets) is what the network and the loss get."""
-    ckpt = _pretrained(tmp_path, steps=1)
+    ckpt = pretrained
     seen, targets = [], []
     real_mix, real_ce = FT.Mix.__call__, FT.soft_target_ce
 

@@ -217,10 +217,17 @@ TINY = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--focal-siz
 
 
 def test_bad_input_errors(tmp_path):
+    """Each is a UserError (a one-line message under `python msn.py`, as the CLI case and every method's
+    CLI test show) before any step; an unreadable image is named once and the run stops above
+    --max-unreadable."""
     from PIL import Image
-    one_line_error(run_cli("msn.py", "--data", str(tmp_path / "nope"), *TINY), "no such directory")
+    args = tiny_args
+    for kw, match in ((dict(data=str(tmp_path / "nope")), "no such directory"), (dict(data=None), "--data is required")):
+        with pytest.raises(C.UserError, match=match):
+            msn.train(args(tmp_path / "o0", **kw))
     os.makedirs(tmp_path / "empty" / "class_a")
-    one_line_error(run_cli("msn.py", "--data", str(tmp_path / "empty"), *TINY), "no images")
+    with pytest.raises(C.UserError, match="no images"):
+        msn.train(args(tmp_path / "o0", data=str(tmp_path / "empty")))
     bad = tmp_path / "bad" / "a"
     os.makedirs(bad)
     for i in range(4):
@@ -233,10 +240,11 @@ def test_bad_input_errors(tmp_path):
     out = tmp_path / "other"
     os.makedirs(out)
     C.save_checkpoint(str(out / "checkpoint.pth"), {"method": "cmae", "encoder": {}})
-    one_line_error(run_cli("msn.py", "--data", "synthetic", *TINY, "--output-dir", str(out)), "cmae checkpoint")
+    with pytest.raises(C.UserError, match="cmae checkpoint"):
+        msn.train(args(out))
     (out / "checkpoint.pth").write_bytes(b"garbage")
-    one_line_error(run_cli("msn.py", "--data", "synthetic", *TINY, "--output-dir", str(out)), "not a readable checkpoint")
-    one_line_error(run_cli("msn.py", *TINY), "--data is required")
+    with pytest.raises(C.UserError, match="not a readable checkpoint"):
+        msn.train(args(out))
 
 
 def test_torchrun_two_processes_cpu(tmp_path):
