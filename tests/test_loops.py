@@ -203,8 +203,10 @@ def test_loop_masks_with_the_configured_ratio_fresh_each_step(method, tmp_path, 
 def test_finetune_loop_applies_warmup_cosine_times_each_layer_scale(tmp_path, monkeypatch):
     """eval_finetune: every group's lr = MAE's per-iteration warm-up + cosine value x its layer-decay
     scale, each step (the scales themselves: tests/test_finetune.py); drop path 0.1 reaches the ViT."""
-    from test_finetune import _pretrained
-    ckpt = _pretrained(tmp_path, steps=1)
+    can.train(can.Args(data="synthetic", output_dir=str(tmp_path / "pre"), model="nano", patch_size=4, img_size=16,
+                       epochs=1, steps_per_epoch=1, batch_size=16, warmup_epochs=0, decoder_dim=16, decoder_depth=1,
+                       decoder_heads=2, proj_hidden=16, proj_dim=8, workers=0, knn=False, device="cpu"))
+    ckpt = str(tmp_path / "pre" / "checkpoint.pth")
     events, real_opt = [], C.optimizer_step
     monkeypatch.setattr(C, "optimizer_step", lambda run, opt, params, max_norm=0.0: (
         events.append([(g["lr"], g["lr_scale"], g["weight_decay"]) for g in opt.param_groups]),
