@@ -1,0 +1,68 @@
+"""Draw the README's learning curves from the measured numbers in docs/results.json (matplotlib, a docs-only
+requirement: pip install -r docs/requirements.txt).
+
+  python docs/plot_results.py            # -> docs/cifar10_curves.png, docs/davis_curve.png
+
+cifar10_curves.png: k-NN top-1 (%) on the 10,000 CIFAR-10 test images against the images seen in
+pre-training, one line per method (the encoder each paper evaluates; an open square: the online encoder
+of an EMA method at the end), each method's own initial encoder as a dashed line of its colour and raw
+pixels as a black line. davis_curve.png: SiamMAE's J&F (%) on
+the 20 DAVIS-2016 val videos against the training step, with its initial encoder, raw pixels and the
+first mask copied as horizontal lines. docs/results.json holds every number and where it comes from.
+"""
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COLOURS = {"msn": "tab:blue", "cmae": "tab:orange", "conmim": "tab:green", "can": "tab:red", "siammae": "tab:purple"}
+
+
+def cifar10(res, out):
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    for m, r in res["methods"].items():
+        x, y = zip(*[(n / 1000, acc) for n, acc in r["knn"]])
+        ax.plot(x, y, "o-", color=COLOURS[m], label=r["label"])
+        ax.axhline(r["init"], color=COLOURS[m], ls="--", lw=1)
+        if "online" in r:                                   # an EMA method's online encoder at the end
+            ax.plot([x[-1]], [r["online"]["knn_top1"]], "s", mfc="none", color=COLOURS[m],
+                    label=f"{r['label'].split(' (')[0]}: its online encoder at the end")
+    ax.axhline(res["pixels"], color="black", lw=1.5, label=f"raw pixels ({res['pixels']:.1f})")
+    ax.plot([], [], "k--", lw=1, label="dashed: each method's initial encoder")
+    ax.set_xlabel("images seen in pre-training (thousands)")
+    ax.set_ylabel("k-NN top-1 on CIFAR-10 test (%)")
+    ax.set_title(res["title"], fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out)
+
+
+def davis(res, out):
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=120)
+    x, y = zip(*res["jf"])
+    ax.plot(x, y, "o-", color=COLOURS["siammae"], label=res["label"])
+    for key, style, text in (("init", "--", "its initial encoder"), ("pixels", ":", "raw pixels"),
+                             ("copy_first", "-.", "first mask copied")):
+        ax.axhline(res[key], color="black", ls=style, lw=1, label=f"{text} ({res[key]:.1f})")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("J&F on DAVIS-2016 val (%)")
+    ax.set_title(res["title"], fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    fig.savefig(out)
+
+
+def main():
+    res = json.load(open(os.path.join(HERE, "results.json")))
+    cifar10(res["cifar10"], os.path.join(HERE, "cifar10_curves.png"))
+    davis(res["davis"], os.path.join(HERE, "davis_curve.png"))
+
+
+if __name__ == "__main__":
+    main()
