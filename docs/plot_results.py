@@ -22,6 +22,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 COLOURS = {"msn": "tab:blue", "cmae": "tab:orange", "conmim": "tab:green", "can": "tab:red", "siammae": "tab:purple"}
 
 
+def finish(fig, ax, xlabel, ylabel, title, legend_loc, out):
+    """One quantity per axis, labelled with its unit; a light grid; the legend; written to `out`."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc=legend_loc)
+    fig.tight_layout()
+    fig.savefig(out)
+
+
 def cifar10(res, out):
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     for m, r in res["methods"].items():
@@ -33,13 +44,8 @@ def cifar10(res, out):
                     label=f"{r['label'].split(' (')[0]}: its online encoder at the end")
     ax.axhline(res["pixels"], color="black", lw=1.5, label=f"raw pixels ({res['pixels']:.1f})")
     ax.plot([], [], "k--", lw=1, label="dashed: each method's initial encoder")
-    ax.set_xlabel("images seen in pre-training (thousands)")
-    ax.set_ylabel("k-NN top-1 on CIFAR-10 test (%)")
-    ax.set_title(res["title"], fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out)
+    finish(fig, ax, "images seen in pre-training (thousands)", "k-NN top-1 on CIFAR-10 test (%)", res["title"],
+           "lower right", out)
 
 
 def davis(res, out):
@@ -49,13 +55,7 @@ def davis(res, out):
     for key, style, text in (("init", "--", "its initial encoder"), ("pixels", ":", "raw pixels"),
                              ("copy_first", "-.", "first mask copied")):
         ax.axhline(res[key], color="black", ls=style, lw=1, label=f"{text} ({res[key]:.1f})")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("J&F on DAVIS-2016 val (%)")
-    ax.set_title(res["title"], fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center right")
-    fig.tight_layout()
-    fig.savefig(out)
+    finish(fig, ax, "training step", "J&F on DAVIS-2016 val (%)", res["title"], "center right", out)
 
 
 def main():
