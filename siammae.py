@@ -86,9 +86,11 @@ class Args(C.RunArgs):
     drop_path: float = 0.0
     init: str = field(default="xavier", metadata={"help": "xavier (MAE's, default) | trunc (trunc-normal 0.02, DeiT)"})
 
-    # Small recipes: the official recipe above scaled by common.scale_recipe's rules (blr kept: lr = blr x
-    # videos per step / 256; warm-up the same fraction of the run); the values written here are choices
-    # for the budget (model, decoder, batch, length) or the data (size, gaps).
+    # Small recipes: the official recipe above scaled by common.scale_recipe's short-run rules (lr = blr x
+    # videos per step / 256 x the preset's lr_factor, chosen by scripts/lr_sweep.py on 6 held-out train
+    # videos; warm-up the same fraction of the run); the other values are choices for the budget (model,
+    # decoder, batch, length: ~6 min alone on 2 CPU cores) or the data (size, gaps).
+    # Sweep (held-out J&F, initial encoder 47.4): x1 47.5, x4 47.0, x16 46.6, x64 46.0 (docs/RESULTS.md).
     # `--preset davis` (a DAVIS-2016 root: its 30 train videos, 2 CPU cores): 64 px crops, patch 4 (a
     # 16 x 16 grid; official 14 x 14), one step = all 30 videos x 2 pairs. Gaps from the videos' motion:
     # a crop of scale 0.5-1 (about 555 px of a 480p frame) at 64 px makes one patch about 35 px of the
@@ -98,7 +100,7 @@ class Args(C.RunArgs):
     # --data synthetic: 64 px, the clips' native size, so that eval_video (which runs on native
     # frames) sees the patch scale the encoder was trained at (a 32 px run fell below random init
     # there); nano keeps it about 5 min on 2 CPU cores (16 effective epochs = 8 passes of 62 steps).
-    PRESETS = {"davis": dict(model="nano", patch_size=4, img_size=64, epochs=600, batch_size=30, decoder_dim=64,
+    PRESETS = {"davis": dict(lr_factor=1, model="nano", patch_size=4, img_size=64, epochs=600, batch_size=30, decoder_dim=64,
                              decoder_depth=2, decoder_heads=4, gap=(8, 48), workers=2, log_every=20)}
     SYNTHETIC = dict(model="nano", patch_size=4, img_size=64, epochs=16, batch_size=32, decoder_dim=64,
                      decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2, log_every=20)
