@@ -89,7 +89,7 @@ class Args(C.RunArgs):
     # Small recipes: the official recipe above scaled by common.scale_recipe's short-run rules (lr = blr x
     # videos per step / 256 x the preset's lr_factor, chosen by scripts/lr_sweep.py on 6 held-out train
     # videos; warm-up the same fraction of the run); the other values are choices for the budget (model,
-    # decoder, batch, length: ~6 min alone on 2 CPU cores) or the data (size, gaps).
+    # decoder, batch, length: ~5 min alone on 2 CPU cores) or the data (size, gaps).
     # Sweep (held-out J&F, initial encoder 47.4): x1 47.5, x4 47.0, x16 46.6, x64 46.0 (docs/RESULTS.md).
     # `--preset davis` (a DAVIS-2016 root: its 30 train videos, 2 CPU cores): 64 px crops, patch 4 (a
     # 16 x 16 grid; official 14 x 14), one step = all 30 videos x 2 pairs. Gaps from the videos' motion:
