@@ -111,10 +111,14 @@ class Args(C.RunArgs):
     # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
     # <= ~45 min alone on 2 CPU cores) or the sweep's (lr_factor; docs/RESULTS.md). `--preset small`: 32-px
     # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
+    # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
+    # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs).
     # Sweep (held-out k-NN): x1 28.5, x4 28.0; in those 350-step runs the InfoNCE stays at or above chance, the
     # whole preset's leaves it after ~500 steps (docs/RESULTS.md).
     PRESETS = {"small": dict(lr_factor=1, model="micro", patch_size=4, img_size=32, epochs=6, batch_size=256, proj_hidden=512,
-                             workers=2, log_every=20)}
+                             workers=2, log_every=20),
+               "gpu": dict(lr_factor=1, model="tiny", patch_size=4, img_size=32, epochs=16, batch_size=512, proj_hidden=512,
+                           micro_batch=0)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=32, proj_hidden=256, proj_dim=64,
                      drop_path=0.0, crop_scale=(0.3, 1.0), workers=2, log_every=20, steps_per_epoch=100)
 

@@ -129,8 +129,12 @@ class Args(C.RunArgs):
     # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
     # ~45-50 min alone on 2 CPU cores) or the sweep's (lr_factor; docs/RESULTS.md). `--preset small`: 32-px
     # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
+    # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
+    # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs).
     PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=4, batch_size=256, head_hidden=512,
-                             workers=2, log_every=20)}
+                             workers=2, log_every=20),
+               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=5, batch_size=512, head_hidden=512,
+                           micro_batch=0)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, focal_views=4, epochs=8, batch_size=64,
                      head_hidden=256, head_dim=64, num_prototypes=64, workers=2, log_every=20, steps_per_epoch=40)
 

@@ -1,33 +1,60 @@
 #!/usr/bin/env bash
-# What only a GPU host can check or measure, in parts that each fit a 10-minute command (run from
-# the repository root; each part's log goes to $OUT/<part>.log, or gpu_check_out/<part>.log):
-#   bash benchmarks/gpu_check.sh tests     # tests/test_cuda.py, then the whole suite on the GPU host (-n 8)
-#   bash benchmarks/gpu_check.sh step      # throughput.py eager: each method at its recipe model, one
-#                                          # forward/backward of its default --micro-batch; MSN also with --gpu-aug
-#   bash benchmarks/gpu_check.sh compiled  # the same with --compile (the CUDA default of train())
-#   bash benchmarks/gpu_check.sh data      # data.py on the device: eager and compiled colour ops, --gpu-decode
-#   bash benchmarks/gpu_check.sh aug       # data.py --aug-against 3f25bd5: the colour ops against the version
-#                                          # before issue #51's rewrite, per MSN step of 256, eager and compiled
-#   bash benchmarks/gpu_check.sh e2e       # e2e.py (the real train(), compiled): MSN without and with --gpu-decode
-#   bash benchmarks/gpu_check.sh e2e-rest  # e2e.py: CMAE, ConMIM, CAN, SiamMAE
-# SMALL=1 shrinks every size (nano models, a few steps) for a dry run on a CPU. PYTHON picks the interpreter.
-# Numbers go to BENCHMARKS.md with the device line each log starts with.
+# What only a GPU host can check or measure, in parts, each under its own time cap (seconds: CAP_<part>=N), so that
+# one part's failure or overrun never costs the others. Run from the repository root; each part's log goes to
+# $OUT/<part>.log (or gpu_check_out/<part>.log). Several parts in one call run in the order given:
+#   bash benchmarks/gpu_check.sh cifar aug cuda realstep tests     # the prepared check, in this order
+#   cifar      the real-data tier: benchmarks/gpu_cifar.py on CIFAR-10 (CIFAR=a .tar.gz of the README's JPEG
+#              folders, or the folder; default .gpu/cifar10.tar.gz): each image method ~2 min with --preset gpu,
+#              k-NN of its checkpoints against its initial encoder and raw pixels; gpu_cifar.json / .png (cap 560;
+#              MINUTES=N caps each method's training, default 2)
+#   aug        data.py --aug-against 3f25bd5: the colour ops per MSN step of 256, eager and compiled (cap 90)
+#   cuda       tests/test_cuda.py (cap 120)
+#   realstep   throughput.py --preset gpu, eager then compiled: the step the cifar part's real runs take, to set
+#              against their logged img/s (cap 150)
+#   tests      the whole suite on the GPU host (-n 8; cap 400)
+#   step       throughput.py eager: each method at its ImageNet recipe model and default --micro-batch (+ MSN --gpu-aug)
+#   compiled   the same with --compile (the CUDA default of train())
+#   data       data.py on the device: eager and compiled colour ops, --gpu-decode
+#   e2e        e2e.py (the real train(), compiled): MSN without and with --gpu-decode
+#   e2e-rest   e2e.py: CMAE, ConMIM, CAN, SiamMAE
+# SMALL=1 shrinks every size (nano models, a few steps, a generated 3-class fixture for cifar; no compiled variant
+# of realstep and aug, and the suite is not run) for a dry run on a CPU (tests/test_benchmarks.py runs it). PYTHON picks the interpreter. Numbers go to
+# BENCHMARKS.md and docs/RESULTS.md with the device line each log starts with.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_check.sh tests|step|compiled|data|aug|e2e|e2e-rest}
+[ $# -ge 1 ] || { echo "usage: bash benchmarks/gpu_check.sh PART [PART ...] (cifar aug cuda realstep tests step compiled data e2e e2e-rest)" >&2; exit 2; }
 out=${OUT:-gpu_check_out}
 mkdir -p "$out"
-log="$out/$part.log"
 py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+declare -A CAP=([cifar]=560 [aug]=90 [cuda]=120 [realstep]=150 [tests]=400 [step]=540 [compiled]=540 [data]=540
+                [e2e]=540 [e2e-rest]=540)
+
+if [ "${1}" != _one ]; then                      # each part under its own cap, then a summary line per part
+    status=0
+    for part in "$@"; do
+        [ -n "${CAP[$part]:-}" ] || { echo "unknown part $part: ${!CAP[*]}" >&2; exit 2; }
+        var="CAP_${part//-/_}"; cap=${!var:-${CAP[$part]}}
+        t0=$(date +%s)
+        timeout -k 10 "$cap" bash "$0" _one "$part"; rc=$?
+        summary+=("$part: rc $rc in $(( $(date +%s) - t0 )) s (cap $cap)$([ $rc = 124 ] && echo ', CUT at the cap')")
+        [ $rc = 0 ] || status=1
+    done
+    printf '%s\n' "${summary[@]}" | tee -a "$out/summary.log"
+    exit $status
+fi
+part=$2
+log="$out/$part.log"
 if [ -n "${SMALL:-}" ]; then            # dry run: model, micro-batches (msn cmae conmim can siammae), steps, images
     S=nano; B=nano; MB=(4 4 4 4 2); STEPS=(--warmup 1 --steps 1); E2E=(--steps 4 --log-every 2 --n-images 16 --batch-size 8
         --model nano --img-size 32 --patch-size 16 --workers 2); DATA=(--n-images 16 --images 2 --workers 2 --batches 2)
+    PB=8; CIFAR_FLAGS=(--small --workers 2); COMPILED=()          # a CPU compile takes minutes: eager only
 else                                    # the recipes (README) and their default micro-batches
     S=small; B=base; MB=(512 512 512 256 512); STEPS=(); E2E=(--n-images 1024 --workers 15); DATA=(--workers 15)
+    PB=512; CIFAR_FLAGS=(--workers 15 --minutes "${MINUTES:-2}"); COMPILED=(--compile)
 fi
 dev=$($py -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 {
-    echo "gpu_check $part: $(date -u +%FT%TZ), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+    echo "gpu_check $part: $(date -u +%FT%TZ), commit $COMMIT"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
     $py -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, '$dev')"
 } 2>&1 | tee "$log"
@@ -42,10 +69,43 @@ steps() {   # $@: extra throughput.py flags
     say $py benchmarks/throughput.py --method siammae --model $S --batch-size "${MB[4]}" "${STEPS[@]}" "$@"
 }
 
+cifar_data() {   # the folder the cifar part trains on: $CIFAR unpacked (or as it is), SMALL: a generated fixture
+    local tmp; tmp=$(mktemp -d)
+    if [ -n "${SMALL:-}" ] && [ -z "${CIFAR:-}" ]; then
+        $py -c "
+import os, sys, numpy as np
+from PIL import Image
+rng = np.random.default_rng(0)
+for split, n in (('train', 8), ('test', 2)):
+    for c in ('cat', 'dog', 'ship'):
+        os.makedirs(f'{sys.argv[1]}/cifar10/{split}/{c}', exist_ok=True)
+        for i in range(n):
+            Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(f'{sys.argv[1]}/cifar10/{split}/{c}/{i}.jpg')
+" "$tmp/src" && tar -czf "$tmp/cifar10.tar.gz" -C "$tmp/src" cifar10 && CIFAR=$tmp/cifar10.tar.gz
+    fi
+    local src=${CIFAR:-.gpu/cifar10.tar.gz}
+    if [ -d "$src" ]; then echo "$src"; return; fi
+    [ -f "$src" ] || { echo "CIFAR=$src: no such file (carry the README's CIFAR-10 folders as a .tar.gz)" >&2; return 1; }
+    tar -xzf "$src" -C "$tmp" || return 1
+    dirname "$(find "$tmp" -mindepth 2 -maxdepth 3 -type d -name train -not -path "$tmp/src/*" | head -1)"
+}
+
 case $part in
+    cifar)
+        data=$(cifar_data) || { echo "no CIFAR-10 folder" | tee -a "$log"; exit 1; }
+        echo "data: $data ($(find "$data/train" -type f | wc -l) train images)" | tee -a "$log"
+        say $py benchmarks/gpu_cifar.py --data "$data" --out "$out" "${CIFAR_FLAGS[@]}" ;;
+    realstep)
+        for c in "" "${COMPILED[@]}"; do
+            for m in msn cmae conmim can; do
+                say $py benchmarks/throughput.py --method $m --preset gpu --batch-size $PB "${STEPS[@]}" $c
+            done
+        done ;;
+    cuda) say $py -m pytest -q tests/test_cuda.py ;;
     tests)
         say $py -m pytest -q tests/test_cuda.py
-        say $py -m pytest -q -n 8 tests --ignore=tests/test_cuda.py ;;
+        if [ -n "${SMALL:-}" ]; then echo "SMALL: the suite itself is not run" | tee -a "$log"
+        else say $py -m pytest -q -n 8 tests --ignore=tests/test_cuda.py; fi ;;
     step) steps ;;
     compiled) steps --compile ;;
     data)
@@ -54,11 +114,12 @@ case $part in
     aug)
         AB=256; [ -n "${SMALL:-}" ] && AB=2
         say $py benchmarks/data.py --aug-against 3f25bd5 --device "$dev" --batch-size $AB
-        say $py benchmarks/data.py --aug-against 3f25bd5 --device "$dev" --batch-size $AB --method msn --compile ;;
+        [ -n "${SMALL:-}" ] || say $py benchmarks/data.py --aug-against 3f25bd5 --device "$dev" --batch-size $AB --method msn --compile ;;
     e2e)
         say $py benchmarks/e2e.py --method msn --gpu-aug "${E2E[@]}"
         say $py benchmarks/e2e.py --method msn --gpu-aug --gpu-decode "${E2E[@]}" ;;
     e2e-rest)
         for m in cmae conmim can siammae; do say $py benchmarks/e2e.py --method $m "${E2E[@]}"; done ;;
-    *) echo "unknown part $part: tests|step|compiled|data|aug|e2e|e2e-rest" >&2; exit 2 ;;
 esac
+# a command inside `say` that failed fails the part (tee hides its status otherwise)
+! grep -qE "^(Traceback|error:)|^FAILED|[0-9]+ failed" "$log"

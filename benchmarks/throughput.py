@@ -20,6 +20,7 @@ tests/test_benchmarks.py checks the count against torch's FlopCounterMode runnin
 """
 import argparse
 import copy
+import importlib
 import os
 import sys
 import time
@@ -50,7 +51,11 @@ def setup(method, a, dev):
     the method's own train_step (forward + backward, micro-batches, checkpointing) + AdamW + EMA."""
     import importlib
     mod = importlib.import_module(method)
-    args = mod.Args(data="synthetic", model=a.model, batch_size=a.batch_size, grad_ckpt=a.grad_ckpt)
+    if a.preset:                                       # a small recipe's model, sizes and views (e.g. --preset gpu)
+        args = C.parse_args(mod.Args, ["--data", "none", "--preset", a.preset, "--batch-size", str(a.batch_size)])
+        args.grad_ckpt, a.model = a.grad_ckpt, args.model
+    else:
+        args = mod.Args(data="synthetic", model=a.model, batch_size=a.batch_size, grad_ckpt=a.grad_ckpt)
     B, S, p = a.batch_size, args.img_size, args.patch_size
     micro = a.micro_batch or B
     g = S // p
@@ -162,6 +167,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="all", help="msn|cmae|conmim|can|siammae|all")
     ap.add_argument("--model", default="small")
+    ap.add_argument("--preset", default=None, help="time a preset's recipe (e.g. gpu: ViT-Tiny at 32 px) instead of the "
+                    "ImageNet one; --model is then the preset's")
     ap.add_argument("--batch-size", type=int, default=64, help="images (pairs for siammae) per step")
     ap.add_argument("--micro-batch", type=int, default=0, help="images per forward/backward (0 = the batch)")
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing of every block")
@@ -179,12 +186,15 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     methods = ["msn", "cmae", "conmim", "can", "siammae"] if a.method == "all" else [a.method]
     name = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"device: {name}, torch {torch.__version__}, model {a.model}, batch {a.batch_size}"
+    print(f"device: {name}, torch {torch.__version__}, {f'--preset {a.preset}' if a.preset else f'model {a.model}'}, batch {a.batch_size}"
           f"{f' (micro {a.micro_batch})' if a.micro_batch else ''}, {a.precision}{', compile' if a.compile else ''}"
           f"{', grad-ckpt' if a.grad_ckpt else ''}{', gpu-aug' if a.gpu_aug else ''}")
     print("| method | img/s (pairs/s siammae) | step ms | peak mem GB | TFLOP/step | MFU |")
     print("|---|---|---|---|---|---|")
     for m in methods:
+        if a.preset and a.preset not in C.presets(importlib.import_module(m).Args):
+            print(f"| {m} | no --preset {a.preset} | | | | |")
+            continue
         torch.manual_seed(0)
         step, n, flops = setup(m, a, dev)
         for _ in range(a.warmup):

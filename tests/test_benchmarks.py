@@ -1,13 +1,15 @@
 """benchmarks/: the scripts run and print their tables (speed is never asserted), and the FLOP count behind
 the MFU column is the step's."""
 import argparse
+import json
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, run_cli
+from helpers import ROOT, run_cli, vit_checkpoint
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))          # throughput, e2e, data: the scripts' functions
 
@@ -98,3 +100,46 @@ def test_the_data_benchmark_times_the_same_views_for_ours_and_the_official_recip
         _, views, _ = data.pipeline(m, str(tmp_path / "images"), False)
         ours, ref = shapes(views[(0, 0)][0]), shapes(data.reference(m)(views.dataset.load(0)[0]))
         assert ours == ref and len(ours) == n, (m, ours, ref)
+
+
+def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
+    """SMALL=1 benchmarks/gpu_check.sh: the real-data tier on a generated fixture (packed as a .tar.gz, unpacked
+    as on the GPU host), each image method's --preset gpu trained in segments and evaluated, and the step of that
+    preset; every part under its cap. A GPU call can then fail for GPU reasons only."""
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", "cifar", "realstep", "cuda"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "SMALL": "1", "OUT": str(out), "PYTHON": sys.executable})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = (out / "summary.log").read_text().splitlines()
+    assert [ln.split(":")[0] for ln in summary] == ["cifar", "realstep", "cuda"] and all("rc 0" in ln for ln in summary)
+    res = json.loads((out / "gpu_cifar.json").read_text())
+    assert set(res["methods"]) == {"msn", "cmae", "conmim", "can"} and 0 <= res["pixels"] <= 100
+    for m, run in res["methods"].items():
+        assert run["steps"] == run["planned_steps"] == 6 and not run["capped"], m         # 3 classes x 8 / batch 8 x 2
+        assert [n for n, _ in run["knn"]] == [0, 16, 24, 32, 48] and run["model"] == "nano", m   # step 1 = init, 2, 3, 4, 6
+        assert run["init"] == run["knn"][0][1] and ("online" in run) == (m in ("msn", "conmim")), m
+    assert "| CAN (online) | 6 x 8 |" in (out / "cifar.log").read_text()
+    rows = [ln for ln in (out / "realstep.log").read_text().splitlines() if ln.startswith("| ") and "img/s" not in ln]
+    assert [ln.split("|")[1].strip() for ln in rows] == ["msn", "cmae", "conmim", "can"]    # eager only on a CPU
+
+
+def test_the_gpu_tiers_knn_is_eval_linears(tmp_path):
+    """benchmarks/gpu_cifar.py decodes the evaluation images once and runs every encoder on them: its k-NN of a
+    checkpoint, and of raw pixels, equal eval_linear.py --mode knn's on the same folder."""
+    import eval_linear as E
+    import gpu_cifar
+    from PIL import Image
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 10), ("test", 5)):
+        for c, colour in enumerate(((200, 40, 40), (40, 200, 40), (40, 40, 200))):
+            os.makedirs(tmp_path / "d" / split / f"c{c}")
+            for i in range(n):                         # a class colour under noise: the k-NN scores are not all equal
+                x = (torch.tensor(colour).view(1, 1, 3) + 90 * torch.randn(32, 32, 3, generator=g)).clamp(0, 255)
+                Image.fromarray(x.to(torch.uint8).numpy()).save(tmp_path / "d" / split / f"c{c}" / f"{i}.jpg")
+    ckpt = vit_checkpoint(tmp_path / "ckpt.pth", "cmae", img_size=32)
+    a = argparse.Namespace(data=str(tmp_path / "d"), workers=0, device="cpu")
+    images = gpu_cifar.eval_images(a)
+    base = dict(data=a.data, mode="knn", workers=0, cache=False, device="cpu")
+    assert gpu_cifar.knn(a, images, ckpt) == E.evaluate(E.Args(ckpt=ckpt, **base))["knn_top1"]
+    pixels = gpu_cifar.knn(a, images, pixels=True)
+    assert pixels == E.evaluate(E.Args(pixels=True, img_size=32, **base))["knn_top1"] and pixels > 100 / 3

@@ -1,0 +1,175 @@
+"""The real-data GPU tier: each image method pre-trained on CIFAR-10 with `--preset gpu` for a fixed ~2 minutes,
+then k-NN of the encoder its paper evaluates against the same run's initial encoder and raw pixels.
+
+  python benchmarks/gpu_cifar.py --data /data/cifar10 --out gpu_check_out              # all four methods, ~10 min
+  python benchmarks/gpu_cifar.py --data DIR --methods can msn --minutes 2 --workers 15
+  python benchmarks/gpu_cifar.py --data DIR --small                                     # CPU dry run (nano models, 6 steps)
+
+Each method runs its real train() in this process, in segments (`--stop-step`; resume is exact and the schedules
+span the whole run): step 1 (the warm-up starts at lr 0, so that checkpoint is the run's initial encoder), 1/4,
+1/2, 3/4 and the end, each checkpoint kept. --minutes caps a method's training time: at the cap its loop stops
+as on a preemption signal (finishes the step, writes the checkpoint) and the rest of its run is skipped, said in
+the table. Then eval_linear's k-NN (k 20, T 0.07, 10,000 test images against the 50,000 train images) of every
+kept checkpoint, the online encoder of MSN and ConMIM at the end (`--online`), and raw pixels, on images decoded
+once. The runs are eager (--no-compile): a compile of each segment would take a large share of two minutes. Writes
+<out>/gpu_cifar.json (docs/results.json's layout), <out>/gpu_cifar.png (docs/plot_results.py's picture, where
+matplotlib is installed) and prints the table last. Runs go to --runs (default a temporary folder).
+"""
+import argparse
+import importlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+import common as C  # noqa: E402
+import eval_linear as E  # noqa: E402
+
+LABEL = {"msn": "MSN (EMA target)", "cmae": "CMAE (online)", "conmim": "ConMIM (EMA teacher)", "can": "CAN (online)"}
+SMALL = ["--model", "nano", "--batch-size", "8", "--epochs", "2", "--log-every", "2", "--device", "cpu"]
+
+
+def train_segments(method, a, run_dir):
+    """Trains `method` to the end of its preset (or the time cap) in segments; returns the kept checkpoints
+    [(step, path)], the training seconds, the steps planned and whether the cap stopped it."""
+    mod = importlib.import_module(method)
+    argv = ["--data", a.data, "--preset", "gpu", "--output-dir", run_dir, "--workers", str(a.workers), "--no-knn",
+            "--save-every-minutes", "0", "--no-compile"] + (SMALL if a.small else []) + (["--device", a.device] if a.device else [])
+    args = C.parse_args(mod.Args, argv)
+    ipe = len(C.image_dataset(args.data, "train")) // args.batch_size          # as the loops count (full batches)
+    ipe = min(ipe, args.steps_per_epoch or ipe)
+    total = ipe * args.epochs
+    stops = sorted({1, *(round(total * q / 4) for q in (1, 2, 3)), total} - {0})
+    kept, seconds, capped = [], 0.0, False
+    for stop in stops:
+        left = 60 * a.minutes - seconds
+        if left <= 0:
+            capped = True
+            break
+        args.stop_step = stop
+        timer = threading.Timer(left, lambda: C._SIGNAL.append(("the --minutes cap", time.time())))
+        t0 = time.time()
+        timer.start()
+        try:
+            mod.train(args)
+        finally:
+            timer.cancel()
+        seconds += time.time() - t0
+        step = C.load_checkpoint(os.path.join(run_dir, "checkpoint.pth"), method)["step"]
+        path = os.path.join(run_dir, f"step{step}.pth")
+        shutil.copyfile(os.path.join(run_dir, "checkpoint.pth"), path)
+        kept.append((step, path))
+        if step < stop:                                  # the cap stopped the loop inside this segment
+            capped = True
+            break
+    return kept, seconds, total, args, capped
+
+
+def eval_images(a):
+    """eval_linear's evaluation images, decoded once for every checkpoint (its resize + centre crop, uint8): the
+    train and test splits as (images, labels), test labels mapped to train's classes, and the number of classes."""
+    train, test, to_train = E.splits(a.data)
+    tf = E.eval_transform(32)
+    out = []
+    for ds in (train, test):
+        xs, ys = zip(*torch.utils.data.DataLoader(C.Views(ds, tf), 1024, num_workers=a.workers))
+        out.append((torch.cat(xs), torch.cat(ys)))
+    return out[0], (out[1][0], to_train[out[1][1]]), len(train.classes)
+
+
+@torch.no_grad()
+def knn(a, images, ckpt=None, online=False, pixels=False):
+    """eval_linear's k-NN top-1 (%) (k 20, T 0.07; the encoder's default pooling, bf16 on CUDA) of a checkpoint's
+    evaluated encoder (online: its online network's), or of the raw pixels centred by the train mean, on the
+    decoded `images` (eval_images). Equal to `eval_linear.py --mode knn` (tests/test_benchmarks.py)."""
+    dev = C.resolve_device(a.device)
+    enc, c = (E.Pixels(), {"method": "pixels"}) if pixels else E.load_encoder(ckpt, online=online)
+    enc, pool = enc.to(dev), E.DEFAULT_POOL.get(c["method"], "cls")
+    amp = torch.autocast("cuda", torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    feats = []
+    for x, _ in images[:2]:
+        with amp:
+            feats.append(torch.cat([E.features_of(enc, C.normalize(x[i:i + 1024].to(dev)), pool).float().cpu()
+                                    for i in range(0, len(x), 1024)]))
+    if pixels:
+        feats = [f - feats[0].mean(0) for f in feats]
+    return E.knn(feats[0], images[0][1], feats[1], images[1][1], images[2])["knn_top1"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", required=True, help="CIFAR-10 as class folders: train/ and test/ (or val/)")
+    p.add_argument("--methods", nargs="+", default=["msn", "cmae", "conmim", "can"])
+    p.add_argument("--minutes", type=float, default=2.5, help="cap on each method's training time")
+    p.add_argument("--workers", type=int, default=min(15, os.cpu_count() or 1))
+    p.add_argument("--out", default="gpu_check_out", help="where gpu_cifar.json / .png go")
+    p.add_argument("--runs", default=None, help="run folders (default: a temporary folder, removed at the end)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--small", action="store_true", help="a dry run: nano models, 6 steps of 8 images, on the CPU")
+    a = p.parse_args()
+    if not os.path.isdir(os.path.join(a.data, "train")):
+        sys.exit(f"error: --data {a.data}: no train/ folder (CIFAR-10 as class folders: train/ and test/)")
+    os.makedirs(a.out, exist_ok=True)
+    runs = a.runs or tempfile.mkdtemp(prefix="gpu_cifar_")
+    dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU"
+    C.catch_preemption()
+    res = {"title": f"CIFAR-10, --preset gpu ({device}, seed 0)", "device": device, "torch": torch.__version__,
+           "commit": os.environ.get("COMMIT", "unknown"),
+           "source": "python benchmarks/gpu_cifar.py --data cifar10 (bash benchmarks/gpu_check.sh cifar)", "methods": {}}
+    rows, images = [], eval_images(a)
+    for m in a.methods:
+        t0 = time.time()
+        kept, seconds, total, args, capped = train_segments(m, a, os.path.join(runs, m))
+        curve = [[0 if s == 1 else s * args.batch_size, knn(a, images, path)] for s, path in kept]
+        r = {"label": LABEL[m], "knn": curve, "init": curve[0][1], "steps": kept[-1][0], "planned_steps": total,
+             "batch_size": args.batch_size, "model": args.model, "train_seconds": round(seconds, 1),
+             "images_per_second": round((kept[-1][0] - 1) * args.batch_size / max(seconds, 1e-9)), "capped": capped}
+        log = [json.loads(ln) for ln in open(os.path.join(runs, m, "log.jsonl"))]
+        steady = sorted(x["img_s"] for x in log if x["step"] > 1) or [0]        # the loop's own rate per log line
+        r |= {"logged_img_s": steady[len(steady) // 2], "first_loss": log[0]["loss"], "last_loss": log[-1]["loss"],
+              "data_wait": sorted(x["data_wait"] for x in log)[len(log) // 2]}
+        if m in ("msn", "conmim"):
+            r["online"] = {"knn_top1": knn(a, images, kept[-1][1], online=True)}
+        res["methods"][m] = r
+        rows.append(m)
+        print(f"{m}: {r['steps']}/{total} steps in {seconds:.0f} s of training, {time.time() - t0:.0f} s with the "
+              f"evaluations", flush=True)
+        with open(os.path.join(a.out, "gpu_cifar.json"), "w") as f:         # after each method: a cut run keeps it
+            json.dump(res, f, indent=1)
+    res["pixels"] = knn(a, images, pixels=True)
+    with open(os.path.join(a.out, "gpu_cifar.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    try:
+        sys.path.insert(0, os.path.join(ROOT, "docs"))
+        import plot_results
+        plot_results.cifar10(res, os.path.join(a.out, "gpu_cifar.png"))
+    except ImportError as e:
+        print(f"no picture: {e} (pip install -r docs/requirements.txt)")
+    if not a.runs:
+        shutil.rmtree(runs, ignore_errors=True)
+    print(f"\n{res['title']}, commit {res['commit']}, torch {res['torch']}")
+    print("| method | steps x batch | training s | img/s (run; loop's median) | data wait | loss start -> end | "
+          "k-NN init | k-NN 1/4, 1/2, 3/4 | k-NN end | online end |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for m in rows:
+        r = res["methods"][m]
+        steps = f"{r['steps']} of {r['planned_steps']} (cap)" if r["capped"] else str(r["steps"])
+        mid = ", ".join(f"{acc:.1f}" for _, acc in r["knn"][1:-1])
+        online = f"{r['online']['knn_top1']:.1f}" if "online" in r else "-"
+        print(f"| {r['label']} | {steps} x {r['batch_size']} | {r['train_seconds']:.0f} | {r['images_per_second']}; "
+              f"{r['logged_img_s']:.0f} | {r['data_wait']:.2f} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | "
+              f"{r['init']:.1f} | {mid} | **{r['knn'][-1][1]:.1f}** | {online} |")
+    print(f"| raw pixels | - | - | - | - | - | - | - | {res['pixels']:.1f} | - |")
+
+
+if __name__ == "__main__":
+    main()
