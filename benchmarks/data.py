@@ -232,6 +232,7 @@ def aug_against(rev, methods, B, device, compiled, rounds=5):
     if src.returncode:
         raise C.UserError(f"--aug-against {rev}: {(src.stderr.strip().splitlines() or ['git failed'])[-1]}")
     old = types.ModuleType("gpu_aug_old")
+    sys.modules[old.__name__] = old               # torch.compile re-imports a traced function's module by name
     exec(compile(src.stdout, f"{rev}:gpu_aug.py", "exec"), old.__dict__)
     augs = {"old": old.color_augmenter(compiled), "new": GA.color_augmenter(compiled)}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -1,12 +1,12 @@
 """Draw the README's learning curves from the measured numbers in docs/results.json (matplotlib, a docs-only
 requirement: pip install -r docs/requirements.txt).
 
-  python docs/plot_results.py            # -> docs/cifar10_curves.png, docs/davis_curve.png
+  python docs/plot_results.py            # -> docs/cifar10_curves.png, docs/cifar10_gpu_curves.png, docs/davis_curve.png
 
 cifar10_curves.png: k-NN top-1 (%) on the 10,000 CIFAR-10 test images against the images seen in
 pre-training, one line per method (the encoder each paper evaluates; an open square: the online encoder
 of an EMA method at the end), each method's own initial encoder as a dashed line of its colour and raw
-pixels as a black line. davis_curve.png: SiamMAE's J&F (%) on
+pixels as a black line; cifar10_gpu_curves.png the same for the GPU tier (benchmarks/gpu_cifar.py). davis_curve.png: SiamMAE's J&F (%) on
 the 20 DAVIS-2016 val videos against the training step, with its initial encoder, raw pixels and the
 first mask copied as horizontal lines. docs/results.json holds every number and where it comes from.
 """
@@ -33,7 +33,7 @@ def finish(fig, ax, xlabel, ylabel, title, legend_loc, out):
     fig.savefig(out)
 
 
-def cifar10(res, out):
+def cifar10(res, out, legend_loc="lower right"):
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     for m, r in res["methods"].items():
         x, y = zip(*[(n / 1000, acc) for n, acc in r["knn"]])
@@ -45,7 +45,7 @@ def cifar10(res, out):
     ax.axhline(res["pixels"], color="black", lw=1.5, label=f"raw pixels ({res['pixels']:.1f})")
     ax.plot([], [], "k--", lw=1, label="dashed: each method's initial encoder")
     finish(fig, ax, "images seen in pre-training (thousands)", "k-NN top-1 on CIFAR-10 test (%)", res["title"],
-           "lower right", out)
+           legend_loc, out)
 
 
 def davis(res, out):
@@ -61,6 +61,7 @@ def davis(res, out):
 def main():
     res = json.load(open(os.path.join(HERE, "results.json")))
     cifar10(res["cifar10"], os.path.join(HERE, "cifar10_curves.png"))
+    cifar10(res["cifar10_gpu"], os.path.join(HERE, "cifar10_gpu_curves.png"), "center right")
     davis(res["davis"], os.path.join(HERE, "davis_curve.png"))
 
 

@@ -143,3 +143,14 @@ def test_the_gpu_tiers_knn_is_eval_linears(tmp_path):
     assert gpu_cifar.knn(a, images, ckpt) == E.evaluate(E.Args(ckpt=ckpt, **base))["knn_top1"]
     pixels = gpu_cifar.knn(a, images, pixels=True)
     assert pixels == E.evaluate(E.Args(pixels=True, img_size=32, **base))["knn_top1"] and pixels > 100 / 3
+
+
+def test_the_revision_compared_against_can_be_imported_by_name(capsys):
+    """--aug-against REV --compile: torch.compile (2.11, on an H100) re-imports the module of a function it traces by
+    name, and the old gpu_aug.py, executed from `git show`, was not importable: gpu_check.sh aug failed at 2ec86d5
+    with "No module named 'gpu_aug_old'" (torch 2.14 here does not re-import it). The module must be registered."""
+    import importlib
+    import data
+    data.aug_against("HEAD", ["cmae"], 2, torch.device("cpu"), compiled=False, rounds=1)
+    assert "| cmae |" in capsys.readouterr().out
+    assert callable(importlib.import_module("gpu_aug_old").color_augmenter)
