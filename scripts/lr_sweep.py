@@ -105,11 +105,22 @@ def main(argv=None):
         with open(os.path.join(out, f"{a.method}-{a.preset}.json"), "w") as f:
             json.dump({"method": a.method, "preset": a.preset, "data": a.data, "holdout": a.holdout,
                        "fraction": a.fraction, "rows": rows}, f, indent=1)
-    best = max(rows, key=lambda r: r["score"])
-    print(f"\n| lr factor | flags | {rows[0]['metric']} (held out) | final loss |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['factor']:g}{' (best)' if r is best else ''} | {r['flags']} | {r['score']:.2f} | {r['final_loss']:.4g} |")
+    print("\n" + table(rows))
     return rows
+
+
+def best(rows):
+    """The row the preset takes: the highest held-out score; on a tie the smaller factor (the nearer to the
+    official per-image lr)."""
+    return max(rows, key=lambda r: (r["score"], -r["factor"]))
+
+
+def table(rows):
+    """The sweep's markdown table, its chosen row marked (best)."""
+    pick = best(rows)
+    return "\n".join([f"| lr factor | flags | {rows[0]['metric']} (held out) | final loss |", "|---|---|---|---|"] +
+                     [f"| {r['factor']:g}{' (best)' if r is pick else ''} | {r['flags']} | {r['score']:.2f} | "
+                      f"{r['final_loss']:.4g} |" for r in rows])
 
 
 if __name__ == "__main__":

@@ -583,3 +583,54 @@ def test_boundary_matching_in_a_crop_equals_the_whole_frame(r):
     for a in (rng.random((50, 90)) > 0.97, np.pad(rng.random((6, 9)) > 0.5, ((44, 0), (0, 81))),
               np.pad(rng.random((5, 5)) > 0.5, ((20, 25), (40, 45))), np.zeros((50, 90), bool)):
         assert V._near(a, b, r) == (a & V._dilate(b, r)).sum()
+
+
+def _checkpoint(tmp_path, **args):
+    """A tiny MSN-layout checkpoint whose online encoder (`model`'s net.encoder.*) differs from the evaluated one
+    (`encoder`, an EMA target's place), with the given training args (e.g. holdout)."""
+    from helpers import vit_checkpoint
+    path = vit_checkpoint(tmp_path / "c.pth", "msn", img_size=32)
+    ck = torch.load(path, weights_only=True)
+    ck["model"] = {f"net.encoder.{k}": v + 0.5 * torch.randn_like(v) if v.is_floating_point() else v
+                   for k, v in ck["encoder"].items()}
+    ck["args"] |= args
+    C.save_checkpoint(path, ck)
+    return path, ck
+
+
+def _davis_train(tmp_path, videos=("a", "b", "c")):
+    """A DAVIS-2016 root whose train list holds `videos`."""
+    _, root = davis2016_folder(tmp_path / "d", frames=4, videos=videos)
+    (root / "ImageSets/480p/train.txt").write_text((root / "ImageSets/480p/val.txt").read_text())
+    return root
+
+
+def test_online_reaches_the_encoder_that_propagates(tmp_path, monkeypatch):
+    """--online through evaluate: the features that propagate the labels are the online network's (`model`),
+    without it the evaluated encoder's, where the checkpoint's two differ (the EMA target's place)."""
+    path, ck = _checkpoint(tmp_path)
+    root = _davis_train(tmp_path, videos=("a",))
+    seen = []
+    features = V.frame_features
+    monkeypatch.setattr(V, "frame_features", lambda enc, *a: seen.append(enc.patch_embed.proj.weight.detach().clone())
+                        or features(enc, *a))
+    for online, key in ((True, "model"), (False, "encoder")):
+        seen.clear()
+        res = V.evaluate(V.Args(ckpt=path, data=str(root), split="val", short_side=0, online=online))
+        weight = ck[key][("net.encoder." if key == "model" else "") + "patch_embed.proj.weight"]
+        assert res["online"] == online and seen and all(torch.equal(w.cpu(), weight) for w in seen), key
+
+
+def test_holdout_reaches_the_video_list_through_evaluate(tmp_path, capsys):
+    """--split train --holdout N through evaluate: only the N videos a --holdout N run kept out are scored (the
+    lr sweep's validation), never the videos it trained on; a checkpoint trained with another N is refused."""
+    path, _ = _checkpoint(tmp_path, holdout=1)
+    root = _davis_train(tmp_path)
+    held = [v for v, _, _ in V.davis_videos(str(root), "train", holdout=1)]
+    assert len(held) == 1 and held[0] in ("a", "b", "c")
+    capsys.readouterr()
+    res = V.evaluate(V.Args(ckpt=path, data=str(root), split="train", holdout=1, short_side=0))
+    names = [ln.split()[0] for ln in capsys.readouterr().out.splitlines() if not ln.startswith("{")]
+    assert res["videos"] == 1 and names == held
+    with pytest.raises(C.UserError, match="trained with --holdout 1"):
+        V.evaluate(V.Args(ckpt=path, data=str(root), split="train", holdout=2, short_side=0))

@@ -72,3 +72,19 @@ def _in_process(cmd, cwd=None, **kw):
         fn = getattr(mod, "train", None) or getattr(mod, "evaluate")
         fn(C.parse_args(mod.Args, argv))
     return _Done(out.getvalue())
+
+
+def test_the_sweep_marks_the_best_score_and_a_tie_goes_to_the_smaller_factor():
+    """The table's (best) is the row a preset takes: the highest held-out score wherever it stands in the order
+    the factors were given, and of two equal scores the smaller factor (the nearer to the official lr)."""
+    def rows(*scores):
+        return [{"factor": f, "flags": f"--lr {f}", "score": s, "metric": "k-NN top-1", "final_loss": 1.0}
+                for f, s in scores]
+
+    def marked(rs):
+        return [ln.split("|")[1].strip() for ln in L.table(rs).splitlines()[2:] if "(best)" in ln]
+
+    assert marked(rows((1, 30.46), (4, 30.80), (16, 30.24))) == ["4 (best)"]        # MSN's sweep
+    assert marked(rows((16, 40.24), (1, 36.60), (4, 42.82))) == ["4 (best)"]        # any order
+    assert marked(rows((1, 28.0), (16, 31.5), (4, 31.5))) == ["4 (best)"]           # a tie: the smaller factor
+    assert marked(rows((64, 47.0), (1, 47.0))) == ["1 (best)"] and L.best(rows((2, 5.0)))["factor"] == 2
