@@ -742,8 +742,8 @@ GROUPS = (  # --help sections, in order; a flag in none of them is the script's 
                       "repeated_sampling", "ipe_scale", "allow_batch_change"}),
     ("views and masking", {"mask_ratio", "mask_unit", "rand_views", "rand_size", "rand_scale", "focal_views",
                            "focal_size", "focal_scale", "gap", "master_size", "shift", "gpu_aug", "gpu_decode"}),
-    ("run control", {"output", "seed", "resume", "precision", "compile", "log_every", "device", "steps_per_epoch",
-                     "stop_epoch", "stop_step", "save_every", "save_every_minutes", "knn", "cache", "tensorboard"}),
+    ("run control", {"output", "seed", "resume", "precision", "compile", "log_every", "device", "steps_per_epoch", "knn",
+                     "stop_epoch", "stop_step", "save_every", "save_every_minutes", "cache", "tensorboard", "probe_every"}),
 )
 
 
@@ -1294,7 +1294,7 @@ def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=N
 
 RUN_ONLY = {"workers", "resume", "compile", "log_every", "device", "micro_batch", "grad_ckpt", "stop_epoch",
             "stop_step", "save_every", "save_every_minutes", "max_unreadable", "allow_batch_change", "batch_size",
-            "output_dir", "knn", "precision", "tensorboard"}   # run control: a resumed run may change them silently
+            "output_dir", "knn", "precision", "tensorboard", "probe_every"}   # run control: a resumed run may change them
 SCHEDULE = {"epochs", "steps_per_epoch"}              # may change on resume, with a line (the schedules follow)
 
 

@@ -24,6 +24,7 @@ Paper -> code.
   Siamese encoder, 0% / 95% masking .......... SiamMAE.forward (ViT, random_masking)
   Cross-self decoder (Fig. 2) ................ CrossSelfBlock; `--decoder cross|joint` (ablation)
   Loss: norm-pix MSE on f2's masked patches .. siammae_loss
+  (not in the paper) does the decoder read f1? f1_probe, logged every --probe-every steps
 
 Choices (no official code; see ../shared/methods/siammae.md): pre-norm decoder blocks
 x += CA(LN(x), LN(f1)); x += SA(LN(x)); x += MLP(LN(x)), decoder position embeddings on both
@@ -85,6 +86,9 @@ class Args(C.RunArgs):
     decoder_heads: int = 8
     drop_path: float = 0.0
     init: str = field(default="xavier", metadata={"help": "xavier (MAE's, default) | trunc (trunc-normal 0.02, DeiT)"})
+    probe_every: int = field(default=200, metadata={"help": "steps between f1 probes, and one at the end (0 = off): the "
+                             "loss on fixed pairs with the true f1, another video's, a grey one and f2 itself; f1_gap = "
+                             "other - true is how much the decoder reads f1 (scripts/siammae_probe.py: any checkpoint)"})
 
     # Small recipes: the official recipe above scaled by common.scale_recipe's short-run rules (lr = blr x
     # videos per step / 256 x the preset's lr_factor, chosen by scripts/lr_sweep.py on 6 held-out train
@@ -507,6 +511,46 @@ def train_step(net, f1, f2, ids_keep, ids_restore, mask, a, micro=None, autocast
 
 
 # ----------------------------------------------------------------------------------------------
+# The f1 probe: does the decoder read f1? The objective can be lowered from f2's few visible patches
+# alone (towards a flat patch); only reading f1 teaches correspondence, so the run measures it.
+# ----------------------------------------------------------------------------------------------
+PROBE_SEED = 20231113                   # the probe pairs' and masks' own draw, never a training draw
+
+
+def probe_pairs(dataset, a, n=48):
+    """Fixed frame pairs for f1_probe: one pair (a's gaps and crops) from each of up to n videos spread over the
+    dataset, and fixed masks of f2, all drawn under PROBE_SEED (the caller's RNG is left alone). Returns
+    (f1, f2 uint8 (k, 3, S, S), ids_keep, ids_restore, mask)."""
+    views = C.Views(dataset, FramePair(a), PROBE_SEED)
+    idx = torch.linspace(0, len(dataset) - 1, min(n, len(dataset))).round().long().unique().tolist()
+    clips = torch.stack([views[i][0][0] for i in idx])                      # (k, 2, 3, S, S): each video's first pair
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(PROBE_SEED)
+        masking = random_masking(len(idx), a.img_size // a.patch_size, a.mask_ratio)
+    return (clips[:, 0], clips[:, 1], *masking)
+
+
+@torch.no_grad()
+def f1_probe(model, probe, a, autocast=contextlib.nullcontext()):
+    """The loss on the probe pairs' masked f2 patches (probe_pairs) with f1 = the true earlier frame, another
+    video's (the next pair's), a grey frame (0 after normalisation) and f2 itself (the answer in place), and
+    f1_gap = other - true: 0 where the decoder ignores what f1 shows, large where it reads it."""
+    dev = next(model.parameters()).device
+    f1, f2, ids_keep, ids_restore, mask = (t.to(dev) for t in probe)
+    x1, x2 = C.normalize(f1), C.normalize(f2)
+    target, was = norm_pix(patchify(x2, a.patch_size)), model.training
+    model.eval()
+    out = {}
+    for name, ctx in (("true", x1), ("other", x1.roll(1, 0)), ("grey", torch.zeros_like(x1)), ("self", x2)):
+        with autocast:
+            pred = model(ctx, x2, ids_keep, ids_restore)                        # (k, N, p*p*3)
+        out[f"f1_{name}"] = round(siammae_loss(pred.float(), target, mask).item(), 5)
+    model.train(was)
+    out["f1_gap"] = round(out["f1_other"] - out["f1_true"], 5)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 def train(args):
@@ -546,6 +590,7 @@ def train(args):
     C.print0(f"{len(dataset)} videos, {args.epochs} effective epochs = {passes} passes of {ipe} steps, {total} steps, "
              f"{videos} videos = {pairs} pairs/step, lr {lr:.3g} (blr x {videos} videos / 256)")
     p, grid = args.patch_size, model.encoder.grid
+    probe = probe_pairs(dataset, args) if args.probe_every and C.is_main() else None
 
     for epoch in range(start // ipe, args.stop_epoch or passes):         # epoch = one pass over the videos
         model.train()
@@ -560,6 +605,8 @@ def train(args):
             loss, parts = train_step(net, f1, f2, ids_keep, ids_restore, mask, args, micro * R, run.autocast,
                                      run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # MAE recipe: no clipping
+            if probe is not None and ((step + 1) % args.probe_every == 0 or step + 1 == total):
+                log.write({"step": step + 1, **f1_probe(model, probe, args, run.autocast)})
             if C.end_step(run, log, args, step + 1, epoch, parts, save, dataset, (it + 1) * per, bad0,
                           lr=opt.param_groups[0]["lr"]):                 # log, NaN watch; preempted: stop
                 return
