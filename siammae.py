@@ -93,10 +93,12 @@ class Args(C.RunArgs):
     # Small recipes: the official recipe above scaled by common.scale_recipe's short-run rules (lr = blr x
     # videos per step / 256 x the preset's lr_factor, chosen by scripts/lr_sweep.py on 6 held-out train
     # videos; warm-up the same fraction of the run); the other values are choices for the budget (model,
-    # decoder, batch, length: ~5 min alone on 2 CPU cores) or the data (size, gaps).
-    # Sweep (held-out J&F, initial encoder 47.4): x1 47.5, x4 47.0, x16 46.6, x64 46.0 (docs/RESULTS.md).
+    # decoder, batch, length: ~20 min alone on 2 CPU cores) or the data (size, gaps).
     # `--preset davis` (a DAVIS-2016 root: its 30 train videos, 2 CPU cores): 64 px crops, patch 4 (a
-    # 16 x 16 grid; official 14 x 14), one step = all 30 videos x 2 pairs. Gaps from the videos' motion:
+    # 16 x 16 grid; official 14 x 14), 8 videos x 2 pairs a step, 3,000 steps. The lr: at the per-video lr
+    # (factor 1) the decoder never starts reading f1 (f1 gap ~0.03; it predicts a flat patch; J&F +0.2);
+    # it needs ~200x, lr 1e-3 at 8 videos. Sweep (750-step runs, 24 train videos, J&F of the other 6;
+    # initial encoder 47.4): x53 50.5, x213 52.6, x853 51.2 (docs/RESULTS.md). Gaps from the videos' motion:
     # a crop of scale 0.5-1 (about 555 px of a 480p frame) at 64 px makes one patch about 35 px of the
     # frame; the objects' median displacement (train masks' centroids) is 23 px at gap 4, 41 at 8, 60 at
     # 16 and 73 at 48, so gaps 8..48 (official 4..48; DAVIS is 24 fps, Kinetics 25-30) keep the median
@@ -104,7 +106,7 @@ class Args(C.RunArgs):
     # --data synthetic: 64 px, the clips' native size, so that eval_video (which runs on native
     # frames) sees the patch scale the encoder was trained at (a 32 px run fell below random init
     # there); nano keeps it about 5 min on 2 CPU cores (16 effective epochs = 8 passes of 62 steps).
-    PRESETS = {"davis": dict(lr_factor=1, model="nano", patch_size=4, img_size=64, epochs=600, batch_size=30, decoder_dim=64,
+    PRESETS = {"davis": dict(lr_factor=213.33, model="nano", patch_size=4, img_size=64, epochs=2000, batch_size=8, decoder_dim=64,
                              decoder_depth=2, decoder_heads=4, gap=(8, 48), workers=2, log_every=20)}
     SYNTHETIC = dict(model="nano", patch_size=4, img_size=64, epochs=16, batch_size=32, decoder_dim=64,
                      decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2, log_every=20)

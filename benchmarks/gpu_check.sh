@@ -17,8 +17,8 @@
 #   data       data.py on the device: eager and compiled colour ops, --gpu-decode
 #   e2e        e2e.py (the real train(), compiled): MSN without and with --gpu-decode
 #   e2e-rest   e2e.py: CMAE, ConMIM, CAN, SiamMAE
-# SMALL=1 shrinks every size (nano models, a few steps, a generated 3-class fixture for cifar; no compiled variant
-# of realstep and aug, and the suite is not run) for a dry run on a CPU (tests/test_benchmarks.py runs it). PYTHON picks the interpreter. Numbers go to
+# SMALL=1 shrinks every size (nano models, a few steps, a generated 3-class fixture for cifar, aug on ConMIM's view
+# only; no compiled variant of realstep and aug, and the suite is not run) for a dry run on a CPU (tests/test_benchmarks.py runs it). PYTHON picks the interpreter. Numbers go to
 # BENCHMARKS.md and docs/RESULTS.md with the device line each log starts with.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/gpu_check.sh PART [PART ...] (cifar aug cuda realstep tests step compiled data e2e e2e-rest)" >&2; exit 2; }
@@ -47,10 +47,10 @@ log="$out/$part.log"
 if [ -n "${SMALL:-}" ]; then            # dry run: model, micro-batches (msn cmae conmim can siammae), steps, images
     S=nano; B=nano; MB=(4 4 4 4 2); STEPS=(--warmup 1 --steps 1); E2E=(--steps 4 --log-every 2 --n-images 16 --batch-size 8
         --model nano --img-size 32 --patch-size 16 --workers 2); DATA=(--n-images 16 --images 2 --workers 2 --batches 2)
-    PB=8; CIFAR_FLAGS=(--small --workers 2); COMPILED=()          # a CPU compile takes minutes: eager only
+    PB=8; CIFAR_FLAGS=(--small --workers 0); COMPILED=(); PM=(all)   # eager only (a CPU compile takes minutes), one process
 else                                    # the recipes (README) and their default micro-batches
     S=small; B=base; MB=(512 512 512 256 512); STEPS=(); E2E=(--n-images 1024 --workers 15); DATA=(--workers 15)
-    PB=512; CIFAR_FLAGS=(--workers 15 --minutes "${MINUTES:-2}"); COMPILED=(--compile)
+    PB=512; CIFAR_FLAGS=(--workers 15 --minutes "${MINUTES:-2}"); COMPILED=(--compile); PM=(msn cmae conmim can)
 fi
 dev=$($py -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 {
@@ -97,7 +97,7 @@ case $part in
         say $py benchmarks/gpu_cifar.py --data "$data" --out "$out" "${CIFAR_FLAGS[@]}" ;;
     realstep)
         for c in "" "${COMPILED[@]}"; do
-            for m in msn cmae conmim can; do
+            for m in "${PM[@]}"; do
                 say $py benchmarks/throughput.py --method $m --preset gpu --batch-size $PB "${STEPS[@]}" $c
             done
         done ;;
@@ -112,9 +112,9 @@ case $part in
         say $py benchmarks/data.py --method all --device "$dev" --device-aug "${DATA[@]}"
         say $py benchmarks/data.py --method msn --device "$dev" --device-aug --compile "${DATA[@]}" ;;
     aug)
-        AB=256; [ -n "${SMALL:-}" ] && AB=2
-        say $py benchmarks/data.py --aug-against 3f25bd5 --device "$dev" --batch-size $AB
-        [ -n "${SMALL:-}" ] || say $py benchmarks/data.py --aug-against 3f25bd5 --device "$dev" --batch-size $AB --method msn --compile ;;
+        AB=(--batch-size 256); [ -n "${SMALL:-}" ] && AB=(--batch-size 2 --method conmim)
+        say $py benchmarks/data.py --aug-against 3f25bd5 --device "$dev" "${AB[@]}"
+        [ -n "${SMALL:-}" ] || say $py benchmarks/data.py --aug-against 3f25bd5 --device "$dev" "${AB[@]}" --method msn --compile ;;
     e2e)
         say $py benchmarks/e2e.py --method msn --gpu-aug "${E2E[@]}"
         say $py benchmarks/e2e.py --method msn --gpu-aug --gpu-decode "${E2E[@]}" ;;

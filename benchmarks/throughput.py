@@ -51,7 +51,7 @@ def setup(method, a, dev):
     the method's own train_step (forward + backward, micro-batches, checkpointing) + AdamW + EMA."""
     import importlib
     mod = importlib.import_module(method)
-    if a.preset:                                       # a small recipe's model, sizes and views (e.g. --preset gpu)
+    if getattr(a, "preset", None):                     # a small recipe's model, sizes and views (e.g. --preset gpu)
         args = C.parse_args(mod.Args, ["--data", "none", "--preset", a.preset, "--batch-size", str(a.batch_size)])
         args.grad_ckpt, a.model = a.grad_ckpt, args.model
     else:

@@ -49,13 +49,28 @@ def cifar10(res, out, legend_loc="lower right"):
 
 
 def davis(res, out):
-    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=120)
+    """J&F against the step beside the baselines; with an `f1_gap` curve, a second panel: how much the decoder reads
+    f1 (the loss with another video's f1 minus with the true f1, siammae.f1_probe), where correspondence is learned."""
+    gap = res.get("f1_gap")
+    fig, axes = plt.subplots(1, 2 if gap else 1, figsize=(11 if gap else 7.5, 4.2), dpi=120)
+    ax = axes[0] if gap else axes
     x, y = zip(*res["jf"])
     ax.plot(x, y, "o-", color=COLOURS["siammae"], label=res["label"])
     for key, style, text in (("init", "--", "its initial encoder"), ("pixels", ":", "raw pixels"),
                              ("copy_first", "-.", "first mask copied")):
         ax.axhline(res[key], color="black", ls=style, lw=1, label=f"{text} ({res[key]:.1f})")
-    finish(fig, ax, "training step", "J&F on DAVIS-2016 val (%)", res["title"], "center right", out)
+    if gap:
+        finish(fig, ax, "training step", "J&F on DAVIS-2016 val (%)", res["title"], "center right", out)
+        gx, gy = zip(*gap)
+        axes[1].plot(gx, gy, "o-", color=COLOURS["siammae"], label="f1 gap of the same run")
+        if "f1_gap_before" in res:
+            bx, by = zip(*res["f1_gap_before"])
+            axes[1].plot(bx, by, "s--", color="grey", label=res.get("before_label", "the earlier preset"))
+        axes[1].axhline(0, color="black", lw=1)
+        finish(fig, axes[1], "training step", "loss(another video's f1) - loss(true f1)",
+               "f1 gap on fixed train pairs: the decoder reads f1", "center right", out)
+    else:
+        finish(fig, ax, "training step", "J&F on DAVIS-2016 val (%)", res["title"], "center right", out)
 
 
 def main():

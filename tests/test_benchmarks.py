@@ -56,8 +56,9 @@ def test_end_to_end_benchmark_runs_the_real_loop():
     assert row[2] == "4" and float(row[3]) > 0 and 0 <= float(row[5]) <= 1
 
 
-@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can", "siammae"])
-def test_the_flop_count_behind_mfu_is_what_the_step_computes(method):
+@pytest.mark.parametrize("method, preset", [(m, None) for m in ("msn", "cmae", "conmim", "can", "siammae")] +
+                         [(m, "gpu") for m in ("msn", "cmae")])
+def test_the_flop_count_behind_mfu_is_what_the_step_computes(method, preset):
     """benchmarks/throughput.py's analytic FLOPs per step (the numerator of its MFU column) equal what torch's
     FlopCounterMode counts while the method's own step runs, forward and backward (attention through the math
     kernel, whose matmuls the counter sees). nano: the heads, decoders and patch embedding weigh most there."""
@@ -65,7 +66,7 @@ def test_the_flop_count_behind_mfu_is_what_the_step_computes(method):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     a = argparse.Namespace(model="nano", batch_size=2, micro_batch=0, grad_ckpt=False, precision="fp32",
-                           compile=False, gpu_aug=False)
+                           compile=False, gpu_aug=False, preset=preset)      # gpu: the realstep part's recipe
     step, _, analytic = throughput.setup(method, a, torch.device("cpu"))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         step()
@@ -105,13 +106,15 @@ def test_the_data_benchmark_times_the_same_views_for_ours_and_the_official_recip
 def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     """SMALL=1 benchmarks/gpu_check.sh: the real-data tier on a generated fixture (packed as a .tar.gz, unpacked
     as on the GPU host), each image method's --preset gpu trained in segments and evaluated, and the step of that
-    preset; every part under its cap. A GPU call can then fail for GPU reasons only."""
+    preset; the augmentation against a git revision; test_cuda.py (skipped here, by the tests part); every part under its cap. A GPU
+    call can then fail for GPU reasons only."""
     out = tmp_path / "out"
-    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", "cifar", "realstep", "cuda"], cwd=ROOT, capture_output=True,
+    parts = ["cifar", "aug", "realstep", "tests"]              # the prepared GPU call's parts (tests runs test_cuda.py)
+    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", *parts], cwd=ROOT, capture_output=True,
                        text=True, timeout=600, env={**os.environ, "SMALL": "1", "OUT": str(out), "PYTHON": sys.executable})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = (out / "summary.log").read_text().splitlines()
-    assert [ln.split(":")[0] for ln in summary] == ["cifar", "realstep", "cuda"] and all("rc 0" in ln for ln in summary)
+    assert [ln.split(":")[0] for ln in summary] == parts and all("rc 0" in ln for ln in summary)
     res = json.loads((out / "gpu_cifar.json").read_text())
     assert set(res["methods"]) == {"msn", "cmae", "conmim", "can"} and 0 <= res["pixels"] <= 100
     for m, run in res["methods"].items():
@@ -120,7 +123,9 @@ def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
         assert run["init"] == run["knn"][0][1] and ("online" in run) == (m in ("msn", "conmim")), m
     assert "| CAN (online) | 6 x 8 |" in (out / "cifar.log").read_text()
     rows = [ln for ln in (out / "realstep.log").read_text().splitlines() if ln.startswith("| ") and "img/s" not in ln]
-    assert [ln.split("|")[1].strip() for ln in rows] == ["msn", "cmae", "conmim", "can"]    # eager only on a CPU
+    assert [ln.split("|")[1].strip() for ln in rows] == ["msn", "cmae", "conmim", "can", "siammae"]   # eager only
+    assert "no --preset gpu" in rows[-1] and all(float(r.split("|")[2]) > 0 for r in rows[:4])
+    assert "| conmim | 224 px |" in (out / "aug.log").read_text() and "skipped" in (out / "tests.log").read_text()
 
 
 def test_the_gpu_tiers_knn_is_eval_linears(tmp_path):
