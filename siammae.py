@@ -47,6 +47,7 @@ no decay on biases and 1-d tensors only, so cls / mask tokens are decayed).
 """
 import contextlib
 import os
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -521,14 +522,24 @@ PROBE_SEED = 20231113                   # the probe pairs' and masks' own draw, 
 
 def probe_pairs(dataset, a, n=48):
     """Fixed frame pairs for f1_probe: one pair (a's gaps and crops) from each of up to n videos spread over the
-    dataset, and fixed masks of f2, all drawn under PROBE_SEED (the caller's RNG is left alone). Returns
-    (f1, f2 uint8 (k, 3, S, S), ids_keep, ids_restore, mask)."""
-    views = C.Views(dataset, FramePair(a), PROBE_SEED)
+    dataset (a video with an unreadable frame is left out; the reads do not count towards --max-unreadable),
+    and fixed masks of f2, all drawn under PROBE_SEED (the caller's RNG is left alone). Returns
+    (f1, f2 uint8 (k, 3, S, S), ids_keep, ids_restore, mask), or None where no video could be read."""
     idx = torch.linspace(0, len(dataset) - 1, min(n, len(dataset))).round().long().unique().tolist()
-    clips = torch.stack([views[i][0][0] for i in idx])                      # (k, 2, 3, S, S): each video's first pair
+    if isinstance(dataset, VideoFolders):          # read outside its unreadable-frame count (--max-unreadable's)
+        dataset = types.SimpleNamespace(load=lambda i, d=dataset: (FrameFolder(d.videos[i].paths), 0))
+    views, clips = C.Views(dataset, FramePair(a), PROBE_SEED), []
+    for i in idx:
+        try:
+            clips.append(views[i][0][0])                                  # (2, 3, S, S): the video's first pair
+        except C.UserError:                                               # an unreadable frame: not probed
+            continue
+    if not clips:
+        return None                                                       # nothing readable to probe
+    clips = torch.stack(clips)                                            # (k, 2, 3, S, S)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(PROBE_SEED)
-        masking = random_masking(len(idx), a.img_size // a.patch_size, a.mask_ratio)
+        masking = random_masking(len(clips), a.img_size // a.patch_size, a.mask_ratio)
     return (clips[:, 0], clips[:, 1], *masking)
 
 
