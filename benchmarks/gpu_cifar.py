@@ -85,23 +85,23 @@ def eval_images(a):
     return out[0], (out[1][0], to_train[out[1][1]]), len(train.classes)
 
 
-@torch.no_grad()
-def knn(a, images, ckpt=None, online=False, pixels=False):
-    """eval_linear's k-NN top-1 (%) (k 20, T 0.07; the encoder's default pooling, bf16 on CUDA) of a checkpoint's
-    evaluated encoder (online: its online network's), or of the raw pixels centred by the train mean, on the
-    decoded `images` (eval_images). Equal to `eval_linear.py --mode knn` (tests/test_benchmarks.py)."""
+def features(a, images, ckpt=None, online=False, pixels=False):
+    """[train, test] features of the decoded `images` (eval_images) as eval_linear computes them: a checkpoint's
+    evaluated encoder (online: its online network's) with its method's default pooling, bf16 on CUDA; or the raw
+    pixels centred by the train mean. Equal to eval_linear's (tests/test_benchmarks.py)."""
     dev = C.resolve_device(a.device)
     enc, c = (E.Pixels(), {"method": "pixels"}) if pixels else E.load_encoder(ckpt, online=online)
     enc, pool = enc.to(dev), E.DEFAULT_POOL.get(c["method"], "cls")
     amp = torch.autocast("cuda", torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
-    feats = []
-    for x, _ in images[:2]:
-        with amp:
-            feats.append(torch.cat([E.features_of(enc, C.normalize(x[i:i + 1024].to(dev)), pool).float().cpu()
-                                    for i in range(0, len(x), 1024)]))
-    if pixels:
-        feats = [f - feats[0].mean(0) for f in feats]
-    return E.knn(feats[0], images[0][1], feats[1], images[1][1], images[2])["knn_top1"]
+    feats = [E.extract_features(enc, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), 1024), dev,
+                                lambda e, x: E.features_of(e, x, pool), amp)[0] for x, y in images[:2]]
+    return [f - feats[0].mean(0) for f in feats] if pixels else feats
+
+
+def knn(a, images, ckpt=None, online=False, pixels=False):
+    """eval_linear's k-NN top-1 (%) (k 20, T 0.07) on those features (`eval_linear.py --mode knn`)."""
+    train, test = features(a, images, ckpt, online, pixels)
+    return E.knn(train, images[0][1], test, images[1][1], images[2])["knn_top1"]
 
 
 def main():
@@ -119,13 +119,17 @@ def main():
         sys.exit(f"error: --data {a.data}: no train/ folder (CIFAR-10 as class folders: train/ and test/)")
     os.makedirs(a.out, exist_ok=True)
     runs = a.runs or tempfile.mkdtemp(prefix="gpu_cifar_")
-    dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    device = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU"
+    device = torch.cuda.get_device_name() if C.resolve_device(a.device).type == "cuda" else "CPU"
     C.catch_preemption()
     res = {"title": f"CIFAR-10, --preset gpu ({device}, seed 0)", "device": device, "torch": torch.__version__,
            "commit": os.environ.get("COMMIT", "unknown"),
            "source": "python benchmarks/gpu_cifar.py --data cifar10 (bash benchmarks/gpu_check.sh cifar)", "methods": {}}
     rows, images = [], eval_images(a)
+
+    def save(res):
+        with open(os.path.join(a.out, "gpu_cifar.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
     for m in a.methods:
         t0 = time.time()
         kept, seconds, total, args, capped = train_segments(m, a, os.path.join(runs, m))
@@ -143,11 +147,9 @@ def main():
         rows.append(m)
         print(f"{m}: {r['steps']}/{total} steps in {seconds:.0f} s of training, {time.time() - t0:.0f} s with the "
               f"evaluations", flush=True)
-        with open(os.path.join(a.out, "gpu_cifar.json"), "w") as f:         # after each method: a cut run keeps it
-            json.dump(res, f, indent=1)
+        save(res)                                                          # after each method: a cut run keeps it
     res["pixels"] = knn(a, images, pixels=True)
-    with open(os.path.join(a.out, "gpu_cifar.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    save(res)
     try:
         sys.path.insert(0, os.path.join(ROOT, "docs"))
         import plot_results

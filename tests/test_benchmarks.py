@@ -148,6 +148,13 @@ def test_the_gpu_tiers_knn_is_eval_linears(tmp_path):
     assert gpu_cifar.knn(a, images, ckpt) == E.evaluate(E.Args(ckpt=ckpt, **base))["knn_top1"]
     pixels = gpu_cifar.knn(a, images, pixels=True)
     assert pixels == E.evaluate(E.Args(pixels=True, img_size=32, **base))["knn_top1"] and pixels > 100 / 3
+    train, test, _ = E.splits(a.data)                  # the features themselves (top-1 alone hides e.g. the pooling)
+    for kw, enc in ((dict(ckpt=ckpt), E.load_encoder(ckpt)[0]), (dict(pixels=True), E.Pixels())):
+        ea = E.Args(img_size=32, **base, **kw)
+        ref = [E.features(ea, enc, {"method": "cmae" if "ckpt" in kw else "pixels", "vit": {"img_size": 32}}, s, ds,
+                          torch.device("cpu"))[0] for s, ds in (("train", train), ("val", test))]
+        ref = [f - ref[0].mean(0) for f in ref] if "pixels" in kw else ref     # evaluate()'s centring of pixels
+        assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(gpu_cifar.features(a, images, **kw), ref)), kw
 
 
 def test_the_revision_compared_against_can_be_imported_by_name(capsys):
