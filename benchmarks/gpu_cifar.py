@@ -3,7 +3,7 @@ then k-NN of the encoder its paper evaluates against the same run's initial enco
 
   python benchmarks/gpu_cifar.py --data /data/cifar10 --out gpu_check_out              # all four methods, ~10 min
   python benchmarks/gpu_cifar.py --data DIR --methods can msn --minutes 2 --workers 15
-  python benchmarks/gpu_cifar.py --data DIR --small                                     # CPU dry run (nano models, 6 steps)
+  python benchmarks/gpu_cifar.py --data DIR --small                                     # CPU dry run (nano models, 3 steps)
 
 Each method runs its real train() in this process, in segments (`--stop-step`; resume is exact and the schedules
 span the whole run): step 1 (the warm-up starts at lr 0, so that checkpoint is the run's initial encoder), 1/4,
@@ -34,7 +34,7 @@ import common as C  # noqa: E402
 import eval_linear as E  # noqa: E402
 
 LABEL = {"msn": "MSN (EMA target)", "cmae": "CMAE (online)", "conmim": "ConMIM (EMA teacher)", "can": "CAN (online)"}
-SMALL = ["--model", "nano", "--batch-size", "8", "--epochs", "2", "--log-every", "2", "--device", "cpu"]
+SMALL = ["--model", "nano", "--batch-size", "8", "--epochs", "1", "--log-every", "1", "--device", "cpu"]
 
 
 def train_segments(method, a, run_dir):
@@ -113,7 +113,7 @@ def main():
     p.add_argument("--out", default="gpu_check_out", help="where gpu_cifar.json / .png go")
     p.add_argument("--runs", default=None, help="run folders (default: a temporary folder, removed at the end)")
     p.add_argument("--device", default=None)
-    p.add_argument("--small", action="store_true", help="a dry run: nano models, 6 steps of 8 images, on the CPU")
+    p.add_argument("--small", action="store_true", help="a dry run: nano models, 3 steps of 8 images, on the CPU")
     a = p.parse_args()
     if not os.path.isdir(os.path.join(a.data, "train")):
         sys.exit(f"error: --data {a.data}: no train/ folder (CIFAR-10 as class folders: train/ and test/)")

@@ -118,10 +118,10 @@ def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     res = json.loads((out / "gpu_cifar.json").read_text())
     assert set(res["methods"]) == {"msn", "cmae", "conmim", "can"} and 0 <= res["pixels"] <= 100
     for m, run in res["methods"].items():
-        assert run["steps"] == run["planned_steps"] == 6 and not run["capped"], m         # 3 classes x 8 / batch 8 x 2
-        assert [n for n, _ in run["knn"]] == [0, 16, 24, 32, 48] and run["model"] == "nano", m   # step 1 = init, 2, 3, 4, 6
+        assert run["steps"] == run["planned_steps"] == 3 and not run["capped"], m         # 3 classes x 8 / batch 8
+        assert [n for n, _ in run["knn"]] == [0, 16, 24] and run["model"] == "nano", m    # step 1 = init, 1/2 -> 2, end 3
         assert run["init"] == run["knn"][0][1] and ("online" in run) == (m in ("msn", "conmim")), m
-    assert "| CAN (online) | 6 x 8 |" in (out / "cifar.log").read_text()
+    assert "| CAN (online) | 3 x 8 |" in (out / "cifar.log").read_text()
     rows = [ln for ln in (out / "realstep.log").read_text().splitlines() if ln.startswith("| ") and "img/s" not in ln]
     assert [ln.split("|")[1].strip() for ln in rows] == ["msn", "cmae", "conmim", "can", "siammae"]   # eager only
     assert "no --preset gpu" in rows[-1] and all(float(r.split("|")[2]) > 0 for r in rows[:4])
