@@ -16,6 +16,10 @@ on an 80 GB H100; README) and the step is exact: InfoNCE stays over the global 2
   python can.py --data /imagenet                        # ViT-B/16 paper recipe on 1 GPU: 16 x 256
   torchrun --nproc_per_node=8 can.py --data /imagenet   # the same objective on 8 GPUs: 8 x (2 x 256)
 
+Files. This file, common.py (the training kit its loop calls: schedules, the optimiser step, micro-batches,
+data, checkpoints, the log) and harness.py (the command line and presets, launching, resume, preemption) are all
+a run needs: copy the three.
+
 Paper -> code (follows the paper).
   Two views, independent 50% masks ............ TwoViews, random_masking per view
   x <- x + sigma e, sigma ~ U[0, sigma_max] ...... train(): add_noise
@@ -62,10 +66,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common as C
+import harness as H
 
 
 @dataclass
-class Args(C.RunArgs):
+class Args(H.RunArgs):
     """CAN pre-training (defaults: paper ViT-B/16 with MAE-style optimisation)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/can"})
@@ -98,7 +103,7 @@ class Args(C.RunArgs):
                           "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
 
-    # Small recipes: the official recipe above scaled by common.scale_recipe's short-run rules (lr per image x
+    # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
     # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
     # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
@@ -342,7 +347,7 @@ def info_nce(u1, u2, tau=0.1):
     """
     n = u1.shape[0]
     z1, z2 = F.normalize(u1, dim=-1), F.normalize(u2, dim=-1)
-    keys = torch.cat([C.all_gather(z1), C.all_gather(z2)])                   # (2 n W, r)
+    keys = torch.cat([H.all_gather(z1), H.all_gather(z2)])                   # (2 n W, r)
     nW = keys.shape[0] // 2
     g = torch.arange(n, device=u1.device) + n * C.rank()                     # global image index
     logits = torch.cat([z1, z2]) @ keys.T / tau                              # (2n, 2nW)
@@ -443,14 +448,14 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
 # Training
 # ----------------------------------------------------------------------------------------------
 def train(args):
-    run = C.setup(args, "can")
+    run = H.setup(args, "can")
     if args.gpu_aug:                                                 # colour ops batched on the device
         from gpu_aug import color_augmenter
         color_augment = color_augmenter(args.compile)
     dev = run.device
     grid = args.img_size // args.patch_size
-    C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio)[2].sum(), grid * grid)
-    per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {2 * args.batch_size - 2} negatives per view "
+    H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio)[2].sum(), grid * grid)
+    per, micro = H.batch_plan(args, run, 4096, f"InfoNCE has {2 * args.batch_size - 2} negatives per view "
                               "instead of 8190")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True, holdout=args.holdout)
     loader = C.make_loader(C.Views(dataset, TwoViews(args), args.seed), per, args.workers, args.seed)
@@ -463,8 +468,8 @@ def train(args):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
-    start = C.resume_run(run, "can", args, model, opt)                # global step
-    net, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
+    start = H.resume_run(run, "can", args, model, opt)                # global step
+    net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     if log.done:                                                    # a finished or stopped run, rerun
         return
@@ -506,10 +511,10 @@ def train(args):
             unpatchify(torch.where(m.bool(), pr_px, xp), p), unpatchify(pr * (1 - m) / args.sigma_max, p)],
             ["view", "masked + noise", "reconstruction", "predicted noise / sigma_max"], (epoch + 1) * ipe)
 
-    if C.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+    if H.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
         from eval_linear import knn_report
         knn_report(args, run, log, model.encoder, lambda: CAN(args).encoder, "mean", "encoder, mean patch token")
 
 
 if __name__ == "__main__":
-    C.main(train, Args)
+    H.main(train, Args)

@@ -15,6 +15,10 @@ takes batch / processes images in micro-batches of --micro-batch (default 512: 3
   python cmae.py --data /imagenet                        # ViT-B/16 official recipe on 1 GPU: 8 x 512
   torchrun --nproc_per_node=8 cmae.py --data /imagenet   # the same objective on 8 GPUs: 8 x 512
 
+Files. This file, common.py (the training kit its loop calls: schedules, the optimiser step, micro-batches,
+data, checkpoints, the log) and harness.py (the command line and presets, launching, resume, preemption) are all
+a run needs: copy the three.
+
 Paper -> code.
   Pixel-shifted view pair, Sec 3.3 ......... PixelShiftViews
   Masked online encoder F_s, Sec 3.1 ....... CMAE.forward: encoder(x_s, ids_keep), 2x2-block mask
@@ -55,10 +59,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common as C
+import harness as H
 
 
 @dataclass
-class Args(C.RunArgs):
+class Args(H.RunArgs):
     """CMAE pre-training (defaults: official ViT-B/16 ImageNet recipe, 300 epochs)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/cmae"})
@@ -94,7 +99,7 @@ class Args(C.RunArgs):
                           "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
 
-    # Small recipes: the official recipe above scaled by common.scale_recipe's short-run rules (lr per image x
+    # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
     # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
     # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
@@ -391,7 +396,7 @@ def cmae_contrastive_loss(online, target, tau=0.07):
       L_c = 2 * tau * mean_i CE(logits_i, own index)                      mean over local rows
     """
     u = F.normalize(online, dim=-1)
-    v = F.normalize(C.all_gather(target.detach(), grad=False), dim=-1)       # (B*world, d)
+    v = F.normalize(H.all_gather(target.detach(), grad=False), dim=-1)       # (B*world, d)
     labels = torch.arange(u.shape[0], device=u.device) + u.shape[0] * C.rank()   # own image
     return 2 * tau * F.cross_entropy(u @ v.T / tau, labels)
 
@@ -470,22 +475,22 @@ def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=N
 # Training
 # ----------------------------------------------------------------------------------------------
 def train(args):
-    run = C.setup(args, "cmae")
+    run = H.setup(args, "cmae")
     if args.gpu_aug:                                                 # colour ops batched on the device
         from gpu_aug import color_augmenter
         color_augment = color_augmenter(args.compile)
     dev = run.device
     grid = args.img_size // args.patch_size
-    C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit)[2].sum(),
+    H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit)[2].sum(),
                        grid * grid)
-    per, micro = C.batch_plan(args, run, 4096, f"InfoNCE has {args.batch_size - 1} negatives per image instead "
+    per, micro = H.batch_plan(args, run, 4096, f"InfoNCE has {args.batch_size - 1} negatives per image instead "
                               "of 4095", batchnorm="the projector's and predictor's")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True, holdout=args.holdout)
     loader = C.make_loader(C.Views(dataset, PixelShiftViews(args, color=not args.gpu_aug), args.seed), per,
                            args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
-    m = C.ema_start(args.ema, total, args.ema_horizon)               # short runs: horizon <= a share of the run
+    m = H.ema_start(args.ema, total, args.ema_horizon)               # short runs: horizon <= a share of the run
     lr = args.lr or args.blr * args.batch_size / 256
 
     model = CMAE(args).to(dev)
@@ -494,8 +499,8 @@ def train(args):
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev, no_decay_rule(model))
-    start = C.resume_run(run, "cmae", args, model, opt, target)       # global step
-    online, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
+    start = H.resume_run(run, "cmae", args, model, opt, target)       # global step
+    online, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     target_fwd = torch.compile(target) if args.compile else target
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     if log.done:                                                    # a finished or stopped run, rerun
@@ -535,10 +540,10 @@ def train(args):
                           [x_s[:n], unpatchify(target_px * (1 - mask[:n, :, None]), p), recon],
                           ["source view", "masked input", "reconstruction"], (epoch + 1) * ipe)
 
-    if C.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+    if H.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
         from eval_linear import knn_report
         knn_report(args, run, log, model.encoder, lambda: CMAE(args).encoder, "mean", "online encoder, mean patch token")
 
 
 if __name__ == "__main__":
-    C.main(train, Args)
+    H.main(train, Args)

@@ -15,6 +15,10 @@ an 80 GB H100; README). The loss is per image, so accumulation is exact by const
   python conmim.py --data /imagenet                       # ViT-B/16 recipe on 1 GPU: 4 x 512
   torchrun --nproc_per_node=8 conmim.py --data /imagenet  # the same objective on 8 GPUs: 8 x 256
 
+Files. This file, common.py (the training kit its loop calls: schedules, the optimiser step, micro-batches,
+data, checkpoints, the log) and harness.py (the command line and presets, launching, resume, preemption) are all
+a run needs: copy the three.
+
 Paper -> code.
   Corrupted input x^ (masked patches -> [MASK]) ... random_masking, Net.mask_token, ViT.forward(mask=, mask_token=)
   Backbone f: BEiT's ViT (official) ................. ViT: no absolute position, RelativePositionBias shared
@@ -67,10 +71,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common as C
+import harness as H
 
 
 @dataclass
-class Args(C.RunArgs):
+class Args(H.RunArgs):
     """ConMIM pre-training (defaults: official recipe, ViT-B/16)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/conmim"})
@@ -105,7 +110,7 @@ class Args(C.RunArgs):
 
     # --data synthetic: batch 32 x 800 steps (k-NN 23.1% vs 16.7% at init) learned more than 64 x 400
     # (19.1%) in the same ~4.5 min; at EMA 0.996 the teacher would stay near its init in so few steps.
-    # Small recipes: the official recipe above scaled by common.scale_recipe's short-run rules (lr per image x
+    # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
     # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
     # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
@@ -424,35 +429,35 @@ def train_step(student, teacher, x_weak, x_strong, mask, a, micro=None, autocast
 # Training
 # ----------------------------------------------------------------------------------------------
 def train(args):
-    run = C.setup(args, "conmim")
+    run = H.setup(args, "conmim")
     if args.gpu_aug:                                                 # colour ops batched on the device
         from gpu_aug import color_augmenter
         color_augment = color_augmenter(args.compile)
     dev = run.device
     grid = args.img_size // args.patch_size
-    C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit).sum(),
+    H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit).sum(),
                        grid * grid)
-    per, micro = C.batch_plan(args, run, 2048, "the loss is per image, so only the gradient noise and the "
+    per, micro = H.batch_plan(args, run, 2048, "the loss is per image, so only the gradient noise and the "
                               "lr / batch pairing of the recipe change")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True, holdout=args.holdout)
     loader = C.make_loader(C.Views(dataset, WeakStrongViews(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
-    m0 = C.ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
+    m0 = H.ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
 
     model = Net(args).to(dev)
     teacher = make_teacher(model)
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
-    start = C.resume_run(run, "conmim", args, model, opt, teacher)    # global step
-    student, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
+    start = H.resume_run(run, "conmim", args, model, opt, teacher)    # global step
+    student, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     teacher_fwd = torch.compile(teacher) if args.compile else teacher
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     if log.done:                                                    # a finished or stopped run, rerun
         return
     save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, teacher)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute; " +
-             (f"--preset {args.preset}: common.scale_recipe's rules)" if args.preset
+             (f"--preset {args.preset}: harness.scale_recipe's rules)" if args.preset
               else "for the official global batch 2048, not rescaled)") + f"; teacher momentum {m0:g} -> {args.ema[1]:g}")
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
@@ -479,10 +484,10 @@ def train(args):
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
 
-    if C.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+    if H.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
         from eval_linear import knn_report
         knn_report(args, run, log, teacher.encoder, lambda: Net(args).encoder, "mean", "teacher encoder, mean patch token")
 
 
 if __name__ == "__main__":
-    C.main(train, Args)
+    H.main(train, Args)

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import common as C
+import harness as H
 
 
 @dataclass
@@ -220,4 +221,4 @@ def evaluate(a):
 
 
 if __name__ == "__main__":
-    C.main(evaluate, Args)
+    H.main(evaluate, Args)

@@ -59,6 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common as C
+import harness as H
 import eval_linear as E
 
 RECIPES = {  # per-method defaults of the fields left at None
@@ -69,7 +70,7 @@ METHOD_RECIPE = {"conmim": "beit"}                       # every other checkpoin
 
 
 @dataclass
-class Args(C.RunArgs):
+class Args(H.RunArgs):
     """End-to-end fine-tuning of a checkpoint's encoder with a linear head (official recipes)."""
     ckpt: str = field(default=None, metadata={"help": "pre-trained checkpoint (any that eval_linear.py reads)"})
     data: str = field(default=None, metadata={"help": "image folder with train/ and val/ class folders, or 'synthetic'"})
@@ -212,7 +213,7 @@ def evaluate(model, val, size, a, run):
         top = logits.topk(min(5, len(val.classes)), dim=1).indices
         hits += torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(),
                              torch.tensor(len(y), device=run.device), F.cross_entropy(logits, y, reduction="sum")])
-    hits = C.all_reduce_sum_(hits)
+    hits = H.all_reduce_sum_(hits)
     model.train()
     return (100 * hits[0] / hits[2]).item(), (100 * hits[1] / hits[2]).item(), (hits[3] / hits[2]).item()
 
@@ -244,8 +245,8 @@ def finetune(args):
     size = E.check_size(enc, args.img_size or ckpt["vit"]["img_size"])
     if size % enc.patch_size:
         raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size {enc.patch_size}")
-    run = C.setup(args, "finetune")
-    per, micro = C.batch_plan(args, run, 1024, "the recipe's lr and its batch statistics (MixUp per process batch) "
+    run = H.setup(args, "finetune")
+    per, micro = H.batch_plan(args, run, 1024, "the recipe's lr and its batch statistics (MixUp per process batch) "
                               "were tuned at 1024")
     train, val, _ = E.splits(args.data, skip_unreadable=True)     # sorted names, val's within train's:
     if len(val.classes) != len(train.classes):                          # the same count = the same classes
@@ -260,8 +261,8 @@ def finetune(args):
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = torch.optim.AdamW(param_groups(model, args.weight_decay, args.layer_decay), lr=lr, betas=args.betas,
                             fused=run.device.type == "cuda")
-    start = C.resume_run(run, "finetune", args, model, opt)
-    net, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
+    start = H.resume_run(run, "finetune", args, model, opt)
+    net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     mix = Mix(args, len(train.classes))
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     save = lambda s: C.save_run(run, "finetune", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
@@ -278,7 +279,7 @@ def finetune(args):
         top1, top5, vloss = vals[epoch] = evaluate(model, val, size, args, run)
         log.write({"epoch": epoch, "val_top1": round(top1, 3), "val_top5": round(top5, 3), "val_loss": round(vloss, 4)})
     pending = torch.tensor(float(bool(start) and start % ipe == 0 and start // ipe - 1 not in vals), device=run.device)
-    if C.all_reduce_sum_(pending) > 0:             # stopped at an epoch's last step (--stop-step, a signal) before its
+    if H.all_reduce_sum_(pending) > 0:             # stopped at an epoch's last step (--stop-step, a signal) before its
         evaluate_epoch(start // ipe - 1)           # evaluation: evaluate it now (agreed: evaluate() is collective)
     for epoch in range(start // ipe, 0 if log.done else args.stop_epoch or args.epochs):   # done: nothing to train
         bad0 = C.bad_reads(train)
@@ -312,4 +313,4 @@ def finetune(args):
 
 
 if __name__ == "__main__":
-    C.main(finetune, Args)
+    H.main(finetune, Args)

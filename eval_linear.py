@@ -56,6 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common as C
+import harness as H
 
 DEFAULT_POOL = {"msn": "cls-prenorm", "cmae": "mean", "conmim": "mean", "can": "mean", "siammae": "mean"}
 
@@ -512,9 +513,9 @@ def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, wor
 
 
 def knn_report(args, run, log, encoder, build_init, how, what):
-    """The training scripts' end-of-run monitor (where common.knn_wanted(args)): k-NN top-1 of the learned
+    """The training scripts' end-of-run monitor (where harness.knn_wanted(args)): k-NN top-1 of the learned
     encoder vs the same architecture at init, logged and printed. build_init() must make the encoder
-    with the same RNG draw as at the start of training (seeded in common.setup)."""
+    with the same RNG draw as at the start of training (seeded in harness.setup)."""
     torch.manual_seed(args.seed)
     init = build_init().to(run.device)
     accs = [knn_accuracy(e, args.data, args.img_size, run.device, how, autocast=run.autocast) for e in (encoder, init)]
@@ -574,7 +575,7 @@ def features(a, enc, ckpt, split, ds, device):
                                           a.random_init, a.online, a.model, a.patch_size, len(ds), list(ds.classes),
                                           files]).encode()).hexdigest()[:16]
     path = st and os.path.join(os.path.dirname(os.path.abspath(a.ckpt)), "features", f"{key}_{split}.pt")
-    C._OUT[0] = os.path.dirname(path) if a.cache else None                  # main's closing line: the cache
+    H._OUT[0] = os.path.dirname(path) if a.cache else None                  # main's closing line: the cache
     if a.cache and os.path.isfile(path):
         return torch.load(path, weights_only=True)
     tf = eval_transform(size, synthetic=a.data == "synthetic")
@@ -728,7 +729,7 @@ def evaluate(a):
         raise C.UserError("--online reads a checkpoint's trained online network: not with --random-init or --pixels")
     if a.holdout < 0:
         raise C.UserError(f"--holdout must be >= 0, got {a.holdout}")
-    device = C.resolve_device(a.device)
+    device = H.resolve_device(a.device)
     enc, ckpt = (Pixels(), {"method": "pixels", "vit": {"img_size": a.img_size}}) if a.pixels else \
         load_encoder(a.ckpt, a.random_init, a.model, a.patch_size, online=a.online)
     trained = ckpt.get("args", {}).get("holdout", 0) if "encoder" in ckpt and not a.random_init else a.holdout
@@ -766,4 +767,4 @@ def evaluate(a):
 
 
 if __name__ == "__main__":
-    C.main(evaluate, Args)
+    H.main(evaluate, Args)

@@ -88,6 +88,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import common as C
+import harness as H
 from eval_linear import load_encoder
 
 
@@ -670,10 +671,10 @@ def evaluate(a):
             raise C.UserError(f"--{k} must be positive, got {getattr(a, k)}")
     if a.n_context < 0 or (a.short_side or 0) < 0 or (a.size or 0) < 0:
         raise C.UserError("--n-context, --short-side and --size must be >= 0")
-    device = C.resolve_device(a.device)
+    device = H.resolve_device(a.device)
     if a.output:
-        C.check_writable(a.output, "--output")
-        C._OUT[0] = a.output                                                  # main's closing line
+        H.check_writable(a.output, "--output")
+        H._OUT[0] = a.output                                                  # main's closing line
     if baseline:
         enc, ckpt = PatchPixels(a.patch_size or 1), {"method": "pixels" if a.pixels else "copy-first"}
     else:
@@ -743,4 +744,4 @@ def evaluate(a):
 
 
 if __name__ == "__main__":
-    C.main(evaluate, Args)
+    H.main(evaluate, Args)

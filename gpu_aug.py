@@ -6,7 +6,7 @@ two-sample KS tests and each op with torchvision's tensor op, image by image. Th
 decode, crop and flip, and ship uint8.
 
 Imported only for --gpu-aug: a method file + common.py, copied without this file, keep the colour
-ops in the workers (common.setup says so at start; an explicit --gpu-aug is then an error).
+ops in the workers (harness.setup says so at start; an explicit --gpu-aug is then an error).
 """
 import math
 

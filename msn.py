@@ -17,6 +17,10 @@ on an 80 GB H100; README) and the step is exact: Sinkhorn and ME-MAX stay over t
   python msn.py --data /imagenet --grad-ckpt --micro-batch 1024   # 1 GPU, one micro-batch
   python msn.py --data /imagenet --gpu-decode          # few CPU cores: JPEGs decoded and cropped on the GPU
 
+Files. This file, common.py (the training kit its loop calls: schedules, the optimiser step, micro-batches,
+data, checkpoints, the log) and harness.py (the command line and presets, launching, resume, preemption) are all
+a run needs: copy the three.
+
 Paper -> code.
   Views x+ (target), x_1..x_M (anchors), Sec 3.1 .... MultiView (data section)
   Random masking of anchor patches, Sec 3.2 ......... random_masking, ViT.forward(ids_keep)
@@ -74,10 +78,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import common as C
+import harness as H
 
 
 @dataclass
-class Args(C.RunArgs):
+class Args(H.RunArgs):
     """MSN pre-training (defaults: official ViT-S/16 ImageNet recipe)."""
     data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/msn"})
@@ -123,7 +128,7 @@ class Args(C.RunArgs):
     # run plumbing
     knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
 
-    # Small recipes: the official recipe above scaled by common.scale_recipe's short-run rules (lr per image x
+    # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
     # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
     # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
@@ -333,9 +338,9 @@ def sinkhorn(P, iters=3):
     """
     Q = P.T.float()                                                  # (K, B)
     K, B = Q.shape[0], Q.shape[1] * C.world_size()
-    Q = Q / C.all_reduce_sum_(Q.sum())
+    Q = Q / H.all_reduce_sum_(Q.sum())
     for _ in range(iters):
-        Q = Q / C.all_reduce_sum_(Q.sum(dim=1, keepdim=True)) / K   # each prototype: mass 1/K
+        Q = Q / H.all_reduce_sum_(Q.sum(dim=1, keepdim=True)) / K   # each prototype: mass 1/K
         Q = Q / Q.sum(dim=0, keepdim=True) / B                       # each sample: mass 1/B
     return (Q * B).T                                                 # (B, K), rows sum to 1
 
@@ -363,7 +368,7 @@ def msn_loss(anchor, target, prototypes, tau=0.1, tau_plus=0.025, me_max_weight=
         n_proto = torch.zeros(K, device=p_plus.device).scatter_(0, p_plus.argmax(-1), 1.0).sum()
         p_plus = p_plus.repeat(anchor.shape[0] // target.shape[0], 1)                   # (M*B, K)
     ce = -(p_plus * log_p).sum(dim=-1).mean()
-    p_bar = C.all_reduce_mean(log_p.exp().mean(dim=0))                                 # (K,)
+    p_bar = H.all_reduce_mean(log_p.exp().mean(dim=0))                                 # (K,)
     me_max = (p_bar * torch.log(p_bar)).sum() + math.log(K)
     loss = ce + me_max_weight * me_max
     return loss, {"loss": loss.detach(), "ce": ce.detach(), "me_max": me_max.detach(),
@@ -440,15 +445,15 @@ def train_step(online, target, x_target, x_rand, x_focal, ids_keep, a, micro=Non
 # Training
 # ----------------------------------------------------------------------------------------------
 def train(args):
-    run = C.setup(args, "msn")
+    run = H.setup(args, "msn")
     if args.gpu_aug:                                                 # colour ops batched on the device
         from gpu_aug import color_augmenter
         color_augment = color_augmenter(args.compile)
     dev, R = run.device, args.rand_views
     grid = args.img_size // args.patch_size                            # of a random anchor
-    C.check_mask_ratio(args.mask_ratio, lambda: grid * grid - random_masking(1, grid, args.mask_ratio).shape[1],
+    H.check_mask_ratio(args.mask_ratio, lambda: grid * grid - random_masking(1, grid, args.mask_ratio).shape[1],
                        grid * grid, need_masked=False)                 # no patch drop (0) is valid
-    per, micro = C.batch_plan(args, run, 1024, f"Sinkhorn targets and the ME-MAX mean are statistics of the "
+    per, micro = H.batch_plan(args, run, 1024, f"Sinkhorn targets and the ME-MAX mean are statistics of the "
                               f"global batch; with {args.batch_size} images against {args.num_prototypes} "
                               "prototypes the targets flatten and the prototype marginal is noisier",
                               batchnorm="the projection head's")
@@ -464,7 +469,7 @@ def train(args):
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
     sched = int(args.ipe_scale * total)                              # schedules over 1.25x, stop at 80%
-    m0 = C.ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
+    m0 = H.ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
 
     model = MSN(args).to(dev)                                        # seeded in setup: same on all ranks
     target = make_target(model.net)                                  # f_theta_bar: EMA of f_theta, no drop path
@@ -472,8 +477,8 @@ def train(args):
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
-    start = C.resume_run(run, "msn", args, model, opt, target)        # global step
-    online, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
+    start = H.resume_run(run, "msn", args, model, opt, target)        # global step
+    online, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     target_fwd = torch.compile(target) if args.compile else target
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     if log.done:                                                    # a finished or stopped run, rerun
@@ -481,7 +486,7 @@ def train(args):
     save = lambda s: C.save_run(run, "msn", args, s // ipe, s, target.encoder, model, opt, target)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps ({args.epochs} epochs; schedules span "
              f"{sched}), {1 + R + args.focal_views} views/image; lr {args.start_lr:g} -> {args.lr:g} -> "
-             f"{args.min_lr:g} (absolute; " + (f"--preset {args.preset}: common.scale_recipe's rules)" if args.preset
+             f"{args.min_lr:g} (absolute; " + (f"--preset {args.preset}: harness.scale_recipe's rules)" if args.preset
                                                else "not scaled with the batch, as official); EMA momentum "
              f"{m0:g} -> {args.ema[1]:g}"))
 
@@ -515,10 +520,10 @@ def train(args):
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
 
-    if C.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+    if H.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
         from eval_linear import knn_report
         knn_report(args, run, log, target.encoder, lambda: MSN(args).net.encoder, "cls", "target encoder, CLS")
 
 
 if __name__ == "__main__":
-    C.main(train, Args)
+    H.main(train, Args)

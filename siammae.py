@@ -19,6 +19,10 @@ H100, twice the 25 GB measured at 256; README). The loss is per pair: accumulati
 numbers compared as numbers: 2.jpg before 10.jpg), found at any depth (DAVIS
 `JPEGImages/480p/<video>/`, Kinetics frame folders, ...).
 
+Files. This file, common.py (the training kit its loop calls: schedules, the optimiser step, micro-batches,
+data, checkpoints, the log) and harness.py (the command line and presets, launching, resume, preemption) are all
+a run needs: copy the three.
+
 Paper -> code.
   Frame pair, gap 4..48, same crop + flip .... FramePair
   Siamese encoder, 0% / 95% masking .......... SiamMAE.forward (ViT, random_masking)
@@ -56,10 +60,11 @@ import torch.nn.functional as F
 from PIL import Image
 
 import common as C
+import harness as H
 
 
 @dataclass
-class Args(C.RunArgs):
+class Args(H.RunArgs):
     """SiamMAE pre-training on frame pairs (defaults: ViT-S/16, paper ablation recipe)."""
     data: str = field(default=None, metadata={"help": "directory of frame folders, or 'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/siammae"})
@@ -91,7 +96,7 @@ class Args(C.RunArgs):
                              "loss on fixed pairs with the true f1, another video's, a grey one and f2 itself; f1_gap = "
                              "other - true is how much the decoder reads f1 (scripts/siammae_probe.py: any checkpoint)"})
 
-    # Small recipes: the official recipe above scaled by common.scale_recipe's short-run rules (lr = blr x
+    # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr = blr x
     # videos per step / 256 x the preset's lr_factor, chosen by scripts/lr_sweep.py on 6 held-out train
     # videos; warm-up the same fraction of the run); the other values are choices for the budget (model,
     # decoder, batch, length: ~20 min alone on 2 CPU cores) or the data (size, gaps).
@@ -567,12 +572,12 @@ def f1_probe(model, probe, a, autocast=contextlib.nullcontext()):
 # Training
 # ----------------------------------------------------------------------------------------------
 def train(args):
-    run = C.setup(args, "siammae")
+    run = H.setup(args, "siammae")
     dev = run.device
     grid = args.img_size // args.patch_size
-    C.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio)[2].sum(), grid * grid,
+    H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio)[2].sum(), grid * grid,
                        need_kept=False)                                # all of f2 masked is valid: f1 is seen
-    per, micro = C.batch_plan(args, run, 1024, "the loss is per pair, so only the gradient noise and the "
+    per, micro = H.batch_plan(args, run, 1024, "the loss is per pair, so only the gradient noise and the "
                               "lr / batch pairing of the recipe change", unit="videos")
     dataset = video_dataset(args.data, holdout=args.holdout)
     loader = C.make_loader(C.Views(dataset, FramePair(args), args.seed), per, args.workers, args.seed)
@@ -594,8 +599,8 @@ def train(args):
     model = SiamMAE(args).to(dev)
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
-    start = C.resume_run(run, "siammae", args, model, opt)            # global step
-    net, ddp = C.distribute(torch.compile(model) if args.compile else model, run)
+    start = H.resume_run(run, "siammae", args, model, opt)            # global step
+    net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     log = C.Logger(run, total, pairs, args.log_every, start, args.stop_epoch * ipe)
     if log.done:                                                    # a finished or stopped run, rerun
         return
@@ -638,4 +643,4 @@ def train(args):
 
 
 if __name__ == "__main__":
-    C.main(train, Args)
+    H.main(train, Args)

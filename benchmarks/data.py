@@ -42,6 +42,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
+import harness as H  # noqa: E402
 import gpu_aug as GA  # noqa: E402
 import synthetic as S  # noqa: E402
 
@@ -70,7 +71,7 @@ def write_folder(root, n, images=True, clips=True):
 def pipeline(method, data, gpu_aug):
     mod = importlib.import_module(method)
     argv = ["--data", data] + (["--gpu-aug"] if gpu_aug else ["--no-gpu-aug"] if method != "siammae" else [])
-    args = C.parse_args(mod.Args, argv)
+    args = H.parse_args(mod.Args, argv)
     ds = mod.video_dataset(data) if method == "siammae" else C.image_dataset(data, "train")
     if ds is None or len(ds) == 0:
         raise SystemExit(f"error: no data for {method} under {data}")
@@ -238,7 +239,7 @@ def aug_against(rev, methods, B, device, compiled, rounds=5):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(f"| method | views of {B} images | {rev} ms/step | this checkout ms/step | ratio |\n|---|---|---|---|---|")
     for m in methods:
-        args = C.parse_args(importlib.import_module(m).Args, ["--data", "recipe"])    # the recipe's view sizes
+        args = H.parse_args(importlib.import_module(m).Args, ["--data", "recipe"])    # the recipe's view sizes
         views, shapes, kw = aug_views(m, args, B, device)
         ms = {k: [] for k in augs}
         for r in range(rounds + 1):

@@ -33,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import common as C  # noqa: E402
+import harness as H  # noqa: E402
 from data import METHODS, Repeat, write_folder  # noqa: E402
 
 
@@ -44,7 +45,7 @@ def run(method, data, a, extra, out):
             "--warmup-epochs", "0", "--steps-per-epoch", str(a.steps), "--log-every", str(a.log_every),  # 1 pass x R
             "--workers", str(a.workers), "--no-resume", "--save-every-minutes", "0"]
     argv += (["--device", a.device] if a.device else []) + ([] if method == "siammae" else ["--no-knn"]) + extra
-    args = C.parse_args(mod.Args, argv)
+    args = H.parse_args(mod.Args, argv)
     args.batch_size = a.batch_size or args.micro_batch or args.batch_size   # default: one forward/backward a step
     owner, name = (mod, "video_dataset") if method == "siammae" else (C, "image_dataset")
     load = getattr(owner, name)
@@ -100,7 +101,7 @@ def table(a, extra, tmp):
     write_folder(tmp, a.n_images, images=a.data is None and methods != ("siammae",),
                  clips=a.video_data is None and "siammae" in methods)
     images, videos = a.data or os.path.join(tmp, "images"), a.video_data or os.path.join(tmp, "videos")
-    dev = C.resolve_device(a.device)
+    dev = H.resolve_device(a.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {os.cpu_count()} cores"
     rows = []
     for m in methods:

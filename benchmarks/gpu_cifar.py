@@ -31,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 import common as C  # noqa: E402
+import harness as H  # noqa: E402
 import eval_linear as E  # noqa: E402
 
 LABEL = {"msn": "MSN (EMA target)", "cmae": "CMAE (online)", "conmim": "ConMIM (EMA teacher)", "can": "CAN (online)"}
@@ -43,7 +44,7 @@ def train_segments(method, a, run_dir):
     mod = importlib.import_module(method)
     argv = ["--data", a.data, "--preset", "gpu", "--output-dir", run_dir, "--workers", str(a.workers), "--no-knn",
             "--save-every-minutes", "0", "--no-compile"] + (SMALL if a.small else []) + (["--device", a.device] if a.device else [])
-    args = C.parse_args(mod.Args, argv)
+    args = H.parse_args(mod.Args, argv)
     ipe = len(C.image_dataset(args.data, "train")) // args.batch_size          # as the loops count (full batches)
     ipe = min(ipe, args.steps_per_epoch or ipe)
     total = ipe * args.epochs
@@ -55,7 +56,7 @@ def train_segments(method, a, run_dir):
             capped = True
             break
         args.stop_step = stop
-        timer = threading.Timer(left, lambda: C._SIGNAL.append(("the --minutes cap", time.time())))
+        timer = threading.Timer(left, lambda: H._SIGNAL.append(("the --minutes cap", time.time())))
         t0 = time.time()
         timer.start()
         try:
@@ -89,7 +90,7 @@ def features(a, images, ckpt=None, online=False, pixels=False):
     """[train, test] features of the decoded `images` (eval_images) as eval_linear computes them: a checkpoint's
     evaluated encoder (online: its online network's) with its method's default pooling, bf16 on CUDA; or the raw
     pixels centred by the train mean. Equal to eval_linear's (tests/test_benchmarks.py)."""
-    dev = C.resolve_device(a.device)
+    dev = H.resolve_device(a.device)
     enc, c = (E.Pixels(), {"method": "pixels"}) if pixels else E.load_encoder(ckpt, online=online)
     enc, pool = enc.to(dev), E.DEFAULT_POOL.get(c["method"], "cls")
     amp = torch.autocast("cuda", torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -119,8 +120,8 @@ def main():
         sys.exit(f"error: --data {a.data}: no train/ folder (CIFAR-10 as class folders: train/ and test/)")
     os.makedirs(a.out, exist_ok=True)
     runs = a.runs or tempfile.mkdtemp(prefix="gpu_cifar_")
-    device = torch.cuda.get_device_name() if C.resolve_device(a.device).type == "cuda" else "CPU"
-    C.catch_preemption()
+    device = torch.cuda.get_device_name() if H.resolve_device(a.device).type == "cuda" else "CPU"
+    H.catch_preemption()
     res = {"title": f"CIFAR-10, --preset gpu ({device}, seed 0)", "device": device, "torch": torch.__version__,
            "commit": os.environ.get("COMMIT", "unknown"),
            "source": "python benchmarks/gpu_cifar.py --data cifar10 (bash benchmarks/gpu_check.sh cifar)", "methods": {}}

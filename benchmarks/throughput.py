@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
+import harness as H  # noqa: E402
 import gpu_aug as GA  # noqa: E402
 
 
@@ -52,7 +53,7 @@ def setup(method, a, dev):
     import importlib
     mod = importlib.import_module(method)
     if getattr(a, "preset", None):                     # a small recipe's model, sizes and views (e.g. --preset gpu)
-        args = C.parse_args(mod.Args, ["--data", "none", "--preset", a.preset, "--batch-size", str(a.batch_size)])
+        args = H.parse_args(mod.Args, ["--data", "none", "--preset", a.preset, "--batch-size", str(a.batch_size)])
         args.grad_ckpt, a.model = a.grad_ckpt, args.model
     else:
         args = mod.Args(data="synthetic", model=a.model, batch_size=a.batch_size, grad_ckpt=a.grad_ckpt)
@@ -192,7 +193,7 @@ def main():
     print("| method | img/s (pairs/s siammae) | step ms | peak mem GB | TFLOP/step | MFU |")
     print("|---|---|---|---|---|---|")
     for m in methods:
-        if a.preset and a.preset not in C.presets(importlib.import_module(m).Args):
+        if a.preset and a.preset not in H.presets(importlib.import_module(m).Args):
             print(f"| {m} | no --preset {a.preset} | | | | |")
             continue
         torch.manual_seed(0)

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
+import harness as H  # noqa: E402
 import siammae as M  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def probe(ckpt, data, pairs=48, device=None):
     a = M.Args(**{k: tuple(v) if isinstance(v, list) else v for k, v in c["args"].items() if k in names})
     model = M.SiamMAE(a)
     model.load_state_dict(c["model"])
-    model = model.to(C.resolve_device(device))
+    model = model.to(H.resolve_device(device))
     p = M.probe_pairs(M.video_dataset(data, holdout=a.holdout), a, pairs)
     if p is None:
         raise C.UserError(f"--data {data}: no video with readable probe frames")

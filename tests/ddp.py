@@ -24,7 +24,7 @@ def _worker(rank, world, port, fn, out_dir, args):
     try:
         torch.save(fn(rank, world, *args), os.path.join(out_dir, f"{rank}.pt"))
     finally:
-        gc.collect()                          # as common.main: no gloo work left to the interpreter's exit
+        gc.collect()                          # as harness.main: no gloo work left to the interpreter's exit
         dist.destroy_process_group()
 
 

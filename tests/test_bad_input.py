@@ -10,6 +10,7 @@ import torch
 
 import can
 import common as C
+import harness as H
 import synthetic as S
 import eval_linear as E
 from helpers import one_line_error, run_cli
@@ -189,8 +190,8 @@ def test_flags_torch_or_numpy_would_reject_late_or_never(method, kw, msg):
     that the heads do not divide failed in the step, MSN with one prototype trained on a constant loss."""
     args = importlib.import_module(method).Args(data="synthetic", **kw)
     with pytest.raises(C.UserError, match=re.escape(msg)):
-        C.validate(args)
-    C.validate(importlib.import_module(method).Args(data="synthetic"))        # the defaults pass
+        H.validate(args)
+    H.validate(importlib.import_module(method).Args(data="synthetic"))        # the defaults pass
 
 
 @pytest.mark.parametrize("method, ratio, msg", [(m, 0.0, "masks no patch") for m in ("cmae", "can", "conmim", "siammae")]
@@ -221,16 +222,16 @@ def test_the_mask_ratio_check_leaves_the_seeded_random_stream_alone():
     initial weights (and the README's synthetic results) would move."""
     torch.manual_seed(0)
     state = torch.get_rng_state()
-    C.check_mask_ratio(0.75, lambda: can.random_masking(1, 4, 0.75)[2].sum(), 16)
+    H.check_mask_ratio(0.75, lambda: can.random_masking(1, 4, 0.75)[2].sum(), 16)
     assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_a_warm_up_may_start_from_zero():
     """MSN's --start-lr 0 (a warm-up from 0, as MAE's) is valid; a negative one is not."""
     import msn
-    C.validate(msn.Args(data="synthetic", start_lr=0.0))
+    H.validate(msn.Args(data="synthetic", start_lr=0.0))
     with pytest.raises(C.UserError, match="--start-lr must be >= 0, got -0.1"):
-        C.validate(msn.Args(data="synthetic", start_lr=-0.1))
+        H.validate(msn.Args(data="synthetic", start_lr=-0.1))
 
 
 def test_a_schedule_end_or_start_above_the_peak_lr_is_a_one_line_error():
@@ -238,12 +239,12 @@ def test_a_schedule_end_or_start_above_the_peak_lr_is_a_one_line_error():
     'cosine decay' rise or the 'warm-up' fall, silently."""
     import cmae, msn, eval_finetune
     with pytest.raises(C.UserError, match="--min-lr 0.001 is above the peak lr 0.0006"):
-        C.validate(cmae.Args(data="synthetic", blr=1.5e-4, batch_size=1024, min_lr=1e-3))
-    C.validate(cmae.Args(data="synthetic", blr=1.5e-4, batch_size=1024, min_lr=6e-4))       # equal: flat
+        H.validate(cmae.Args(data="synthetic", blr=1.5e-4, batch_size=1024, min_lr=1e-3))
+    H.validate(cmae.Args(data="synthetic", blr=1.5e-4, batch_size=1024, min_lr=6e-4))       # equal: flat
     with pytest.raises(C.UserError, match="--start-lr 0.01 is above the peak lr 0.001"):
-        C.validate(msn.Args(data="synthetic", lr=1e-3, start_lr=1e-2))
+        H.validate(msn.Args(data="synthetic", lr=1e-3, start_lr=1e-2))
     with pytest.raises(C.UserError, match="--warmup-lr 0.1 is above the peak lr 0.004"):
-        C.validate(eval_finetune.Args(data="synthetic", lr=4e-3, warmup_lr=0.1))
+        H.validate(eval_finetune.Args(data="synthetic", lr=4e-3, warmup_lr=0.1))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
@@ -288,4 +289,4 @@ def test_a_missing_data_dir_is_the_only_line_and_a_run_writes_its_args(tmp_path)
     can.train(tiny_args(tmp_path / "run", epochs=1, steps_per_epoch=1))
     saved = json.load(open(tmp_path / "run" / "args.json"))
     assert saved["mask_ratio"] == can.Args.mask_ratio and saved["output_dir"] == str(tmp_path / "run")
-    assert C.RunArgs().workers == min(10, len(os.sched_getaffinity(0)))
+    assert H.RunArgs().workers == min(10, len(os.sched_getaffinity(0)))

@@ -1,5 +1,5 @@
-"""common.py: schedules, optimiser groups, data, augmentation, CLI, run plumbing (checkpoints, resume, log,
-control) (each method's ViT, masking and EMA: test_vits.py)."""
+"""common.py (schedules, optimiser groups, data, augmentation, checkpoints, log) and harness.py (CLI, presets,
+resume, run control) (each method's ViT, masking and EMA: test_vits.py)."""
 import argparse
 import dataclasses
 import itertools
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common as C
+import harness as H
 import msn
 import synthetic as S
 from ddp import spawn
@@ -61,7 +62,7 @@ def test_compile_and_gpu_aug_are_on_by_default_with_cuda_only():
         for dev, on in (("cpu", False), ("cuda", True)):
             a = msn.Args(data="synthetic")
             assert a.compile is None and a.gpu_aug is None and not torch._dynamo.config.suppress_errors
-            C.device_defaults(a, torch.device(dev))
+            H.device_defaults(a, torch.device(dev))
             assert a.compile is on and a.gpu_aug is on and torch._dynamo.config.suppress_errors is on
 
         def broken(gm, example_inputs):
@@ -69,11 +70,11 @@ def test_compile_and_gpu_aug_are_on_by_default_with_cuda_only():
         torch._dynamo.reset()
         assert torch.compile(lambda x: x * 2, backend=broken)(torch.ones(2)).tolist() == [2.0, 2.0]   # eager
         torch._dynamo.config.suppress_errors = False
-        a = C.parse_args(msn.Args, ["--data", "synthetic", "--no-compile", "--no-gpu-aug"])
-        C.device_defaults(a, torch.device("cuda"))
+        a = H.parse_args(msn.Args, ["--data", "synthetic", "--no-compile", "--no-gpu-aug"])
+        H.device_defaults(a, torch.device("cuda"))
         assert a.compile is False and a.gpu_aug is False
-        a = C.parse_args(msn.Args, ["--data", "synthetic", "--compile"])
-        C.device_defaults(a, torch.device("cuda"))
+        a = H.parse_args(msn.Args, ["--data", "synthetic", "--compile"])
+        H.device_defaults(a, torch.device("cuda"))
         assert a.compile is True and a.gpu_aug is True and not torch._dynamo.config.suppress_errors
         torch._dynamo.reset()
         with pytest.raises(Exception, match="cannot compile"):                # asked for: its error shows
@@ -168,19 +169,19 @@ def test_image_files_layouts(tmp_path):
 
 def test_parse_args_synthetic_overrides():
     import msn
-    a = C.parse_args(msn.Args, ["--data", "synthetic", "--epochs", "3", "--betas", "0.8", "0.9", "--no-resume"])
+    a = H.parse_args(msn.Args, ["--data", "synthetic", "--epochs", "3", "--betas", "0.8", "0.9", "--no-resume"])
     assert a.model == "micro" and a.epochs == 3 and a.betas == (0.8, 0.9) and a.resume is False
-    b = C.parse_args(msn.Args, ["--data", "/x"])
+    b = H.parse_args(msn.Args, ["--data", "/x"])
     assert b.model == "small" and b.epochs == 800 and b.img_size == 224 and b.focal_views == 10
 
 
 def _gather_worker(rank, world):
     x = (torch.arange(6.0).view(3, 2) + 10 * rank).requires_grad_()
-    y = C.all_gather(x)                                                    # (6, 2)
+    y = H.all_gather(x)                                                    # (6, 2)
     w = torch.arange(12.0).view(6, 2) * (rank + 1)                          # rank-specific loss
     (y * w).sum().backward()
-    m = C.all_reduce_mean(x.sum(0))
-    z = C.all_gather(x, grad=False)                                        # CMAE's targets: no autograd
+    m = H.all_reduce_mean(x.sum(0))
+    z = H.all_gather(x, grad=False)                                        # CMAE's targets: no autograd
     return y.detach(), x.grad, m.detach(), (z, z.requires_grad)
 
 
@@ -298,7 +299,7 @@ def test_unreadable_images_stop_the_run_above_max_unreadable(monkeypatch):
 def test_control_saves_after_save_every_minutes():
     """Half a minute: not due at 29 s, due at 31 s (minutes, not seconds), then the clock restarts."""
     args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0.5)
-    ctl = C.Control(args, torch.device("cpu"))
+    ctl = H.Control(args, torch.device("cpu"))
     ctl.t -= 29
     assert ctl.poll(1) == (False, False)
     ctl.t -= 2
@@ -308,9 +309,9 @@ def test_control_saves_after_save_every_minutes():
 
 def _control_worker(rank, world):
     args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0)
-    ctl = C.Control(args, torch.device("cpu"))
+    ctl = H.Control(args, torch.device("cpu"))
     if rank == 0:
-        C._SIGNAL.append(("SIGTERM", 0.0))                         # only rank 0 got the signal
+        H._SIGNAL.append(("SIGTERM", 0.0))                         # only rank 0 got the signal
     return [ctl.poll(step) for step in (9, 10)]
 
 
@@ -327,7 +328,7 @@ def test_a_resume_restores_the_fp16_loss_scale(tmp_path):
 
     def run_and_model(scale, tracker):
         run = argparse.Namespace(ckpt=str(tmp_path / "checkpoint.pth"), scaler=torch.amp.GradScaler("cpu"),
-                                 guard=C.Guard(torch.device("cpu"), "fp16", str(tmp_path / "checkpoint.pth")))
+                                 guard=H.Guard(torch.device("cpu"), "fp16", str(tmp_path / "checkpoint.pth")))
         run.scaler.load_state_dict({**run.scaler.state_dict(), "scale": scale, "_growth_tracker": tracker})
         model = torch.nn.Linear(2, 2)
         model.config = {}
@@ -335,7 +336,7 @@ def test_a_resume_restores_the_fp16_loss_scale(tmp_path):
     run, model, opt = run_and_model(256.0, 7)
     C.save_run(run, "msn", args, 0, 5, model, model, opt)
     run2, model2, opt2 = run_and_model(65536.0, 0)
-    assert C.resume_run(run2, "msn", args, model2, opt2) == 5
+    assert H.resume_run(run2, "msn", args, model2, opt2) == 5
     state = run2.scaler.state_dict()
     assert (state["scale"], state["_growth_tracker"]) == (256.0, 7)
 
@@ -344,11 +345,11 @@ def test_control_stops_on_a_signal_of_its_own_run_only():
     """A preemption signal stops the run that got it (save, then stop); a new run in the same process
     (a sweep calling train() again, a notebook after Ctrl-C) starts without it."""
     args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0)
-    ctl = C.Control(args, torch.device("cpu"))
-    C._SIGNAL.append(("SIGTERM", 0.0))                                              # what the handler does
+    ctl = H.Control(args, torch.device("cpu"))
+    H._SIGNAL.append(("SIGTERM", 0.0))                                              # what the handler does
     assert ctl.poll(1) == (True, True) and ctl.signal == "SIGTERM"
-    assert C.Control(args, torch.device("cpu")).poll(2) == (False, False)
-    assert not C._SIGNAL
+    assert H.Control(args, torch.device("cpu")).poll(2) == (False, False)
+    assert not H._SIGNAL
 
 
 def test_a_second_ctrl_c_a_second_after_the_first_stops_at_once(monkeypatch):
@@ -362,16 +363,16 @@ def test_a_second_ctrl_c_a_second_after_the_first_stops_at_once(monkeypatch):
             signal.raise_signal(getattr(signal, name))
         except KeyboardInterrupt:
             pytest.fail(f"{name} interrupted at once")
-        assert C._SIGNAL[-1][0] == name
+        assert H._SIGNAL[-1][0] == name
 
     old = {n: signal.getsignal(getattr(signal, n)) for n in C.STOP_SIGNALS}
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     try:
-        C.catch_preemption()
-        C._SIGNAL.clear()
+        H.catch_preemption()
+        H._SIGNAL.clear()
         remembered("SIGINT")
         remembered("SIGINT")                                        # a bounce within the second
-        C._SIGNAL[:] = [(n, t - 2) for n, t in C._SIGNAL]          # two seconds ago
+        H._SIGNAL[:] = [(n, t - 2) for n, t in H._SIGNAL]          # two seconds ago
         remembered("SIGTERM")                                       # another signal
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
@@ -380,13 +381,13 @@ def test_a_second_ctrl_c_a_second_after_the_first_stops_at_once(monkeypatch):
     finally:
         for n, h in old.items():
             signal.signal(getattr(signal, n), h)
-        C._SIGNAL.clear()
+        H._SIGNAL.clear()
 
 
 def _run(tmp_path):
     ckpt = str(tmp_path / "checkpoint.pth")
     return argparse.Namespace(ckpt=ckpt, out=str(tmp_path), scaler=torch.amp.GradScaler("cpu", enabled=False),
-                              guard=C.Guard(torch.device("cpu"), "fp32", ckpt))
+                              guard=H.Guard(torch.device("cpu"), "fp32", ckpt))
 
 
 class _Payload:
@@ -430,7 +431,7 @@ def test_save_image_grid_writes_each_row_unnormalised(tmp_path):
 
 def test_save_run_never_writes_non_finite_weights(tmp_path):
     run, model = _run(tmp_path), torch.nn.Linear(2, 2)
-    args = C.RunArgs()
+    args = H.RunArgs()
     model.config = {}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     C.save_run(run, "can", args, 0, 1, model, model, opt)
@@ -453,7 +454,7 @@ def test_resume_restores_this_ranks_rng_and_rescales_the_step_for_a_new_batch(tm
                                  "scaler": run.scaler.state_dict(), "rng": states})
     monkeypatch.setattr(C, "rank", lambda: 1)
     args = argparse.Namespace(resume=True, batch_size=4, allow_batch_change=True)
-    assert C.resume_run(run, "can", args, model, opt) == 20                          # same images seen
+    assert H.resume_run(run, "can", args, model, opt) == 20                          # same images seen
     drawn = torch.rand(3)
     torch.manual_seed(2)
     assert torch.equal(drawn, torch.rand(3))
@@ -462,7 +463,7 @@ def test_resume_restores_this_ranks_rng_and_rescales_the_step_for_a_new_batch(tm
 def _init_worker(rank, world, out):
     os.environ["WORLD_SIZE"] = str(world)                                           # as torchrun sets it
     args = msn_args(f"{out}/{rank}", seed=3, device="cpu")   # gloo ranks on CPU, also on a 1-GPU host
-    C.setup(args, "msn")
+    H.setup(args, "msn")
     return torch.cat([p.flatten() for p in msn.MSN(args).parameters()])
 
 
@@ -488,7 +489,7 @@ def test_every_flag_has_help_with_its_default_in_a_group(script, capsys):
     import importlib
     cls = importlib.import_module(script).Args
     with pytest.raises(SystemExit):
-        C.parse_args(cls, ["--help"])
+        H.parse_args(cls, ["--help"])
     out = capsys.readouterr().out
     assert "\ndata:\n" in out and "run control" in out or script.startswith("eval_")
     for f in dataclasses.fields(cls):
@@ -537,7 +538,7 @@ def test_small_recipes_follow_the_stated_rules_from_the_official_defaults(method
     import importlib
     M = importlib.import_module(method)
     d = {f.name: f.default for f in dataclasses.fields(M.Args)}
-    for name, p in C.presets(M.Args).items():
+    for name, p in H.presets(M.Args).items():
         raw = {**M.Args.PRESETS, "synthetic": M.Args.SYNTHETIC}[name]
         k, f = p["batch_size"] / d["batch_size"], raw.get("lr_factor", 1.0)
         assert "lr_factor" not in p                                          # a rule's input, not a flag
@@ -549,7 +550,7 @@ def test_small_recipes_follow_the_stated_rules_from_the_official_defaults(method
         if d.get("start_lr"):
             assert p["start_lr"] == pytest.approx(d["start_lr"] * k * f, rel=1e-3)
         assert p["warmup_epochs"] == pytest.approx(d["warmup_epochs"] * p["epochs"] / d["epochs"], rel=1e-3)
-        assert p.get("ema_horizon") == (C.SHORT_EMA if "ema" in d else None)
+        assert p.get("ema_horizon") == (H.SHORT_EMA if "ema" in d else None)
         if "num_prototypes" in d and "num_prototypes" not in raw:
             assert p["num_prototypes"] == d["num_prototypes"] * k                # 1024 at 1024 -> 256 at 256
         for g in ("ema", "weight_decay", "final_weight_decay", "mask_ratio", "tau"):
@@ -560,27 +561,27 @@ def test_small_recipes_follow_the_stated_rules_from_the_official_defaults(method
             assert p["master_size"] == 37                                 # 256 x 32 / 224 = 36.6
         if "mask_unit" in d:
             assert p["mask_unit"] == 1                                    # 2 x 16 px = 32 px -> 4.6 px: 1 patch of 4
-        args = C.parse_args(M.Args, ["--data", "x", "--preset", name] if name != "synthetic" else ["--data", "synthetic"])
+        args = H.parse_args(M.Args, ["--data", "x", "--preset", name] if name != "synthetic" else ["--data", "synthetic"])
         assert all(getattr(args, g) == (tuple(v) if isinstance(v, list) else v) for g, v in p.items())
         assert args.preset == name
     for name in M.Args.PRESETS:
-        args = C.parse_args(M.Args, ["--data", "x", "--preset", name, "--batch-size", "7", "--warmup-epochs", "0"])
+        args = H.parse_args(M.Args, ["--data", "x", "--preset", name, "--batch-size", "7", "--warmup-epochs", "0"])
         assert args.batch_size == 7 and args.warmup_epochs == 0
-        p = C.presets(M.Args)[name]
-        args = C.parse_args(M.Args, ["--data", "x", "--preset", name, "--epochs", str(2 * p["epochs"])])
+        p = H.presets(M.Args)[name]
+        args = H.parse_args(M.Args, ["--data", "x", "--preset", name, "--epochs", str(2 * p["epochs"])])
         assert args.warmup_epochs == pytest.approx(2 * p["warmup_epochs"], rel=1e-3)   # the same share of the run
         if d.get("lr") is not None:                                             # --batch-size enters the lr rule
-            args = C.parse_args(M.Args, ["--data", "x", "--preset", name, "--batch-size", str(2 * p["batch_size"])])
+            args = H.parse_args(M.Args, ["--data", "x", "--preset", name, "--batch-size", str(2 * p["batch_size"])])
             assert args.lr == pytest.approx(2 * p["lr"], rel=1e-3)
     with pytest.raises(SystemExit):
-        C.parse_args(M.Args, ["--data", "x", "--preset", "nope"])
+        H.parse_args(M.Args, ["--data", "x", "--preset", "nope"])
 
 
 def test_ema_start_caps_the_horizon_at_a_share_of_the_run():
     """1 / (1 - m) <= horizon x steps: official 0.996 (250 steps) kept in a run of 1M steps, lowered in 700."""
-    assert C.ema_start(0.996, 10 ** 6, 0.02) == 0.996 and C.ema_start(0.996, 700, 0.0) == 0.996
-    m = C.ema_start(0.996, 700, 0.02)
-    assert 1 / (1 - m) == pytest.approx(14) and C.ema_start(0.996, 10, 0.02) == 0.0   # below one step: the online net
+    assert H.ema_start(0.996, 10 ** 6, 0.02) == 0.996 and H.ema_start(0.996, 700, 0.0) == 0.996
+    m = H.ema_start(0.996, 700, 0.02)
+    assert 1 / (1 - m) == pytest.approx(14) and H.ema_start(0.996, 10, 0.02) == 0.0   # below one step: the online net
 
 
 @pytest.mark.parametrize("method, preset, images, steps, first", [
@@ -592,7 +593,7 @@ def test_the_short_run_ema_horizon_is_two_percent_of_the_run_as_numbers(method, 
     is the number docs/RESULTS.md states (MSN 0.936, CMAE 0.9715, ConMIM 0.957 at --preset small)."""
     import importlib
     cls = importlib.import_module(method).Args
-    a = C.parse_args(cls, ["--data", "cifar10", "--preset", preset])
+    a = H.parse_args(cls, ["--data", "cifar10", "--preset", preset])
     assert a.ema_horizon == 0.02 and a.epochs * (images // a.batch_size) == steps
     official = cls.ema[0] if isinstance(cls.ema, tuple) else cls.ema
-    assert official == 0.996 and C.ema_start(official, steps, a.ema_horizon) == pytest.approx(first, abs=5e-5)
+    assert official == 0.996 and H.ema_start(official, steps, a.ema_horizon) == pytest.approx(first, abs=5e-5)

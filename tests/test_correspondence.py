@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import common as C
+import harness as H
 import eval_correspondence as EC
 import synthetic as S
 
@@ -127,9 +128,9 @@ def test_evaluate_reports_every_measure_for_trained_and_random_init(tiny_siammae
 
 def test_gaps_takes_one_or_more_values():
     """--gaps 8 16 24 (a fixed two-value tuple refused a third gap)."""
-    assert C.parse_args(EC.Args, ["--ckpt", "x", "--gaps", "8", "16", "24"]).gaps == (8, 16, 24)
-    assert C.parse_args(EC.Args, ["--ckpt", "x", "--gaps", "6"]).gaps == (6,)
-    assert C.parse_args(EC.Args, ["--ckpt", "x"]).gaps == (4, 8)
+    assert H.parse_args(EC.Args, ["--ckpt", "x", "--gaps", "8", "16", "24"]).gaps == (8, 16, 24)
+    assert H.parse_args(EC.Args, ["--ckpt", "x", "--gaps", "6"]).gaps == (6,)
+    assert H.parse_args(EC.Args, ["--ckpt", "x"]).gaps == (4, 8)
 
 
 def test_the_constant_baseline_is_the_mean_training_target_and_colour_clips_defeat_it():

@@ -16,6 +16,7 @@ import torch
 import can
 import cmae
 import common as C
+import harness as H
 import conmim
 import synthetic as S
 import msn
@@ -85,7 +86,7 @@ def test_weights_made_non_finite_with_a_finite_loss_are_never_written(tmp_path, 
 def test_guard_reports_the_first_non_finite_step_of_any_part(bad):
     """bf16 / fp32: NaN and +-Inf in any part (a loss term or the gradient norm) stop at check() with the
     FIRST bad step and its values; finite steps never do."""
-    g = C.Guard(torch.device("cpu"), "bf16", "ck.pth")
+    g = H.Guard(torch.device("cpu"), "bf16", "ck.pth")
     for step in (1, 2):
         g.update(step, {"loss": torch.tensor(1.0), "grad_norm": torch.tensor(2.0)})
     g.check()
@@ -96,7 +97,7 @@ def test_guard_reports_the_first_non_finite_step_of_any_part(bad):
 
 
 def test_guard_ignores_isolated_fp16_skips_but_not_a_long_run(tmp_path):
-    g = C.Guard(torch.device("cpu"), "fp16", "ck.pth", max_skipped=3)
+    g = H.Guard(torch.device("cpu"), "fp16", "ck.pth", max_skipped=3)
     scaler = argparse.Namespace(_scale=torch.tensor(1024.0), _init_scale=1024.0)
     for step, scale in enumerate([1024.0, 512.0, 512.0, 256.0, 128.0, 64.0], 1):   # a skip, a recovery...
         scaler._scale = torch.tensor(scale)
@@ -113,7 +114,7 @@ def test_guard_counts_the_skips_of_a_real_grad_scaler():
     lin = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    g = C.Guard(torch.device("cpu"), "fp16", "ck.pth", max_skipped=3)
+    g = H.Guard(torch.device("cpu"), "fp16", "ck.pth", max_skipped=3)
     for step in range(1, 4):
         opt.zero_grad()
         scaler.scale(lin(torch.ones(1, 3)).sum() * float("inf")).backward()   # inf gradients: step skipped
@@ -218,7 +219,7 @@ def test_sigterm_writes_a_checkpoint_and_the_same_command_resumes(tmp_path):
 def test_one_failing_rank_takes_the_others_down(tmp_path):
     """torchrun, 2 processes with 2 DataLoader workers each: one bad image with --max-unreadable 0 stops the
     rank that reads it; the other rank must not hang in a collective, nor at exit on its workers (the
-    collective's error left them alive: C.stop_workers_at_exit)."""
+    collective's error left them alive: H.stop_workers_at_exit)."""
     data = tmp_path / "data"
     for i in range(15):
         img, label = S.synthetic_image(i)
@@ -251,11 +252,11 @@ def test_a_crash_with_dataloader_workers_ends_the_process(tmp_path):
     --workers 2: the traceback is printed and the process exits 1. It waited forever instead (until
     SIGKILL): the crash's traceback keeps the loader's persistent iterator alive at exit, and
     multiprocessing's exit hook SIGTERMs the workers, which ignore it (C.ignore_stop_signals), then joins
-    them (fixed by C.stop_workers_at_exit)."""
+    them (fixed by H.stop_workers_at_exit)."""
     script = tmp_path / "crash.py"
     script.write_text(f"""import sys
 sys.path.insert(0, {ROOT!r})
-import can, common as C
+import can, common as C, harness as H
 real, calls = C.optimizer_step, []
 def optimizer_step(*a, **kw):
     calls.append(1)
@@ -265,7 +266,7 @@ def optimizer_step(*a, **kw):
 C.optimizer_step = optimizer_step
 sys.argv = {[*CAN_CLI, "--data", "synthetic", "--epochs", "1", "--steps-per-epoch", "20", "--workers", "2",
              "--output-dir", str(tmp_path / "out")]!r}
-C.main(can.train, can.Args)
+H.main(can.train, can.Args)
 """)
     err, rc = _ends_within([sys.executable, str(script)])
     assert rc == 1 and err.strip().splitlines()[-1] == "RuntimeError: boom at step 2", err[-2000:]
@@ -305,7 +306,7 @@ def test_flags_are_validated_with_one_line_errors(flags, msg, tmp_path):
 def test_global_batch_must_divide_over_processes():
     run = argparse.Namespace(world=3)
     with pytest.raises(C.UserError, match="GLOBAL batch: it must be divisible by the 3 processes"):
-        C.batch_plan(can_args("/tmp/u", batch_size=8), run, 4096, "")
+        H.batch_plan(can_args("/tmp/u", batch_size=8), run, 4096, "")
 
 
 @pytest.mark.parametrize("method", ["msn", "cmae"])
@@ -322,11 +323,11 @@ def test_one_image_per_forward_is_refused_where_batchnorm_normalises_over_images
     for world, device, ok in ((2, "cuda", True), (2, "cpu", False), (1, "cuda", False)):
         run = argparse.Namespace(world=world, device=torch.device(device))
         if ok:
-            assert C.batch_plan(a, run, 1024, "", batchnorm="the head's") == (1, 1)
+            assert H.batch_plan(a, run, 1024, "", batchnorm="the head's") == (1, 1)
         else:
             with pytest.raises(C.UserError, match="the head's BatchNorm needs at least 2"):
-                C.batch_plan(a, run, 1024, "", batchnorm="the head's")
-    assert C.batch_plan(a, argparse.Namespace(world=1, device=torch.device("cpu")), 1024, "") == (2, 1)
+                H.batch_plan(a, run, 1024, "", batchnorm="the head's")
+    assert H.batch_plan(a, argparse.Namespace(world=1, device=torch.device("cpu")), 1024, "") == (2, 1)
 
 
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import can
 import common as C
+import harness as H
 import eval_finetune as FT
 import eval_linear as E
 from helpers import exact_resume, one_line_error, run_cli, vit_checkpoint
@@ -139,7 +140,7 @@ def test_evaluate_reports_top1_top5_and_cross_entropy_over_every_val_image():
     _, val, _ = E.splits("synthetic")
     model = FT.Classifier(E.ViT(img_size=16, patch_size=4, dim=32, depth=2, heads=2, drop_path=0.5), len(val.classes))
     torch.nn.init.normal_(model.head.weight, std=0.5)
-    run = C.argparse.Namespace(rank=0, world=1, device=torch.device("cpu"), autocast=C.contextlib.nullcontext())
+    run = H.argparse.Namespace(rank=0, world=1, device=torch.device("cpu"), autocast=C.contextlib.nullcontext())
     top1, top5, loss = FT.evaluate(model, val, 16, FT.Args(data="synthetic", workers=0, eval_batch=300), run)
     assert model.training                                             # back to training mode
     model.eval()
@@ -271,9 +272,9 @@ def test_each_process_evaluates_its_strided_share_of_val(monkeypatch):
     _, val, _ = E.splits("synthetic")
     model = FT.Classifier(E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), len(val.classes))
     sums = []
-    monkeypatch.setattr(C, "all_reduce_sum_", lambda h: (sums.append(h.clone()), h)[1])
+    monkeypatch.setattr(H, "all_reduce_sum_", lambda h: (sums.append(h.clone()), h)[1])
     for rank, world in ((0, 1), (0, 2), (1, 2)):
-        run = C.argparse.Namespace(rank=rank, world=world, device=torch.device("cpu"), autocast=C.contextlib.nullcontext())
+        run = H.argparse.Namespace(rank=rank, world=world, device=torch.device("cpu"), autocast=C.contextlib.nullcontext())
         FT.evaluate(model, val, 16, FT.Args(data="synthetic", workers=0, eval_batch=300), run)
     assert sums[1][2] == (len(val) + 1) // 2 and sums[2][2] == len(val) // 2
     torch.testing.assert_close(sums[1] + sums[2], sums[0])
@@ -288,7 +289,7 @@ def test_the_recipe_fills_every_unset_field(method, lr, blr, warmup, warmup_lr, 
     def stop(args, name):
         seen.append(args)
         raise KeyboardInterrupt
-    monkeypatch.setattr(C, "setup", stop)
+    monkeypatch.setattr(H, "setup", stop)
     with pytest.raises(KeyboardInterrupt):
         FT.finetune(FT.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", method), data="synthetic"))
     a = seen[0]

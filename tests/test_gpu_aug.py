@@ -13,6 +13,7 @@ import torch
 import can
 import cmae
 import common as C
+import harness as H
 import gpu_aug as GA
 import synthetic as S
 import conmim
@@ -184,7 +185,7 @@ def test_gpu_aug_reaches_the_right_views_with_the_method_parameters(method, tmp_
 
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_with_compile_the_loop_augments_through_the_compiled_function(method, tmp_path, monkeypatch):
-    """--compile also compiles the colour ops (common.setup), and every view the method augments goes
+    """--compile also compiles the colour ops (harness.setup), and every view the method augments goes
     through that compiled function (torch.compile replaced by a marker; networks pass through)."""
     mod, args, n_views = CASES[method][:3]
     calls = []
@@ -221,15 +222,15 @@ def test_gpu_aug_resume_is_exact(method, tmp_path):
 
 
 def test_without_gpu_aug_py_the_colour_ops_stay_in_the_workers(monkeypatch, capsys):
-    """A method file + common.py copied without gpu_aug.py: on CUDA the default falls back to the
+    """A method file + common.py + harness.py copied without gpu_aug.py: on CUDA the default falls back to the
     workers with a line saying so; an explicit --gpu-aug is a one-line error."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gpu_aug" else real(name, *a))
     monkeypatch.setitem(sys.modules, "gpu_aug", None)                  # import gpu_aug fails as if absent
     a = msn.Args(data="synthetic", compile=False)
-    C.device_defaults(a, torch.device("cuda"))
+    H.device_defaults(a, torch.device("cuda"))
     assert a.gpu_aug is False
     assert "no gpu_aug.py next to this file: the colour augmentation runs in the workers" in capsys.readouterr().out
-    a = C.parse_args(msn.Args, ["--data", "synthetic", "--gpu-aug", "--no-compile"])
+    a = H.parse_args(msn.Args, ["--data", "synthetic", "--gpu-aug", "--no-compile"])
     with pytest.raises(C.UserError, match="--gpu-aug needs gpu_aug.py next to this file"):
-        C.device_defaults(a, torch.device("cuda"))
+        H.device_defaults(a, torch.device("cuda"))

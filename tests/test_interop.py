@@ -246,14 +246,34 @@ def test_a_foreign_file_missing_a_vit_tensor_or_not_a_dict_is_a_one_line_error()
         E.foreign_encoder([torch.zeros(1)], "f.pth")
 
 
+def top_level_imports(path):
+    """The repository's modules that `path` imports at its top level, and theirs (what a copy must take along);
+    the optional ones (gpu_aug, synthetic, eval_linear) are imported inside functions, for their flags."""
+    import ast
+    todo, found = [path], set()
+    while todo:
+        body = ast.parse(open(os.path.join(ROOT, todo.pop())).read()).body
+        for node in body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for n in names:
+                f = n.split(".")[0] + ".py"
+                if os.path.isfile(os.path.join(ROOT, f)) and f not in found:
+                    found.add(f)
+                    todo.append(f)
+    return found
+
+
 def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_path):
-    """Copy-paste use: can.py + common.py alone in a new project (no synthetic.py, no other file)
-    train on an image folder and write a checkpoint; the end-of-run k-NN report, which is
-    eval_linear.py's, is skipped with a line saying so."""
+    """Copy-paste use: can.py and the modules it imports (common.py, harness.py: found from its imports, not
+    listed here) alone in a new project (no synthetic.py, no other file) train on an image folder and write a
+    checkpoint; the end-of-run k-NN report, which is eval_linear.py's, is skipped with a line saying so."""
     import shutil
     proj = tmp_path / "proj"
     proj.mkdir()
-    for f in ("can.py", "common.py"):
+    copied = {"can.py"} | top_level_imports("can.py")
+    assert copied == {"can.py", "common.py", "harness.py"}, copied     # what the README tells a reader to copy
+    for f in copied:
         shutil.copy(os.path.join(ROOT, f), proj / f)
     for i in range(8):
         os.makedirs(tmp_path / "imgs" / f"c{i % 2}", exist_ok=True)
@@ -264,5 +284,5 @@ def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_
                 str(tmp_path / "out"), cwd=str(proj))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "k-NN monitor skipped: it is eval_linear.py's" in r.stdout
-    assert sorted(os.listdir(proj)) == ["can.py", "common.py"] or "__pycache__" in os.listdir(proj)
+    assert set(os.listdir(proj)) - {"__pycache__"} == copied
     assert C.load_checkpoint(str(tmp_path / "out" / "checkpoint.pth"), "can")["step"] == 2

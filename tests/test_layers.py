@@ -1,4 +1,5 @@
-"""The house's floors: common.py (run plumbing) imports no method file, no evaluation script and no
+"""The house's floors: common.py (the training kit) imports nothing of the repository; harness.py (the run
+harness) imports common.py and nothing above it; neither imports a method file, an evaluation script or an
 optional helper (gpu_aug.py, gpu_decode.py, synthetic.py are imported by the files that use them, for
 their flag); the evaluation scripts import no method file except eval_correspondence (SiamMAE's
 decoder is what it measures)."""
@@ -27,7 +28,12 @@ def imported(path):
 
 
 def test_common_imports_nothing_above_it():
-    assert not imported("common.py") & HIGHER, imported("common.py") & HIGHER
+    assert not imported("common.py") & (HIGHER | {"harness"}), imported("common.py") & (HIGHER | {"harness"})
+
+
+def test_the_harness_imports_only_common_below_it():
+    """One way: method files -> harness -> common, never back (no circle, no arrow up)."""
+    assert "common" in imported("harness.py") and not imported("harness.py") & HIGHER, imported("harness.py") & HIGHER
 
 
 @pytest.mark.parametrize("path", ["gpu_aug.py", "gpu_decode.py", "synthetic.py", "eval_linear.py", "eval_finetune.py",

@@ -16,6 +16,7 @@ import torch
 import can
 import cmae
 import common as C
+import harness as H
 import conmim
 import eval_finetune as FT
 import gpu_aug as GA
@@ -304,13 +305,13 @@ def test_each_process_draws_its_own_masks(method, tmp_path):
 
 
 def _stopped_at_first_call(monkeypatch, mod, a, name):
-    """mod.train(a), stopped where it first calls common.<name>: that call's positional arguments."""
+    """mod.train(a), stopped where it first calls common.<name> or harness.<name>: that call's positional arguments."""
     seen = []
 
     def stop(*args, **kw):
         seen.append(args)
         raise C.UserError("stop")
-    monkeypatch.setattr(C, name, stop)
+    monkeypatch.setattr(H if hasattr(H, name) else C, name, stop)
     with pytest.raises(C.UserError, match="stop"):
         mod.train(a)
     return seen[0]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import common as C
+import harness as H
 from helpers import ROOT, free_port, one_line_error, run_cli, torchrun
 from test_faults import CAN_CLI
 
@@ -61,33 +62,33 @@ def free_derived_port():
     ("gpu-a100-[1-2]", ["gpu-a100-1", "gpu-a100-2"]),
 ])
 def test_nodelists_expand_without_scontrol(nodelist, hosts):
-    assert C.expand_nodelist(nodelist) == hosts
+    assert H.expand_nodelist(nodelist) == hosts
 
 
 @pytest.mark.parametrize("bad", ["", "gpu[01-03", "gpu]1[", "gpu[3-1]", "gpu[a-b]", "gpu[[1]]"])
 def test_a_bad_nodelist_is_one_line(bad):
     with pytest.raises(C.UserError, match="SLURM nodelist"):
-        C.expand_nodelist(bad)
+        H.expand_nodelist(bad)
 
 
 def test_srun_variables_give_rank_world_local_rank_and_the_rendezvous():
-    name, env = C.launcher(slurm_vars(5, world=16, job=123456, nodes="gpu[07-08]", per_node=8))
+    name, env = H.launcher(slurm_vars(5, world=16, job=123456, nodes="gpu[07-08]", per_node=8))
     assert name == "srun" and env == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "MASTER_ADDR": "gpu07",
                                       "MASTER_PORT": str(20000 + 123456 % 20000), "LOCAL_WORLD_SIZE": "8"}
-    second_node = C.launcher(slurm_vars(13, world=16, job=123456, nodes="gpu[07-08]", per_node=8))[1]
+    second_node = H.launcher(slurm_vars(13, world=16, job=123456, nodes="gpu[07-08]", per_node=8))[1]
     assert (second_node["RANK"], second_node["LOCAL_RANK"]) == ("13", "5")   # device by local rank, data by rank
-    set_port = C.launcher({**slurm_vars(0, job=9), "MASTER_PORT": "1234", "MASTER_ADDR": "head"})[1]
+    set_port = H.launcher({**slurm_vars(0, job=9), "MASTER_PORT": "1234", "MASTER_ADDR": "head"})[1]
     assert set_port["MASTER_PORT"] == "1234" and set_port["MASTER_ADDR"] == "head"
     step_only = {k: v for k, v in slurm_vars(1, world=2, nodes="n[1-2]").items() if k != "SLURM_STEP_NODELIST"}
-    assert C.launcher(step_only)[1]["MASTER_ADDR"] == "n1"              # the job's list when the step's is absent
+    assert H.launcher(step_only)[1]["MASTER_ADDR"] == "n1"              # the job's list when the step's is absent
 
 
 def test_torchrun_wins_and_a_single_process_stays_single():
     both = {**slurm_vars(3, world=4), "WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3", "GROUP_WORLD_SIZE": "4"}
-    assert C.launcher(both) == ("torchrun", None)                       # torchrun inside an sbatch / srun step
-    assert C.launcher({}) == ("none", None)
-    assert C.launcher({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == ("none", None)
-    assert C.launcher(slurm_vars(0, world=1)) == ("srun", None)         # srun -n 1: one process, no group
+    assert H.launcher(both) == ("torchrun", None)                       # torchrun inside an sbatch / srun step
+    assert H.launcher({}) == ("none", None)
+    assert H.launcher({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == ("none", None)
+    assert H.launcher(slurm_vars(0, world=1)) == ("srun", None)         # srun -n 1: one process, no group
 
 
 @pytest.mark.parametrize("env,match", [
@@ -107,7 +108,7 @@ def test_torchrun_wins_and_a_single_process_stays_single():
 ])
 def test_duplicates_and_partial_variables_are_one_line(env, match):
     with pytest.raises(C.UserError, match=match):
-        C.launcher(env)
+        H.launcher(env)
 
 
 def test_a_sbatch_shell_with_several_tasks_is_refused_before_anything_is_written(tmp_path):

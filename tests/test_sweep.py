@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import common as C
+import harness as H
 import can
 import msn
 import siammae
@@ -70,7 +71,7 @@ def _in_process(cmd, cwd=None, **kw):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         fn = getattr(mod, "train", None) or getattr(mod, "evaluate")
-        fn(C.parse_args(mod.Args, argv))
+        fn(H.parse_args(mod.Args, argv))
     return _Done(out.getvalue())
 
 
