@@ -295,7 +295,7 @@ GROUPS = (  # --help sections, in order; a flag in none of them is the script's 
                "num_prototypes", "ckpt", "random_init", "pool"}),
     ("optimisation", {"preset", "epochs", "batch_size", "micro_batch", "grad_ckpt", "lr", "blr", "min_lr", "start_lr", "warmup_lr",
                       "warmup_epochs", "weight_decay", "final_weight_decay", "betas", "clip_grad", "ema", "layer_decay",
-                      "repeated_sampling", "ipe_scale", "allow_batch_change"}),
+                      "repeated_sampling", "ipe_scale", "allow_batch_change", "rel_pos_lr"}),
     ("views and masking", {"mask_ratio", "mask_unit", "rand_views", "rand_size", "rand_scale", "focal_views",
                            "focal_size", "focal_scale", "gap", "master_size", "shift", "gpu_aug", "gpu_decode"}),
     ("run control", {"output", "seed", "resume", "precision", "compile", "log_every", "device", "steps_per_epoch", "knn",
@@ -578,7 +578,7 @@ def check_writable(out, what):
 
 POSITIVE = {"epochs", "batch_size", "img_size", "patch_size", "focal_size", "master_size", "num_prototypes", "head_hidden",
             "head_dim", "proj_hidden", "proj_dim", "decoder_dim", "decoder_heads", "repeated_sampling", "mask_unit",
-            "log_every", "rand_views", "tau", "tau_plus", "lr", "blr", "sigma_max"}
+            "log_every", "rand_views", "tau", "tau_plus", "lr", "blr", "sigma_max", "rel_pos_lr"}
 
 
 NON_NEGATIVE = {"seed", "warmup_lr", "start_lr", "steps_per_epoch", "stop_epoch", "stop_step", "save_every", "workers",

@@ -115,7 +115,8 @@ def setup(method, a, dev):
         proj = (N + 1) * lin(D, args.proj_hidden, args.proj_hidden, args.proj_dim)
         logits = 2 * N * N * args.proj_dim                      # each image's patch-to-patch similarities
         flops = (3 * B * (blocks(D, depth, N + 1) + proj) + 2 * B * embed(D, N, p) + 2 * B * logits
-                 + B * (blocks(D, depth, N + 1) + embed(D, N, p) + proj))                          # teacher
+                 + B * (blocks(D, depth, N + 1) + embed(D, N, p) + proj)                           # teacher
+                 + B * logits)                    # the logged symmetry: masked outputs' cosines, no grad
 
         def train_step():
             mask = mod.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)

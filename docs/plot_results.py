@@ -5,8 +5,8 @@ requirement: pip install -r docs/requirements.txt).
 
 cifar10_curves.png: k-NN top-1 (%) on the 10,000 CIFAR-10 test images against the images seen in
 pre-training, one line per method (the encoder each paper evaluates; an open square: the online encoder
-of an EMA method at the end), each method's own initial encoder as a dashed line of its colour and raw
-pixels as a black line; cifar10_gpu_curves.png the same for the GPU tier (benchmarks/gpu_cifar.py). davis_curve.png: SiamMAE's J&F (%) on
+of an EMA method at the end; dotted: a method's earlier recipe), each method's own initial encoder as a
+dashed line of its colour and raw pixels as a black line; cifar10_gpu_curves.png the same for the GPU tier (benchmarks/gpu_cifar.py). davis_curve.png: SiamMAE's J&F (%) on
 the 20 DAVIS-2016 val videos against the training step, with its initial encoder, raw pixels and the
 first mask copied as horizontal lines. docs/results.json holds every number and where it comes from.
 """
@@ -39,6 +39,9 @@ def cifar10(res, out, legend_loc="lower right"):
         x, y = zip(*[(n / 1000, acc) for n, acc in r["knn"]])
         ax.plot(x, y, "o-", color=COLOURS[m], label=r["label"])
         ax.axhline(r["init"], color=COLOURS[m], ls="--", lw=1)
+        if "before" in r:                                   # the same method's earlier recipe, dotted
+            bx, by = zip(*[(n / 1000, acc) for n, acc in r["before"]["knn"]])
+            ax.plot(bx, by, ".:", color=COLOURS[m], label=r["before"]["label"])
         if "online" in r:                                   # an EMA method's online encoder at the end
             ax.plot([x[-1]], [r["online"]["knn_top1"]], "s", mfc="none", color=COLOURS[m],
                     label=f"{r['label'].split(' (')[0]}: its online encoder at the end")
@@ -75,7 +78,7 @@ def davis(res, out):
 
 def main():
     res = json.load(open(os.path.join(HERE, "results.json")))
-    cifar10(res["cifar10"], os.path.join(HERE, "cifar10_curves.png"))
+    cifar10(res["cifar10"], os.path.join(HERE, "cifar10_curves.png"), "center right")
     cifar10(res["cifar10_gpu"], os.path.join(HERE, "cifar10_gpu_curves.png"), "center right")
     davis(res["davis"], os.path.join(HERE, "davis_curve.png"))
 

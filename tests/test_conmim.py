@@ -1,14 +1,18 @@
 """conmim.py: the loss against a per-image, per-patch loop (varying masked counts), stop-gradient
 on the teacher, [MASK] token gradient, masks, DDP equivalence, end to end + resume."""
 import copy
+import json
+import os
+import sys
 
 import pytest
 import torch
 
 import common as C
 import conmim
+import harness as H
 from ddp import spawn
-from helpers import exact_resume, one_line_error, run_cli
+from helpers import ROOT, exact_resume, one_line_error, run_cli
 
 
 def naive_conmim(student, teacher, mask, tau):
@@ -114,9 +118,60 @@ def test_ddp_two_processes_equal_one_process():
 
 
 def test_end_to_end_resume_and_teacher_is_evaluated(tmp_path):
-    full, _ = exact_resume(conmim.train, tiny_args, tmp_path, "conmim", ("model", "target", "encoder"))
+    """Resume is exact with the bias table in its own lr group (the short-run presets' rule), and the run logs the
+    symmetry measures (sym, rpb) at every log step."""
+    full, _ = exact_resume(conmim.train, lambda p, **kw: tiny_args(p, rel_pos_lr=30, **kw), tmp_path, "conmim",
+                           ("model", "target", "encoder"))
     for k, v in full["encoder"].items():
         assert torch.equal(v, full["target"]["encoder." + k])
+    assert [g.get("lr_scale", 1) for g in full["optimizer"]["param_groups"]] == [1, 1, 30]
+    logged = [json.loads(line) for line in open(tmp_path / "full" / "log.jsonl") if '"sym"' in line]
+    assert len(logged) == 4 and all(0 < r["sym"] <= 1 + 1e-6 for r in logged)
+    assert logged[0]["rpb"] == 0 < logged[-1]["rpb"]                      # the table before each step's update
+
+
+def test_masked_symmetry_reads_the_masked_positions_of_each_image():
+    """1 where an image's masked outputs are alike (the symmetric start), lower as they differ; unmasked rows and
+    other images' rows do not enter an image's pairs."""
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.float)
+    same = torch.randn(1, 1, 8).expand(2, 4, 8).clone()
+    same[0, 3], same[1, 0] = torch.randn(8), -same[1, 1]                  # unmasked rows: anything
+    assert conmim.masked_symmetry(same, mask).item() == pytest.approx(1.0, abs=1e-6)
+    apart = torch.eye(8)[:4].expand(2, 4, 8)                              # orthogonal outputs: cosine 0
+    assert conmim.masked_symmetry(apart, mask).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_short_run_presets_give_the_bias_table_300_times_the_lr():
+    """The rule for the symmetric start (docs/RESULTS.md): the presets' table lr x 300, in a group of its own that
+    keeps the official weight decay; the full recipe keeps one lr (official), with no extra group."""
+    named = H.presets(conmim.Args)
+    assert named["small"]["rel_pos_lr"] == named["gpu"]["rel_pos_lr"] == 300 and conmim.Args().rel_pos_lr == 1
+    assert "rel_pos_lr" not in named["synthetic"]
+    model = conmim.Net(tiny_args("/tmp/unused"))
+    table = model.encoder.rel_pos_bias.relative_position_bias_table
+    official = conmim.make_optimizer(model, tiny_args("/tmp/unused"), torch.device("cpu"))
+    opt = conmim.make_optimizer(model, tiny_args("/tmp/unused", rel_pos_lr=300), torch.device("cpu"))
+    assert len(official.param_groups) == 2 and any(p is table for p in official.param_groups[0]["params"])
+    C.set_hparams(opt, 1e-4, 0.05)
+    decay, skip, own = opt.param_groups
+    assert own["params"] == [table] and own["lr"] == pytest.approx(3e-2) and own["weight_decay"] == 0.05
+    assert decay["lr"] == skip["lr"] == 1e-4 and all(p is not table for p in decay["params"] + skip["params"])
+    assert sum(len(g["params"]) for g in opt.param_groups) == sum(len(g["params"]) for g in official.param_groups)
+
+
+def test_the_official_comparison_skips_where_the_official_code_is_not_on_disk(tmp_path, capsys):
+    """scripts/conmim_official.py: one line saying how to get the code, exit 0; with it (CONMIM_OFFICIAL=DIR, a
+    checkout of TencentARC/ConMIM) the first steps' losses agree within 1e-4."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import conmim_official
+    assert conmim_official.main(["--official", str(tmp_path)]) is None
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("skipped:") and "git clone https://github.com/TencentARC/ConMIM" in out[0]
+    official = os.environ.get("CONMIM_OFFICIAL")
+    if not official or not os.path.isfile(os.path.join(official, "modeling_pretrain.py")):
+        pytest.skip("CONMIM_OFFICIAL is not a checkout of TencentARC/ConMIM")
+    rows = conmim_official.main(["--official", official, "--steps", "3", "--batch-size", "8", "--agree", "3"])
+    assert max(r["diff"] for r in rows) < 1e-4
 
 
 def test_bad_input(tmp_path):

@@ -17,12 +17,17 @@ frame) runs on a trained checkpoint in eval_correspondence.py: measured, it does
 scale (docs/RESULTS.md), so it is not asserted here.
 """
 import math
+import os
+import sys
 
 import pytest
 import torch
 
 import common as C
 import synthetic as S
+from helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
 def _images(n, size, seed=0):
@@ -35,41 +40,31 @@ def _images(n, size, seed=0):
 # ----------------------------------------------------------------------------------------------
 # ConMIM: patch-level InfoNCE over the N patches of one image (chance: ln N)
 # ----------------------------------------------------------------------------------------------
-def conmim_probes(student, teacher, x, mask, tau):
-    """The four losses of the probe table (no grad): the objective, every patch masked, the teacher's
-    keys from another image (batch rolled by one), and the teacher fed a blank grey image."""
-    import conmim
-    with torch.no_grad():
-        keys = teacher(x)
-        full = torch.ones_like(mask)
-        return {"objective": conmim.conmim_loss(student(x, mask), keys, mask, tau).item(),
-                "all_masked": conmim.conmim_loss(student(x, full), keys, full, tau).item(),
-                "other_image": conmim.conmim_loss(student(x, mask), keys.roll(1, 0), mask, tau).item(),
-                "blank_teacher": conmim.conmim_loss(student(x, mask), teacher(torch.zeros_like(x)), mask, tau).item()}
-
-
-@pytest.fixture(scope="module")
-def conmim_trained():
+@pytest.fixture(scope="module", params=[1, 300], ids=["official", "table_lr_x300"])
+def conmim_trained(request):
     """A nano ConMIM (16 patches) at init and after 60 steps of its own train_step on a fixed batch of
-    16 images (same view for student and teacher, fresh masks each step): (probes at init, after)."""
+    16 images (same view for student and teacher, fresh masks each step): (probes at init, after). Twice: with
+    the official optimiser, and with the short-run presets' rule for the symmetric start (the relative position
+    bias table at 300 x the lr), which must not open a shortcut either. The probes are scripts/conmim_probe.py's."""
     import conmim
+    from conmim_probe import probes
     from test_conmim import tiny_args
     torch.manual_seed(0)
-    a = tiny_args("/tmp/unused", lr=3e-3, proj_hidden=64, proj_dim=32)
+    a = tiny_args("/tmp/unused", lr=3e-3, proj_hidden=64, proj_dim=32, rel_pos_lr=request.param)
     model = conmim.Net(a)
     teacher = conmim.make_teacher(model)
-    opt = C.make_optimizer(model, a.lr, a.weight_decay, a.betas, torch.device("cpu"), conmim.no_decay)
+    opt = conmim.make_optimizer(model, a, torch.device("cpu"))
     x = _images(16, 16)
     grid = a.img_size // a.patch_size
     probe_mask = conmim.random_masking(16, grid, a.mask_ratio, a.mask_unit)
-    before = conmim_probes(model.train(), teacher.train(), x, probe_mask, a.tau)
+    before = probes(model.train(), teacher.train(), x, probe_mask, a.tau)
     for step in range(60):
         mask = conmim.random_masking(16, grid, a.mask_ratio, a.mask_unit)
         opt.zero_grad(set_to_none=True)
         conmim.train_step(model, teacher, x, x, mask, a)
         opt.step()
         conmim.ema_update(teacher, model, 0.9)
-    return before, conmim_probes(model, teacher, x, probe_mask, a.tau)
+    return before, probes(model, teacher, x, probe_mask, a.tau)
 
 
 @pytest.mark.parametrize("when", ["init", "trained"])
