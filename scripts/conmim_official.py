@@ -44,12 +44,10 @@ def timm_stand_ins():
     except ImportError:
         pass
 
-    def drop_path(x, drop_prob=0.0, training=False):
-        return conmim.drop_path(x, drop_prob, training)
-
     layers = types.ModuleType("timm.models.layers")
     layers.trunc_normal_ = lambda t, mean=0.0, std=1.0, a=-2.0, b=2.0: nn.init.trunc_normal_(t, mean, std, a, b)
-    layers.drop_path, layers.to_2tuple = drop_path, lambda x: x if isinstance(x, tuple) else (x, x)
+    layers.drop_path = conmim.drop_path                      # called as drop_path(x, p, training), as timm's
+    layers.to_2tuple = lambda x: x if isinstance(x, tuple) else (x, x)
     registry = types.ModuleType("timm.models.registry")
     registry.register_model = lambda f: f
     models = types.ModuleType("timm.models")

@@ -35,9 +35,10 @@ def probes(student, teacher, x, mask, tau):
     """The objective and its three shortcut probes (module docstring) for student / teacher Nets, images x
     (B, 3, H, W) normalised, mask (B, N); and the symmetry measures."""
     keys = teacher(x)
-    out = student(x, mask)
     full = torch.ones_like(mask)
-    tokens = student.encoder(x, mask=mask, mask_token=student.mask_token)[:, 1:]
+    tokens = student.encoder(x, mask=mask, mask_token=student.mask_token)     # (B, 1 + N, D), once
+    out = student.projector(tokens)[:, 1:]                                    # = student(x, mask)
+    tokens = tokens[:, 1:]
     return {"objective": conmim.conmim_loss(out, keys, mask, tau).item(),
             "all_masked": conmim.conmim_loss(student(x, full), keys, full, tau).item(),
             "other_image": conmim.conmim_loss(out, keys.roll(1, 0), mask, tau).item(),
