@@ -451,7 +451,7 @@ def train(args):
     run = H.setup(args, "can")
     if args.gpu_aug:                                                 # colour ops batched on the device
         from gpu_aug import color_augmenter
-        color_augment = color_augmenter(args.compile)
+        color_augment = color_augmenter(args.compile or run.device.type == "cuda")   # compiled on CUDA
     dev = run.device
     grid = args.img_size // args.patch_size
     H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio)[2].sum(), grid * grid)
@@ -485,9 +485,8 @@ def train(args):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             v1, v2 = v1.to(dev, non_blocking=True), v2.to(dev, non_blocking=True)
-            if args.gpu_aug:                                          # colour ops batched on the device
-                v1, v2 = color_augment(v1), color_augment(v2)
-            x = C.normalize(torch.stack([v1, v2]))                            # (2, B, 3, H, W), clean
+            x = torch.cat([v1, v2])                                   # both views in one call: (2B, 3, H, W)
+            x = (color_augment(x, normalize=True) if args.gpu_aug else C.normalize(x)).unflatten(0, (2, -1))   # clean
             B = x.shape[1]
             sigma = torch.rand(2 * B, device=dev).view(2, B) * args.sigma_max   # sigma_v ~ U[0, sigma_max]
             noise = sigma.view(2, B, 1, 1, 1) * torch.randn_like(x)             # sigma_v e_v

@@ -478,7 +478,7 @@ def train(args):
     run = H.setup(args, "cmae")
     if args.gpu_aug:                                                 # colour ops batched on the device
         from gpu_aug import color_augmenter
-        color_augment = color_augmenter(args.compile)
+        color_augment = color_augmenter(args.compile or run.device.type == "cuda")   # compiled on CUDA
     dev = run.device
     grid = args.img_size // args.patch_size
     H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit)[2].sum(),
@@ -517,9 +517,8 @@ def train(args):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             x_s, x_t = x_s.to(dev, non_blocking=True), x_t.to(dev, non_blocking=True)
-            if args.gpu_aug:                                          # the target's colour augmentation
-                x_t = color_augment(x_t)
-            x_s, x_t = C.normalize(x_s), C.normalize(x_t)
+            x_t = color_augment(x_t, normalize=True) if args.gpu_aug else C.normalize(x_t)   # the target's colour ops
+            x_s = C.normalize(x_s)
             ids_keep, ids_restore, mask = random_masking(x_s.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(online, target_fwd, x_s, x_t, ids_keep, ids_restore, mask, args, micro,

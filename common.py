@@ -249,9 +249,14 @@ def frame_order(name):
     return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]   # odd: the digit runs
 
 
+_MEAN_STD = {}                                           # device -> (mean, std): built once (a copy to a GPU waits)
+
+
 def normalize(x):
     """uint8 (or float in [0, 1]) (..., 3, H, W) on any device -> float, ImageNet mean/std."""
-    mean, std = (torch.tensor(v, device=x.device).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+    if x.device not in _MEAN_STD:
+        _MEAN_STD[x.device] = tuple(torch.tensor(v, device=x.device).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+    mean, std = _MEAN_STD[x.device]
     return ((x.float() / 255 if x.dtype == torch.uint8 else x) - mean) / std
 
 

@@ -464,7 +464,7 @@ def train(args):
     run = H.setup(args, "conmim")
     if args.gpu_aug:                                                 # colour ops batched on the device
         from gpu_aug import color_augmenter
-        color_augment = color_augmenter(args.compile)
+        color_augment = color_augmenter(args.compile or run.device.type == "cuda")   # compiled on CUDA
     dev = run.device
     grid = args.img_size // args.patch_size
     H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit).sum(),
@@ -501,9 +501,9 @@ def train(args):
             m = C.cosine_schedule(step, total, m0, args.ema[1])             # 0.996 -> 1, cosine
             C.set_hparams(opt, lr)
             x_weak, x_strong = x_weak.to(dev, non_blocking=True), x_strong.to(dev, non_blocking=True)
-            if args.gpu_aug:                                          # the strong view's photometric ops
-                x_strong = color_augment(x_strong, **STRONG)
-            x_weak, x_strong = C.normalize(x_weak), C.normalize(x_strong)
+            x_strong = (color_augment(x_strong, **STRONG, normalize=True) if args.gpu_aug   # the strong view's
+                        else C.normalize(x_strong))                                          # photometric ops
+            x_weak = C.normalize(x_weak)
             mask = random_masking(x_weak.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(student, teacher_fwd, x_weak, x_strong, mask, args, micro, run.autocast,

@@ -5,6 +5,10 @@ augmentation is the same in law, not draw by draw: tests/test_gpu_aug.py compare
 two-sample KS tests and each op with torchvision's tensor op, image by image. The workers then only
 decode, crop and flip, and ship uint8.
 
+A step calls it once per group of same-size views (MSN: twice, for its anchor-size and focal views), with
+the normalisation inside, and never waits for the device (no host sync; tests/test_cuda.py runs real
+steps under torch.cuda.set_sync_debug_mode("error")).
+
 Imported only for --gpu-aug: a method file + common.py, copied without this file, keep the colour
 ops in the workers (harness.setup says so at start; an explicit --gpu-aug is then an error).
 """
@@ -34,83 +38,68 @@ def _gray(x):                                                        # (B, 3, H,
 
 def _hue(x, f):
     """Shift the hue of float RGB (B, 3, H, W) in [0, 1] by f (B, 1, 1, 1) turns, via HSV: hue in
-    sextants from the channel differences, shifted, back to RGB in closed form."""
+    sextants from the channel differences, shifted, back to RGB in closed form. Elementwise only (Python
+    constants, no tensor built from host data: no copy to the device, nothing that stops fusion)."""
     R, G, B = x.split(1, dim=1)                                      # (B, 1, H, W) each
-    v = torch.maximum(torch.maximum(R, G), B)                        # value (elementwise: faster than a
-    c = v - torch.minimum(torch.minimum(R, G), B)                    # reduction over dim 1); chroma
+    v = torch.maximum(torch.maximum(R, G), B)                        # value
+    c = v - torch.minimum(torch.minimum(R, G), B)                    # chroma
     h = torch.where(v == R, G - B, torch.where(v == G, 2 * c + B - R, 4 * c + R - G))   # 6 x hue x c
-    h = h.div_(c.clamp_min(1e-12)).div_(6).add_(f).remainder_(1.0).mul_(6)             # shifted hue in [0, 6)
-    k = (torch.tensor([5.0, 3.0, 1.0], device=x.device).view(1, 3, 1, 1) + h).remainder_(6)
-    k = torch.minimum(k, 4 - k).clamp_(0, 1)
-    return torch.sub(v, k.mul_(c), out=k)                           # HSV -> RGB: v - c clamp(min(k, 4 - k))
+    h = (h / c.clamp_min(1e-12) / 6 + f).remainder(1.0) * 6        # shifted hue in [0, 6)
+    k = torch.cat([(n + h).remainder(6) for n in (5.0, 3.0, 1.0)], dim=1)             # R, G, B
+    return v - torch.minimum(k, 4 - k).clamp(0, 1) * c              # HSV -> RGB: v - c clamp(min(k, 4 - k))
 
 
 def color_jitter_batch(x, fb, fc, fs, fh, order):
     """torchvision ColorJitter applied per image: factors (B, 1, 1, 1) for brightness, contrast,
     saturation, hue; order (B, 4) per image a permutation of the ops 0..3, or all -1 (not applied).
-    x float in [0, 1]. Brightness / contrast / saturation are the blends f*x + (1-f)*ref, clamped,
-    with ref = 0, the image's mean grey, the grey image: each is one per-pixel colour transform,
-    y = M x + t with M = f I (+ (1-f) 1 grey^T for saturation) and t = (1-f) mean grey (contrast), so
-    a blend position is one batched 3 x 3 matrix product over all images (baddbmm) and a clamp, with
-    M = I, t = 0 (x exactly) for the images whose op it is not. The hue shift (an HSV round trip, the
-    costly op) runs once on the batch: each image's blends placed before its hue, then the hue, then
-    its blends placed after it (the same ops in the same order, image by image; no host sync)."""
-    B, _, H, W = x.shape
-    hue_at = (order == 3).float().argmax(1).masked_fill(order[:, 0] < 0, 4)    # (B,); 4: no jitter
-    grey = torch.tensor(GREY, device=x.device)
-    eye = torch.eye(3, device=x.device)
-    fb, fc, fs = fb.view(B), fc.view(B), fs.view(B)
+    x float in [0, 1]. Brightness / contrast / saturation are the blends f x + (1 - f) ref, clamped,
+    with ref 0, the image's mean grey, the grey image: at each of the 4 positions one per-pixel blend
+    whose f and ref are chosen per image (x itself where that position is not a blend or the image is
+    not jittered). The hue shift (the costly op) runs once on the batch: each image's blends placed
+    before its hue, then the hue, then its blends placed after it (the same ops in the same order,
+    image by image). Per-pixel arithmetic and one mean per position: it fuses when compiled."""
+    B = x.shape[0]
+    hue_at = (order == 3).float().argmax(1).masked_fill(order[:, 0] < 0, 4).view(B, 1, 1, 1)   # 4: no jitter
 
     def blend(x, k, apply):                          # the k-th op of the images where it is a blend and applied
-        op = order[:, k]
-        on = apply & (op >= 0) & (op <= 2)
-        f = torch.where(on, torch.where(op == 0, fb, torch.where(op == 1, fc, fs)), 1.0)            # (B,)
-        sat, con = (1 - f) * (op == 2), (1 - f) * (op == 1)                                         # 0 where off
-        M = f.view(B, 1, 1) * eye + sat.view(B, 1, 1) * grey                 # (B, 3, 3): rows f e_c + (1-f) grey
-        t = (con * (x.mean((2, 3)) @ grey)).view(B, 1, 1).expand(B, 3, 1)   # (1-f) x the image's mean grey
-        return torch.baddbmm(t, M, x.reshape(B, 3, H * W)).clamp_(0, 1).view(B, 3, H, W)
+        op = order[:, k].view(B, 1, 1, 1)
+        g = _gray(x)
+        ref = torch.where(op == 2, g, torch.where(op == 1, g.mean((2, 3), keepdim=True), 0.0))
+        f = torch.where(op == 0, fb, torch.where(op == 1, fc, fs))
+        return torch.where(apply & (op >= 0) & (op <= 2), (f * x + (1 - f) * ref).clamp(0, 1), x)
     for k in range(3):                                               # a permutation's last op never precedes its hue
         x = blend(x, k, k < hue_at)
-    x = torch.where((hue_at < 4).view(B, 1, 1, 1), _hue(x, fh), x)
+    x = torch.where(hue_at < 4, _hue(x, fh), x)
     for k in range(1, 4):
         x = blend(x, k, k > hue_at)
     return x
 
 
 def blur_batch(x, sigma, k):
-    """Per-image separable Gaussian blur, k taps, reflect padding; sigma (B,), 0 = off."""
-    B, C3, H, W = x.shape
+    """Per-image separable Gaussian blur, k taps, reflect padding; sigma (B,), 0 = none (a delta: x
+    exactly). A weighted sum of k shifted slices per direction: elementwise, one kernel each when compiled."""
+    B, _, H, W = x.shape
     t = torch.arange(k, device=x.device, dtype=x.dtype) - (k - 1) / 2
     w = torch.exp(-0.5 * (t / sigma.clamp_min(1e-6)[:, None]) ** 2)  # (B, k); sigma 0 -> delta
-    w = (w / w.sum(1, keepdim=True)).repeat_interleave(C3, 0)        # (B*3, k)
-    y = F.pad(x.reshape(1, B * C3, H, W), [k // 2] * 4, mode="reflect")
-    y = F.conv2d(y, w.view(-1, 1, k, 1), groups=B * C3)
-    return F.conv2d(y, w.view(-1, 1, 1, k), groups=B * C3).view(B, C3, H, W)
+    w = (w / w.sum(1, keepdim=True)).view(B, 1, 1, 1, k)
+    y = F.pad(x, [k // 2] * 4, mode="reflect")                       # (B, 3, H + k - 1, W + k - 1)
+    y = sum(w[..., j] * y[..., j:j + W] for j in range(k))          # along the rows: (B, 3, H + k - 1, W)
+    return sum(w[..., j] * y[:, :, j:j + H] for j in range(k))      # along the columns: (B, 3, H, W)
 
 
-@torch.compiler.disable                              # a data-dependent batch: kept out of the compiled graph
-def blur_some(x, p_blur):
-    """Blur each image with probability p_blur (sigma ~ U[0.1, 2]), computing only those: their number
-    n ~ Binomial(B, p_blur) is drawn on the host (CPU generator, no device sync) and the images are a
-    uniformly random n-subset, which is the same law as an independent coin per image."""
-    B = x.shape[0]
-    n = int(torch.binomial(torch.tensor(float(B)), torch.tensor(float(p_blur))))
-    if n == 0:
-        return x
-    idx = torch.randperm(B, device=x.device)[:n]
-    sigma = torch.empty(n, device=x.device).uniform_(*C.BLUR_SIGMA)
-    return x.index_copy(0, idx, blur_batch(x.index_select(0, idx), sigma, blur_taps(size=min(x.shape[-2:]))))
-
-
-def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5, p_solarize=0.0):
+def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5, p_solarize=0.0,
+                        normalize=False):
     """Batched, on-device twin of `common.color_augment` for uint8 or [0, 1] float (B, 3, H, W) -> float
-    [0, 1]. Each image draws its own parameters from the torchvision distributions: ColorJitter
-    with probability p_jitter (factors U[1-j, 1+j], hue U[-h, h], the four ops in a random order),
-    RandomGrayscale, Gaussian blur (sigma U[0.1, 2], blur_taps() taps: +-3 sigma) and RandomSolarize(128).
-    It works in float, so unlike the PIL pipeline there is no rounding to uint8 between ops."""
+    [0, 1] (normalize: ImageNet-normalised, as the networks take it). Each image draws its own parameters
+    from the torchvision distributions: ColorJitter with probability p_jitter (factors U[1-j, 1+j], hue
+    U[-h, h], the four ops in a random order), RandomGrayscale, Gaussian blur with probability p_blur
+    (sigma U[0.1, 2], blur_taps() taps: +-3 sigma; every image goes through the blur, sigma 0 where it is
+    off: no data-dependent shapes) and RandomSolarize(128). It works in float, so unlike the PIL pipeline
+    there is no rounding to uint8 between ops. Nothing waits for the device: every random draw is made
+    on it and no tensor is built from host data."""
     x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
     B, dev = x.shape[0], x.device
-    u = lambda lo, hi: torch.empty(B, 1, 1, 1, device=dev).uniform_(lo, hi)
+    u = lambda lo, hi: torch.empty(B, 1, 1, 1, device=dev).uniform_(lo, hi)   # noqa: E731
     b, c, s, h = jitter
     fb, fc, fs, fh = u(max(0, 1 - b), 1 + b), u(max(0, 1 - c), 1 + c), u(max(0, 1 - s), 1 + s), u(-h, h)
     order = torch.rand(B, 4, device=dev).argsort(1)                  # uniform random permutation per image
@@ -118,15 +107,22 @@ def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2
     x = color_jitter_batch(x, fb, fc, fs, fh, order)
     x = torch.where(torch.rand(B, 1, 1, 1, device=dev) < p_gray, _gray(x).expand_as(x), x)
     if p_blur > 0:
-        x = blur_some(x, p_blur)
+        sigma = torch.where(torch.rand(B, device=dev) < p_blur, torch.empty(B, device=dev).uniform_(*C.BLUR_SIGMA), 0.0)
+        x = blur_batch(x, sigma, blur_taps(size=min(x.shape[-2:])))
     if p_solarize > 0:
         x = torch.where((torch.rand(B, 1, 1, 1, device=dev) < p_solarize) & (x >= 128 / 255), 1 - x, x)
-    return x
+    return _normalize(x) if normalize else x
+
+
+def _normalize(x):
+    """common.normalize of float [0, 1] images, with the channel constants as Python numbers (traced into
+    the compiled graph as constants; common.normalize keeps one tensor per device instead)."""
+    return torch.cat([(x[:, i:i + 1] - m) / s for i, (m, s) in enumerate(zip(C.IMAGENET_MEAN, C.IMAGENET_STD))], 1)
 
 
 def color_augmenter(compile=False):
     """What the loops apply with --gpu-aug (each method file imports it for the flag; the benchmarks
-    time the same): with --compile, color_augment_batch compiled, fused elementwise kernels (an H100 took
-    31.9 ms instead of 74.5 per MSN step, issue #27), one graph per view shape; inductor draws its own
-    random numbers (KS-tested)."""
+    time the same): compiled (one graph per view shape, fused elementwise kernels; the loops ask for it
+    on CUDA whether or not the networks are compiled, since eager it is ~250 kernel launches a call), or
+    color_augment_batch itself. Inductor draws its own random numbers (KS-tested)."""
     return torch.compile(color_augment_batch, dynamic=False) if compile else color_augment_batch

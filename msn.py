@@ -448,7 +448,7 @@ def train(args):
     run = H.setup(args, "msn")
     if args.gpu_aug:                                                 # colour ops batched on the device
         from gpu_aug import color_augmenter
-        color_augment = color_augmenter(args.compile)
+        color_augment = color_augmenter(args.compile or run.device.type == "cuda")   # compiled on CUDA
     dev, R = run.device, args.rand_views
     grid = args.img_size // args.patch_size                            # of a random anchor
     H.check_mask_ratio(args.mask_ratio, lambda: grid * grid - random_masking(1, grid, args.mask_ratio).shape[1],
@@ -502,12 +502,11 @@ def train(args):
 
             views = (G.views(views, dev, boxes.sizes, dataset) if args.gpu_decode   # decoded, cropped, flipped here
                      else [v.to(dev, non_blocking=True) for v in views])
-            if args.gpu_aug:                                          # same distribution, batched
-                views = [color_augment(v) for v in views]
-            views = [C.normalize(v) for v in views]
-            x_target, x_rand = views[0], torch.stack(views[1:1 + R])  # (B, ...), (R, B, ...)
-            x_focal = torch.stack(views[1 + R:]) if args.focal_views else None
-            B = x_target.shape[0]
+            B = views[0].shape[0]                                     # one call per view size: (n * B, 3, S, S)
+            prep = (lambda v: color_augment(v, normalize=True)) if args.gpu_aug else C.normalize
+            x = prep(torch.cat(views[:1 + R])).unflatten(0, (1 + R, B))
+            x_target, x_rand = x[0], x[1:]                           # (B, ...), (R, B, ...)
+            x_focal = prep(torch.cat(views[1 + R:])).unflatten(0, (-1, B)) if args.focal_views else None
             ids_keep = random_masking(R * B, model.net.encoder.grid, args.mask_ratio, device=dev)
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(online, target_fwd, x_target, x_rand, x_focal, ids_keep.view(R, B, -1), args,

@@ -1,33 +1,42 @@
 #!/usr/bin/env bash
 # What only a GPU host can check or measure, in parts, each under its own time cap (seconds: CAP_<part>=N), so that
 # one part's failure or overrun never costs the others. Run from the repository root; each part's log goes to
-# $OUT/<part>.log (or gpu_check_out/<part>.log). Several parts in one call run in the order given:
-#   bash benchmarks/gpu_check.sh cifar aug cuda realstep tests     # the prepared check, in this order
-#   cifar      the real-data tier: benchmarks/gpu_cifar.py on CIFAR-10 (CIFAR=a .tar.gz of the README's JPEG
-#              folders, or the folder; default .gpu/cifar10.tar.gz): each image method ~2 min with --preset gpu,
-#              k-NN of its checkpoints against its initial encoder and raw pixels; gpu_cifar.json / .png (cap 560;
-#              MINUTES=N caps each method's training, default 2)
-#   aug        data.py --aug-against 3f25bd5: the colour ops per MSN step of 256, eager and compiled (cap 90)
-#   cuda       tests/test_cuda.py (cap 120)
-#   realstep   throughput.py --preset gpu, eager then compiled: the step the cifar part's real runs take, to set
-#              against their logged img/s (cap 150)
+# $OUT/<part>.log (or gpu_check_out/<part>.log). Several parts in one call run in the order given. Every cap fits
+# one 600-s call; a 15-minute device window is three calls, cheapest and most decisive first (BENCHMARKS.md):
+#   bash benchmarks/gpu_check.sh probe                          # call 1: where the real loop loses time (cap 420)
+#   bash benchmarks/gpu_check.sh cuda-eager cuda-compiled       # call 2: tests/test_cuda.py, eager tests first
+#   bash benchmarks/gpu_check.sh realstep aug                   # call 3 (or later windows: tests, cifar, step, ...)
+#   probe      benchmarks/loop_probe.py on CIFAR-10 at --preset gpu: the step with and without the loop's colour
+#              augmentation, the augmentation per view / per size / compiled (at 32 px and at 224 / 96 px), the
+#              real loop as it is / without augmentation / on a fixed batch, host syncs per step, a profile (cap 420)
+#   cuda-eager     tests/test_cuda.py without the tests that compile (cap 120)
+#   cuda-compiled  tests/test_cuda.py's compiling tests: compiled step and augmentation, the sync-free steps (cap 300)
+#   realstep   throughput.py --preset gpu --gpu-aug: the step WITH the loop's augmentation that the cifar part's
+#              real runs are set against, eager networks (cap 240)
+#   aug        data.py --aug-against 3f25bd5: the colour ops per MSN step of 256 at 224 px, old file vs this one,
+#              eager and compiled (cap 150)
 #   tests      the whole suite on the GPU host (-n 8; cap 400)
-#   step       throughput.py eager: each method at its ImageNet recipe model and default --micro-batch (+ MSN --gpu-aug)
+#   cifar      the real-data tier, last (learning, not speed): benchmarks/gpu_cifar.py on CIFAR-10 (CIFAR=a .tar.gz
+#              of the README's JPEG folders, or the folder; default .gpu/cifar10.tar.gz): each image method ~2 min
+#              with --preset gpu, k-NN of its checkpoints against its initial encoder and raw pixels (cap 560;
+#              MINUTES=N caps each method's training, default 2)
+#   step       throughput.py eager: each method at its ImageNet recipe model and default --micro-batch (+ --gpu-aug)
 #   compiled   the same with --compile (the CUDA default of train())
 #   data       data.py on the device: eager and compiled colour ops, --gpu-decode
 #   e2e        e2e.py (the real train(), compiled): MSN without and with --gpu-decode
 #   e2e-rest   e2e.py: CMAE, ConMIM, CAN, SiamMAE
-# SMALL=1 shrinks every size (nano models, a few steps, a generated 3-class fixture for cifar, aug on ConMIM's view
-# only; no compiled variant of realstep and aug, and the suite is not run) for a dry run on a CPU (tests/test_benchmarks.py runs it). PYTHON picks the interpreter. Numbers go to
-# BENCHMARKS.md and docs/RESULTS.md with the device line each log starts with.
+# SMALL=1 shrinks every size (nano models, a few steps, a generated 3-class fixture for cifar and probe, aug on
+# ConMIM's view only; no compiled variant of realstep and aug, and the suite is not run) for a dry run on a CPU
+# (tests/test_benchmarks.py runs it). PYTHON picks the interpreter. Numbers go to BENCHMARKS.md and docs/RESULTS.md
+# with the device line each log starts with.
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: bash benchmarks/gpu_check.sh PART [PART ...] (cifar aug cuda realstep tests step compiled data e2e e2e-rest)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: bash benchmarks/gpu_check.sh PART [PART ...] (probe cuda-eager cuda-compiled realstep aug tests cifar step compiled data e2e e2e-rest)" >&2; exit 2; }
 out=${OUT:-gpu_check_out}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-declare -A CAP=([cifar]=560 [aug]=90 [cuda]=120 [realstep]=150 [tests]=400 [step]=540 [compiled]=540 [data]=540
-                [e2e]=540 [e2e-rest]=540)
+declare -A CAP=([probe]=420 [cuda-eager]=120 [cuda-compiled]=300 [realstep]=240 [aug]=150 [tests]=400 [cifar]=560
+                [step]=540 [compiled]=540 [data]=540 [e2e]=540 [e2e-rest]=540)
 
 if [ "${1}" != _one ]; then                      # each part under its own cap, then a summary line per part
     status=0
@@ -48,9 +57,11 @@ if [ -n "${SMALL:-}" ]; then            # dry run: model, micro-batches (msn cma
     S=nano; B=nano; MB=(4 4 4 4 2); STEPS=(--warmup 1 --steps 1); E2E=(--steps 4 --log-every 2 --n-images 16 --batch-size 8
         --model nano --img-size 32 --patch-size 16 --workers 2); DATA=(--n-images 16 --images 2 --workers 2 --batches 2)
     PB=8; CIFAR_FLAGS=(--small --workers 0); COMPILED=(); PM=(all)   # eager only (a CPU compile takes minutes), one process
+    PROBE=(--small --methods cmae --sections step loop syncs)
 else                                    # the recipes (README) and their default micro-batches
     S=small; B=base; MB=(512 512 512 256 512); STEPS=(); E2E=(--n-images 1024 --workers 15); DATA=(--workers 15)
     PB=512; CIFAR_FLAGS=(--workers 15 --minutes "${MINUTES:-2}"); COMPILED=(--compile); PM=(msn cmae conmim can)
+    PROBE=(--workers 15)
 fi
 dev=$($py -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 {
@@ -95,15 +106,19 @@ case $part in
         data=$(cifar_data) || { echo "no CIFAR-10 folder" | tee -a "$log"; exit 1; }
         echo "data: $data ($(find "$data/train" -type f | wc -l) train images)" | tee -a "$log"
         say $py benchmarks/gpu_cifar.py --data "$data" --out "$out" "${CIFAR_FLAGS[@]}" ;;
-    realstep)
-        for c in "" "${COMPILED[@]}"; do
-            for m in "${PM[@]}"; do
-                say $py benchmarks/throughput.py --method $m --preset gpu --batch-size $PB "${STEPS[@]}" $c
-            done
+    probe)
+        if [ -n "${SMALL:-}" ]; then say $py benchmarks/loop_probe.py "${PROBE[@]}"
+        else
+            data=$(cifar_data) || { echo "no CIFAR-10 folder" | tee -a "$log"; exit 1; }
+            say $py benchmarks/loop_probe.py --data "$data" "${PROBE[@]}"
+        fi ;;
+    realstep)                            # eager networks, the loop's colour augmentation (compiled on CUDA, as train())
+        for m in "${PM[@]}"; do
+            say $py benchmarks/throughput.py --method $m --preset gpu --batch-size $PB --gpu-aug "${STEPS[@]}"
         done ;;
-    cuda) say $py -m pytest -q tests/test_cuda.py ;;
+    cuda-eager) say $py -m pytest -q tests/test_cuda.py -m "not compiles" ;;
+    cuda-compiled) say $py -m pytest -q tests/test_cuda.py -m compiles ;;
     tests)
-        say $py -m pytest -q tests/test_cuda.py
         if [ -n "${SMALL:-}" ]; then echo "SMALL: the suite itself is not run" | tee -a "$log"
         else say $py -m pytest -q -n 8 tests --ignore=tests/test_cuda.py; fi ;;
     step) steps ;;

@@ -65,7 +65,8 @@ def setup(method, a, dev):
     x = lambda *n, s=S: torch.randn(*n, 3, s, s, device=dev)                     # noqa: E731
     amp = torch.autocast(dev.type, torch.bfloat16) if a.precision == "bf16" else torch.autocast(dev.type, enabled=False)
     comp = (lambda m: torch.compile(m)) if a.compile else (lambda m: m)
-    aug = GA.color_augmenter(a.compile)                               # as train() applies it
+    aug = GA.color_augmenter(a.compile or dev.type == "cuda")         # as train() applies it (compiled on CUDA)
+    u8 = lambda n, s=S: torch.randint(0, 256, (n, 3, s, s), dtype=torch.uint8, device=dev)   # noqa: E731  uint8 views
     ema = None
     if method == "msn":
         model = mod.MSN(args).to(dev)
@@ -79,13 +80,13 @@ def setup(method, a, dev):
         flops = (B * R * (3 * (blocks(D, depth, nk + 1) + head) + 2 * embed(D, N, p))             # masked views
                  + B * F_ * (3 * (blocks(D, depth, nf + 1) + head) + 2 * embed(D, nf, p))         # focal views
                  + B * (blocks(D, depth, N + 1) + embed(D, N, p) + head))                         # target
-        if a.gpu_aug:                                                # uint8 views, colour on the device
-            u8 = [torch.randint(0, 256, v.shape, dtype=torch.uint8, device=dev) for v in (xt, xr, xf)]
+        big, focal = u8((1 + R) * B), u8(F_ * B, s=args.focal_size)   # --gpu-aug: as the loader hands them over
 
         def train_step():
             nonlocal xt, xr, xf
-            if a.gpu_aug:
-                xt, xr, xf = (C.normalize(aug(v.flatten(0, -4)).view(v.shape)) for v in u8)
+            if a.gpu_aug:                                            # the loop's calls: one per view size
+                v = aug(big, normalize=True).unflatten(0, (1 + R, B))
+                xt, xr, xf = v[0], v[1:], aug(focal, normalize=True).unflatten(0, (F_, B))
             ids = mod.random_masking(R * B, g, args.mask_ratio, device=dev)
             mod.train_step(fm, ft, xt, xr, xf, ids.view(R, B, -1), args, micro, amp)
         ema = lambda: mod.ema_update(target, model.net, 0.996)        # noqa: E731
@@ -103,7 +104,12 @@ def setup(method, a, dev):
                  + B * (blocks(D, depth, N + 1) + embed(D, N, p) + proj)                           # target
                  + 2 * 2 * B * B * args.proj_dim)               # InfoNCE logits (B, B): the target side has no grad
 
+        ut = u8(B)
+
         def train_step():
+            nonlocal xt
+            if a.gpu_aug:                                            # the target view's colour ops
+                xt = aug(ut, normalize=True)
             ids, rest, mask = mod.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
             mod.train_step(fm, ft, xs, xt, ids, rest, mask, args, micro, amp)
         ema = lambda: mod.ema_update(target, target.online_params(model), 0.996)   # noqa: E731
@@ -118,7 +124,12 @@ def setup(method, a, dev):
                  + B * (blocks(D, depth, N + 1) + embed(D, N, p) + proj)                           # teacher
                  + B * logits)                    # the logged symmetry: masked outputs' cosines, no grad
 
+        us = u8(B)
+
         def train_step():
+            nonlocal xs
+            if a.gpu_aug:                                            # the strong (teacher) view's colour ops
+                xs = aug(us, **mod.STRONG, normalize=True)
             mask = mod.random_masking(B, g, args.mask_ratio, args.mask_unit, dev)
             mod.train_step(fm, ft, xw, xs, mask, args, micro, amp)
         ema = lambda: mod.ema_update(teacher, model, 0.996)            # noqa: E731
@@ -133,7 +144,12 @@ def setup(method, a, dev):
                          + 2 * embed(D, N, p) + (2 + 3) * lin(dd, dd))    # two views; sigma's MLP (its input: no grad)
         flops += 3 * 2 * (2 * B) ** 2 * args.proj_dim                                    # InfoNCE logits (2B, 2B)
 
+        uu = u8(2 * B)
+
         def train_step():
+            nonlocal xx
+            if a.gpu_aug:                                            # both views in one call
+                xx = aug(uu, normalize=True).unflatten(0, (2, B))
             sig = torch.rand(2, B, device=dev) * args.sigma_max
             noise = sig.view(2, B, 1, 1, 1) * torch.randn_like(xx)
             ids, rest, mask = (t.view(2, B, -1) for t in mod.random_masking(2 * B, g, args.mask_ratio, device=dev))
@@ -176,7 +192,8 @@ def main():
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing of every block")
     ap.add_argument("--precision", default=None, help="bf16|fp32 (default bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--gpu-aug", action="store_true", help="msn: include the batched colour augmentation in the step")
+    ap.add_argument("--gpu-aug", action="store_true", help="include the loop's batched colour augmentation (uint8 views in, "
+                    "one call per view size, compiled on CUDA as train() runs it) in the step (not siammae: it has none)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100 SXM: 989)")

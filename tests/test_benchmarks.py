@@ -106,10 +106,11 @@ def test_the_data_benchmark_times_the_same_views_for_ours_and_the_official_recip
 def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     """SMALL=1 benchmarks/gpu_check.sh: the real-data tier on a generated fixture (packed as a .tar.gz, unpacked
     as on the GPU host), each image method's --preset gpu trained in segments and evaluated, and the step of that
-    preset; the augmentation against a git revision; every part under its cap (cuda and tests only run pytest). A GPU
-    call can then fail for GPU reasons only."""
+    preset, with the loop's augmentation; the augmentation against a git revision; the loop probe's sections, each
+    with its table; every part under its cap (cuda-* and tests only run pytest). A GPU call can then fail for GPU
+    reasons only."""
     out = tmp_path / "out"
-    parts = ["cifar", "aug", "realstep"]         # the prepared call's other parts run pytest: the suite covers them
+    parts = ["probe", "realstep", "aug", "cifar"]     # the prepared calls' other parts run pytest: the suite covers them
     r = subprocess.run(["bash", "benchmarks/gpu_check.sh", *parts], cwd=ROOT, capture_output=True,
                        text=True, timeout=600, env={**os.environ, "SMALL": "1", "OUT": str(out), "PYTHON": sys.executable})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -126,6 +127,10 @@ def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     assert [ln.split("|")[1].strip() for ln in rows] == ["msn", "cmae", "conmim", "can", "siammae"]   # eager only
     assert "no --preset gpu" in rows[-1] and all(float(r.split("|")[2]) > 0 for r in rows[:4])
     assert "| conmim | 224 px |" in (out / "aug.log").read_text()
+    probe = (out / "probe.log").read_text()
+    assert "FAILED" not in probe, probe[-2000:]
+    for section, row in (("step", "| cmae | "), ("loop", "| cmae | fixed batch | "), ("syncs", "CUDA only")):
+        assert f"## {section}" in probe and row in probe.split(f"## {section}")[1], section
 
 
 def test_the_gpu_tiers_knn_is_eval_linears(tmp_path):

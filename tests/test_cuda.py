@@ -110,3 +110,30 @@ def test_gpu_decode_on_cuda_gives_the_cpu_views(tmp_path):
     for c, g in zip(on_cpu, on_gpu):
         assert g.device.type == "cuda" and g.shape == c.shape
         assert (g.cpu() - c).abs().mean(dim=(1, 2, 3)).max() * 255 <= 4.0
+
+
+@pytest.mark.compiles                                     # the colour ops compile on CUDA (gpu_aug.color_augmenter)
+@pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can", "siammae"])
+def test_a_training_step_never_waits_for_the_gpu(method, tmp_path, monkeypatch):
+    """Real steps of train() on CUDA (the loader's batch, the colour augmentation, masking, the step, the optimiser,
+    the EMA) under torch.cuda.set_sync_debug_mode("error"): any host-device sync inside a step raises. What may
+    sync runs outside it: end_step (the log line's one sync, checkpoints) runs with the mode off."""
+    import importlib
+    mod = importlib.import_module(method)
+    tiny = importlib.import_module(f"test_{method}").tiny_args
+    real, steps = C.end_step, []
+
+    def end_step(run, log, args, step, *a, **kw):        # the mode is off in here and on from one step to the next
+        torch.cuda.set_sync_debug_mode(0)
+        stop = real(run, log, args, step, *a, **kw)
+        steps.append(step)
+        if 1 <= step < 4:
+            torch.cuda.set_sync_debug_mode("error")
+        return stop
+    monkeypatch.setattr(C, "end_step", end_step)
+    extra = {} if method == "siammae" else {"gpu_aug": True}
+    try:
+        mod.train(tiny(tmp_path, device="cuda", compile=False, epochs=1, steps_per_epoch=4, log_every=100, **extra))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert steps == [1, 2, 3, 4]

@@ -24,12 +24,12 @@ from test_cmae import tiny_args as cmae_args
 from test_conmim import tiny_args as conmim_args
 from test_msn import tiny_args as msn_args
 
-# (module, tiny args, uint8 views augmented per step, parameters that must be passed,
+# (module, tiny args, calls of the augmentation per step (one per view size), parameters that must be passed,
 #  train_step arguments that must be the augmented views, and those that must not)
-CASES = {"msn": (msn, msn_args, 1 + 1 + 2, {}, (2, 3, 4), ()),          # target, random and focal anchors
+CASES = {"msn": (msn, msn_args, 2, {}, (2, 3, 4), ()),                  # target + random anchors; focal anchors
          "cmae": (cmae, cmae_args, 1, {}, (3,), (2,)),                  # the target view x_t only, not x_s
          "conmim": (conmim, conmim_args, 1, conmim.STRONG, (3,), (2,)),  # x_strong (teacher), not x_weak
-         "can": (can, can_args, 2, {}, (1,), ())}                       # both views
+         "can": (can, can_args, 1, {}, (1,), ())}                       # both views, in one call
 
 
 def jitter_case(n, h, w):
@@ -151,13 +151,19 @@ def test_blur_sigma_is_uniform_in_the_official_range_with_probability_p_blur(mon
     assert 0.1 <= on.min() < 0.11 and 1.99 < on.max() <= 2.0 and abs(on.mean() - 1.05) < 0.05
 
 
-def test_blur_some_blurs_an_independent_coin_per_image(monkeypatch):
-    """blur_some draws how many images it blurs on the host, then which: per position and per call that
-    must be the law of an independent coin per image (each position blurred with probability p, the
-    count Binomial, no position favoured: the views of one image sit at one position in every batch)."""
-    monkeypatch.setattr(GA, "blur_batch", lambda x, sigma, k: torch.ones_like(x))       # marks the blurred ones
+def test_every_image_goes_through_the_blur_and_sigma_0_leaves_it_exactly_as_it_is(monkeypatch):
+    """No data-dependent shapes (what compiles, and needs no host sync): every image is blurred, those whose
+    coin says no with sigma 0, a delta, which returns them bit for bit. Per position and per call the coins
+    are independent with probability p (the views of one image sit at one position in every batch)."""
+    x = torch.rand(5, 3, 9, 11)
+    assert torch.equal(GA.blur_batch(x, torch.zeros(5), 7), x)
+    seen = []
+    monkeypatch.setattr(GA, "blur_batch", lambda x, sigma, k: (seen.append(sigma), x)[1])
     torch.manual_seed(0)
-    hits = torch.stack([GA.blur_some(torch.zeros(8, 3, 4, 4), 0.25)[:, 0, 0, 0] for _ in range(4000)])   # (4000, 8)
+    for _ in range(4000):
+        GA.color_augment_batch(torch.zeros(8, 3, 4, 4), p_jitter=0.0, p_blur=0.25)
+    hits = (torch.stack(seen) > 0).float()                                             # (4000, 8)
+    assert len(seen) == 4000 and all(len(s) == 8 for s in seen)
     freq, n = hits.mean(0), hits.sum(1)
     assert ((freq - 0.25).abs() < 0.03).all(), freq                                  # sd 0.007 per position
     assert abs(n.mean() - 2.0) < 0.1 and abs(n.var() - 8 * 0.25 * 0.75) < 0.15        # Binomial(8, 1/4)
@@ -177,7 +183,7 @@ def test_gpu_aug_reaches_the_right_views_with_the_method_parameters(method, tmp_
     real_step = mod.train_step
     monkeypatch.setattr(mod, "train_step", lambda *a, **kw: (steps.append(a), real_step(*a, **kw))[1])
     mod.train(args(tmp_path, gpu_aug=True, epochs=1, steps_per_epoch=1, warmup_epochs=0))
-    assert len(calls) == n_views and all(d == torch.uint8 and kw == params for d, kw in calls)
+    assert len(calls) == n_views and all(d == torch.uint8 and kw == {**params, "normalize": True} for d, kw in calls)
     flat = lambda t: t.flatten(-2).std(-1).max() == 0                 # noqa: E731  (spatially constant)
     assert len(steps) == 1 and all(flat(steps[0][i]) for i in augmented)
     assert not any(flat(steps[0][i]) for i in plain)
@@ -189,7 +195,7 @@ def test_with_compile_the_loop_augments_through_the_compiled_function(method, tm
     through that compiled function (torch.compile replaced by a marker; networks pass through)."""
     mod, args, n_views = CASES[method][:3]
     calls = []
-    monkeypatch.setattr(GA, "color_augment_batch", lambda x, **kw: (calls.append("eager"), x.float() / 255)[1])
+    monkeypatch.setattr(GA, "color_augment_batch", lambda x, normalize=False, **kw: (calls.append("eager"), x.float() / 255)[1])
 
     def fake_compile(fn, **kw):
         if isinstance(fn, torch.nn.Module):
@@ -234,3 +240,20 @@ def test_without_gpu_aug_py_the_colour_ops_stay_in_the_workers(monkeypatch, caps
     a = H.parse_args(msn.Args, ["--data", "synthetic", "--gpu-aug", "--no-compile"])
     with pytest.raises(C.UserError, match="--gpu-aug needs gpu_aug.py next to this file"):
         H.device_defaults(a, torch.device("cuda"))
+
+
+def test_the_step_builds_no_constant_from_host_data_after_its_first_call(monkeypatch):
+    """A tensor built from Python data on a GPU is a copy the host waits for (a sync each call, several per view):
+    common.normalize keeps its mean / std per device and the augmentation uses Python numbers, so after a first
+    call neither builds a tensor from host data (torch.tensor / as_tensor / eye counted)."""
+    x = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    C.normalize(x), GA.color_augment_batch(x, normalize=True, p_solarize=0.2)            # first calls may build
+    built = []
+    for name in ("tensor", "as_tensor", "eye"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, _n=name, **kw: (built.append(_n), _real(*a, **kw))[1])
+    C.normalize(x)
+    C.normalize(x.float() / 255)
+    GA.color_augment_batch(x, normalize=True, p_solarize=0.2)
+    GA.color_augment_batch(x, **conmim.STRONG)
+    assert built == []
