@@ -238,7 +238,7 @@ def main():
     p.add_argument("--data", default=None, help="image folder (CIFAR-10's train/ ...); --small: synthetic")
     p.add_argument("--preset", default="gpu")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--sections", nargs="+", default=["step", "aug", "loop", "syncs", "profile"],
+    p.add_argument("--sections", nargs="+", default=["syncs", "loop", "step", "aug", "profile"],   # most decisive first
                    choices=["step", "aug", "loop", "syncs", "profile"])
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--warm", type=int, default=10, help="loop steps before the timed ones (workers start, compiles)")
