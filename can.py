@@ -352,7 +352,8 @@ def info_nce(u1, u2, tau=0.1):
     g = torch.arange(n, device=u1.device) + n * C.rank()                     # global image index
     logits = torch.cat([z1, z2]) @ keys.T / tau                              # (2n, 2nW)
     self_idx = torch.cat([g, g + nW])
-    logits[torch.arange(2 * n, device=u1.device), self_idx] = float("-inf")  # drop k = (v, i)
+    drop = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, self_idx[:, None], True)
+    logits = logits.masked_fill(drop, float("-inf"))                         # drop k = (v, i) (no host copy)
     labels = torch.cat([g + nW, g])                                          # the other view
     return F.cross_entropy(logits, labels)
 
