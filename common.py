@@ -97,8 +97,9 @@ def save_image_grid(path, rows, labels, step=None):
     for i, text in enumerate(labels):
         draw.text((6, i * tile + tile // 2 - 6), text, fill="black")
     canvas.save(path)
-    if _TB[0] is not None:
+    if _TB[0] is not None:                                           # flushed now: on disk when the run ends
         _TB[0].add_image(re.sub(r"_ep\d+.*", "", os.path.basename(path)), grid, step or 0)
+        _TB[0].flush()
 
 
 def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):

@@ -105,6 +105,13 @@ def knn(a, images, ckpt=None, online=False, pixels=False):
     return E.knn(train, images[0][1], test, images[1][1], images[2])["knn_top1"]
 
 
+def scores(a, images, method, kept, batch):
+    """Each kept checkpoint's k-NN, as the curve [[images seen, top-1]] (step 1, the run's initial encoder: 0 images),
+    and the last checkpoint's online encoder (MSN and ConMIM evaluate their EMA network; --online) or None."""
+    curve = [[0 if s == 1 else s * batch, knn(a, images, path)] for s, path in kept]
+    return curve, knn(a, images, kept[-1][1], online=True) if method in ("msn", "conmim") else None
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", required=True, help="CIFAR-10 as class folders: train/ and test/ (or val/)")
@@ -134,7 +141,7 @@ def main():
     for m in a.methods:
         t0 = time.time()
         kept, seconds, total, args, capped = train_segments(m, a, os.path.join(runs, m))
-        curve = [[0 if s == 1 else s * args.batch_size, knn(a, images, path)] for s, path in kept]
+        curve, online = scores(a, images, m, kept, args.batch_size)
         r = {"label": LABEL[m], "knn": curve, "init": curve[0][1], "steps": kept[-1][0], "planned_steps": total,
              "batch_size": args.batch_size, "model": args.model, "train_seconds": round(seconds, 1),
              "images_per_second": round((kept[-1][0] - 1) * args.batch_size / max(seconds, 1e-9)), "capped": capped}
@@ -142,8 +149,8 @@ def main():
         steady = sorted(x["img_s"] for x in log if x["step"] > 1) or [0]        # the loop's own rate per log line
         r |= {"logged_img_s": steady[len(steady) // 2], "first_loss": log[0]["loss"], "last_loss": log[-1]["loss"],
               "data_wait": sorted(x["data_wait"] for x in log)[len(log) // 2]}
-        if m in ("msn", "conmim"):
-            r["online"] = {"knn_top1": knn(a, images, kept[-1][1], online=True)}
+        if online is not None:
+            r["online"] = {"knn_top1": online}
         res["methods"][m] = r
         rows.append(m)
         print(f"{m}: {r['steps']}/{total} steps in {seconds:.0f} s of training, {time.time() - t0:.0f} s with the "

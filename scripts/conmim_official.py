@@ -172,6 +172,7 @@ def main(argv=None):
         l_ours, _ = conmim.train_step(ours, t_ours, weak, strong, mask, a)
         l_theirs = official_loss(theirs, t_theirs, weak, strong, mask, a.tau)
         l_theirs.backward()
+        l_theirs = l_theirs.detach()
         for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
             nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad)
             opt.step()

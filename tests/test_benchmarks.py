@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+import common as C
+
 from helpers import ROOT, run_cli, vit_checkpoint
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))          # throughput, e2e, data: the scripts' functions
@@ -160,6 +162,41 @@ def test_the_gpu_tiers_knn_is_eval_linears(tmp_path):
                           torch.device("cpu"))[0] for s, ds in (("train", train), ("val", test))]
         ref = [f - ref[0].mean(0) for f in ref] if "pixels" in kw else ref     # evaluate()'s centring of pixels
         assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(gpu_cifar.features(a, images, **kw), ref)), kw
+
+
+def test_each_point_of_the_gpu_tiers_curve_scores_its_own_checkpoint_and_online_is_the_online_network(tmp_path):
+    """gpu_cifar.scores: the k-NN at each kept step is that step's checkpoint's (three different encoders, three
+    different scores, each equal to eval_linear.py --mode knn of its file), and the "online" score is eval_linear.py
+    --online's of the last checkpoint: its `model`'s encoder, not the EMA `encoder`."""
+    import eval_linear as E
+    import gpu_cifar
+    data = str(tmp_path / "d")
+    g = torch.Generator().manual_seed(0)
+    from PIL import Image
+    for split, n in (("train", 12), ("test", 12)):
+        for c in range(3):
+            os.makedirs(os.path.join(data, split, f"c{c}"))
+            for i in range(n):                         # a faint class colour in strong noise: encoders differ in score
+                x = torch.full((32, 32, 3), 110.0)
+                x[..., c] += 12
+                x = (x + 70 * torch.randn(32, 32, 3, generator=g)).clamp(0, 255)
+                Image.fromarray(x.to(torch.uint8).numpy()).save(os.path.join(data, split, f"c{c}", f"{i}.png"))
+    vit = dict(img_size=32, patch_size=8, dim=32, depth=1, heads=2)
+    kept = []
+    for k, step in enumerate((1, 5, 9)):                # msn-style checkpoints: encoder = EMA target, model = online
+        torch.manual_seed(k)
+        enc, online = E.ViT(**vit).state_dict(), E.ViT(**vit).state_dict()
+        path = str(tmp_path / f"step{step}.pth")
+        C.save_checkpoint(path, {"method": "msn", "vit": vit, "encoder": enc, "args": {"seed": 0}, "epoch": 0,
+                                 "step": step, "model": {f"net.encoder.{n}": v for n, v in online.items()}})
+        kept.append((step, path))
+    a = argparse.Namespace(data=data, workers=0, device="cpu")
+    curve, online = gpu_cifar.scores(a, gpu_cifar.eval_images(a), "msn", kept, 8)
+    base = dict(data=data, mode="knn", workers=0, cache=False, device="cpu")
+    own = [E.evaluate(E.Args(ckpt=p, **base))["knn_top1"] for _, p in kept]
+    assert [n for n, _ in curve] == [0, 40, 72] and [s for _, s in curve] == own and len(set(own)) == 3, own
+    assert online == E.evaluate(E.Args(ckpt=kept[-1][1], online=True, **base))["knn_top1"] != own[-1]
+    assert gpu_cifar.scores(a, gpu_cifar.eval_images(a), "cmae", kept[:1], 8)[1] is None
 
 
 def test_the_revision_compared_against_can_be_imported_by_name(capsys):

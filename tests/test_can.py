@@ -121,12 +121,20 @@ def test_pictures_are_labelled_upscaled_and_named_by_the_logged_epoch_and_step(t
     assert (left < 128).sum() > 50                                     # the row labels are drawn
 
 
-def test_tensorboard_gets_every_scalar_and_the_pictures(tmp_path):
+def test_tensorboard_gets_every_scalar_and_the_pictures(tmp_path, monkeypatch):
     """--tensorboard: the logged scalars (loss parts, lr, img/s, the k-NN) and the reconstruction
-    pictures, read back from the event file; without the package it is a one-line error."""
+    pictures, read back from the event file as soon as the run returns: whatever is added is flushed before
+    (the writer's thread writes later otherwise, and on a loaded machine the last picture was missing), which
+    the order of the writer's calls shows whatever the machine's load; without the package, a one-line error."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+    calls = []
+    for name in ("add_scalar", "add_image", "flush"):
+        real = getattr(SummaryWriter, name)
+        monkeypatch.setattr(SummaryWriter, name, lambda self, *a, _r=real, _n=name, **kw: (calls.append(_n), _r(self, *a, **kw))[1])
     can.train(tiny_args(tmp_path, epochs=1, tensorboard=True))
+    assert "add_image" in calls and calls[-1] == "flush", calls[-6:]
     ev = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
     ev.Reload()
     tags = ev.Tags()

@@ -597,3 +597,21 @@ def test_the_short_run_ema_horizon_is_two_percent_of_the_run_as_numbers(method, 
     assert a.ema_horizon == 0.02 and a.epochs * (images // a.batch_size) == steps
     official = cls.ema[0] if isinstance(cls.ema, tuple) else cls.ema
     assert official == 0.996 and H.ema_start(official, steps, a.ema_horizon) == pytest.approx(first, abs=5e-5)
+
+
+@pytest.mark.parametrize("method, preset, peak, start, end", [
+    ("msn", "small", 1e-3, 2e-4, 1e-6), ("msn", "gpu", 2e-3, 4e-4, 2e-6),             # 1e-3 @ 1024 x batch x 4
+    ("cmae", "small", 6e-4, None, 0.0), ("cmae", "gpu", 1.2e-3, None, 0.0),           # blr 1.5e-4 x 4 x batch / 256
+    ("conmim", "small", 9.375e-5, None, 1.25e-6), ("conmim", "gpu", 1.875e-4, None, 2.5e-6),   # 7.5e-4 @ 2048 x batch
+    ("can", "small", 6e-4, None, 0.0), ("can", "gpu", 1.2e-3, None, 0.0),             # blr 1.5e-4 x 4 x batch / 256
+    ("siammae", "davis", 1e-3, None, 0.0)])                                            # blr 1.5e-4 x 213.33 x 8 / 256
+def test_each_presets_lr_as_numbers(method, preset, peak, start, end):
+    """The lr each preset trains at, written out (not re-derived from the rules' own constants): a slipped sweep factor
+    (SiamMAE's 213.33 as 21.333, MSN's gpu x4 as x1) changes the number docs/RESULTS.md and the README state.
+    ConMIM's bias table trains at 300x its lr in both short-run presets."""
+    import importlib
+    a = H.parse_args(importlib.import_module(method).Args, ["--data", "x", "--preset", preset])
+    assert (a.lr if a.lr else a.blr * a.batch_size / 256) == pytest.approx(peak, rel=1e-6)
+    assert getattr(a, "start_lr", None) == (None if start is None else pytest.approx(start, rel=1e-6))
+    assert a.min_lr == pytest.approx(end, rel=1e-6, abs=1e-12)
+    assert getattr(a, "rel_pos_lr", None) == (300 if method == "conmim" else None)

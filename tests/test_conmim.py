@@ -96,6 +96,23 @@ def test_student_gradients_mask_token_and_teacher_stop_gradient():
     assert all(p.grad is None for p in teacher.parameters())
 
 
+def test_the_logged_symmetry_measures_read_the_students_outputs_and_table():
+    """`rpb` is the max |b| of the STUDENT's bias table (the one trained at --rel-pos-lr; the teacher's lags it by the
+    EMA horizon) and `sym` the masked_symmetry of the student's outputs, as train_step returns them."""
+    a = tiny_args("/tmp/unused", drop_path=0.0)
+    torch.manual_seed(0)
+    student = conmim.Net(a)
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    with torch.no_grad():
+        student.encoder.rel_pos_bias.relative_position_bias_table.normal_(0, 0.5)   # the teacher's stays at 0
+    x_w, x_s, mask = torch.randn(8, 3, 16, 16), torch.randn(8, 3, 16, 16), conmim.random_masking(8, 4, 0.75, 1)
+    _, parts = conmim.train_step(student, teacher, x_w, x_s, mask, a)
+    table = student.encoder.rel_pos_bias.relative_position_bias_table
+    assert parts["rpb"].item() == table.abs().max().item() > 0.5
+    with torch.no_grad():
+        assert parts["sym"].item() == pytest.approx(conmim.masked_symmetry(student(x_w, mask), mask).item(), abs=1e-6)
+
+
 def _ddp_worker(rank, world, s, t, mask):
     b = s.shape[0] // world
     sl = slice(rank * b, (rank + 1) * b)
@@ -180,3 +197,60 @@ def test_bad_input(tmp_path):
     one_line_error(run_cli("conmim.py", "--data", str(tmp_path / "nope"), *tiny), "no such directory")
     C.save_checkpoint(str(tmp_path / "checkpoint.pth"), {"method": "cmae", "encoder": {}})
     one_line_error(run_cli("conmim.py", "--data", "synthetic", *tiny, "--output-dir", str(tmp_path)), "cmae checkpoint")
+
+
+def test_the_probe_script_takes_the_student_from_model_and_the_teacher_from_target(tmp_path):
+    """scripts/conmim_probe.py on a checkpoint whose `target` (the EMA teacher) differs from its `model` (the student):
+    every probe's keys come from `target` -- the teacher replaced by the student's weights changes them -- and the
+    student's measures (sym, max_bias) from `model`."""
+    import importlib.util
+    from test_eval_linear import tiny_folder
+    data = tiny_folder(tmp_path / "data")
+    conmim.train(tiny_args(tmp_path / "run", epochs=1, steps_per_epoch=1))
+    path = str(tmp_path / "run" / "checkpoint.pth")
+    ck = C.load_checkpoint(path, "conmim")
+    torch.manual_seed(1)
+    other = conmim.Net(conmim.Args(**{k: tuple(v) if isinstance(v, list) else v for k, v in ck["args"].items()}))
+    ck["target"] = other.state_dict()                                      # a teacher unlike the student
+    C.save_checkpoint(str(tmp_path / "apart.pth"), ck)
+    C.save_checkpoint(str(tmp_path / "same.pth"), {**ck, "target": ck["model"]})
+    spec = importlib.util.spec_from_file_location("conmim_probe", os.path.join(ROOT, "scripts", "conmim_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    run = lambda name: probe.main([str(tmp_path / name), "--data", data, "--split", "val", "--images", "9"])  # noqa: E731
+    apart, same = run("apart.pth"), run("same.pth")
+    assert apart["objective"] != same["objective"] and apart["other_image"] != same["other_image"]
+    assert apart["sym"] == same["sym"] and apart["max_bias"] == same["max_bias"]    # the student: the same `model`
+
+
+def test_the_official_comparison_fails_when_one_steps_losses_part(tmp_path, monkeypatch, capsys):
+    """scripts/conmim_official.py's verdict without a checkout: the official model stood in for by conmim.Net behind
+    the official call and names, so both sides run the same computation through the script (its optimiser groups,
+    schedule, EMA and official_loss's transcription) and agree (exit 0); with the official loss moved by 0.01 at ONE
+    of the --agree steps it exits non-zero (the largest difference counts, not the smallest)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("conmim_official", os.path.join(ROOT, "scripts", "conmim_official.py"))
+    off = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(off)
+
+    class Official(conmim.Net):                         # the official interface over our network
+        rel_pos_bias = property(lambda self: self.encoder.rel_pos_bias)
+
+        def no_weight_decay(self):
+            return {"encoder.cls_token"}
+
+        def forward(self, x, bool_masked_pos, **kw):
+            return super().forward(x, bool_masked_pos.float() if bool_masked_pos.any() else None)
+    monkeypatch.setattr(off, "official_model", lambda official, a: Official(a))
+    monkeypatch.setattr(off, "official_name", lambda k: k)
+    (tmp_path / "modeling_pretrain.py").write_text("")                 # what marks a checkout
+    argv = ["--official", str(tmp_path), "--steps", "3", "--agree", "3", "--batch-size", "8"]
+    assert len(off.main(argv)) == 3
+    real, calls = off.official_loss, []
+
+    def moved(*a):
+        calls.append(1)
+        return real(*a) + (0.01 if len(calls) == 2 else 0.0)
+    monkeypatch.setattr(off, "official_loss", moved)
+    with pytest.raises(SystemExit, match="the losses differ by 1.00e-02 within the first 3 steps"):
+        off.main(argv)

@@ -194,3 +194,12 @@ def test_cmae_infonce_needs_the_right_positive():
     chance = 2 * a.tau * math.log(B)
     print(f"\ncmae infonce: own {own:.3f}, targets from other images {other:.3f}, chance {chance:.3f}")
     assert other > 0.95 * chance and own < other - 0.1 * chance, (own, other, chance)
+
+
+def test_conmim_other_images_keys_stand_above_the_objective_after_training(conmim_trained):
+    """The other-image probe reads another image's keys, not the image's own (which would report the objective
+    itself): after the short training the queries match their own image's keys better than another image's
+    (measured: other image - objective = 1.31 with the official optimiser, 0.68 with the table at 300x; 0.10 at
+    init), though neither run brings the objective below chance in 60 steps on these 16 images."""
+    before, after = conmim_trained
+    assert after["other_image"] > after["objective"] + 0.4, after

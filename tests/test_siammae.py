@@ -12,7 +12,7 @@ import common as C
 import synthetic as S
 import siammae
 from ddp import spawn
-from helpers import exact_resume, one_line_error, run_cli
+from helpers import ROOT, exact_resume, one_line_error, run_cli
 
 
 def tiny_args(tmp="/tmp/unused", **kw):
@@ -295,12 +295,40 @@ def test_the_f1_probe_measures_reading_f1_and_changes_nothing_in_training(tmp_pa
     assert out["f1_gap"] == pytest.approx(out["f1_other"] - out["f1_true"], abs=2e-5) and model.training
     x1, x2 = C.normalize(p[0]), C.normalize(p[1])
     target = siammae.norm_pix(siammae.patchify(x2, 4))
-    with torch.no_grad():
-        other = siammae.siammae_loss(model.eval()(x1.roll(1, 0), x2, p[2], p[3]), target, p[4]).item()
-    assert out["f1_other"] == pytest.approx(other, abs=1e-5)
+    with torch.no_grad():                                 # each probe's f1, computed here: true, other, grey, self
+        for name, ctx in (("true", x1), ("other", x1.roll(1, 0)), ("grey", torch.zeros_like(x1)), ("self", x2)):
+            loss = siammae.siammae_loss(model.eval()(ctx, x2, p[2], p[3]), target, p[4]).item()
+            assert out[f"f1_{name}"] == pytest.approx(loss, abs=1e-5), name
+    model.train()
+    assert len({out[f"f1_{n}"] for n in ("true", "other", "grey", "self")}) == 4       # four different contexts
     siammae.train(tiny_args(tmp_path / "on", probe_every=3))
     siammae.train(tiny_args(tmp_path / "off", probe_every=0))
     on, off = (C.load_checkpoint(str(tmp_path / d / "checkpoint.pth"), "siammae") for d in ("on", "off"))
     assert all(torch.equal(v, off["model"][k]) for k, v in on["model"].items())
     logged = [json.loads(ln) for ln in open(tmp_path / "on" / "log.jsonl") if "f1_gap" in ln]
     assert [r["step"] for r in logged] == [3, 4] and not any("f1_gap" in ln for ln in open(tmp_path / "off" / "log.jsonl"))
+
+
+def test_the_probe_script_equals_the_runs_logged_probe_and_keeps_its_held_out_videos_out(tmp_path):
+    """scripts/siammae_probe.py on a run's checkpoint gives, to the digit, the probe the run logged at its end: the
+    same pairs from the same training videos, so never from the --holdout videos (probing those too changes the
+    pairs, their count and every loss)."""
+    import importlib.util
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for v in range(5):                                    # 5 videos of 8 frames: a drifting noise pattern each
+        os.makedirs(tmp_path / "videos" / f"v{v}")
+        base = rng.integers(0, 255, (24, 24, 3))
+        for t in range(8):
+            Image.fromarray(np.roll(base, t, axis=1).astype(np.uint8)).save(tmp_path / "videos" / f"v{v}" / f"{t:03d}.png")
+    data = str(tmp_path / "videos")
+    siammae.train(tiny_args(tmp_path / "run", data=data, holdout=2, epochs=2, steps_per_epoch=1, batch_size=3,
+                            probe_every=100, device="cpu"))
+    logged = [json.loads(ln) for ln in open(tmp_path / "run" / "log.jsonl") if "f1_gap" in ln][-1]
+    spec = importlib.util.spec_from_file_location("siammae_probe", os.path.join(ROOT, "scripts", "siammae_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    out = probe.probe(str(tmp_path / "run" / "checkpoint.pth"), data, device="cpu")
+    assert out["pairs"] == 3                              # the 3 training videos, not the 2 held out
+    for k in ("f1_true", "f1_other", "f1_grey", "f1_self", "f1_gap"):
+        assert out[k] == logged[k], k
