@@ -12,7 +12,7 @@ Launch. `--batch-size` is the GLOBAL batch of images, 2 views each (paper: 4096)
 takes batch / processes images in micro-batches of --micro-batch (default 256: 35 GB peak measured
 on an 80 GB H100; README) and the step is exact: InfoNCE stays over the global 2 x batch views.
   python can.py --data synthetic                        # CPU quickstart, ~5 min, ends with k-NN
-  python can.py --data /cifar10 --preset small          # CIFAR-10 folders, 2 CPU cores: the recipe scaled by stated rules
+  python can.py --data /cifar10 --preset small          # CIFAR-10 folders, 2 CPU cores: stated rules
   python can.py --data /imagenet                        # ViT-B/16 paper recipe on 1 GPU: 16 x 256
   torchrun --nproc_per_node=8 can.py --data /imagenet   # the same objective on 8 GPUs: 8 x (2 x 256)
 
@@ -78,9 +78,11 @@ class Args(H.RunArgs):
     patch_size: int = 16
     img_size: int = 224
     epochs: int = 800
-    batch_size: int = field(default=4096, metadata={"help": "GLOBAL batch of images (2 views each), all processes (paper 4096)"})
-    micro_batch: int = field(default=256, metadata={"help": "images per forward/backward per process (35 GB measured on "
-                             "an 80 GB H100, bf16; 0 = the whole per-process batch); the step stays exact"})
+    batch_size: int = field(default=4096, metadata={"help": "GLOBAL batch of images (2 views each), all processes "
+                                                            "(paper 4096)"})
+    micro_batch: int = field(default=256, metadata={"help": "images per forward/backward per process (35 GB measured "
+                                                            "on an 80 GB H100, bf16; 0 = the whole per-process batch); "
+                                                            "the step stays exact"})
     lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global batch / 256)"})
     blr: float = 1.5e-4
     min_lr: float = 0.0
@@ -88,7 +90,7 @@ class Args(H.RunArgs):
     weight_decay: float = 0.05
     betas: tuple = (0.9, 0.95)
     mask_ratio: float = 0.5
-    sigma_max: float = 0.05
+    sigma_max: float = H.arg(0.05, "noise level sigma ~ U[0, sigma_max]", positive=True)
     decoder_dim: int = 512
     decoder_depth: int = 8
     decoder_heads: int = 16
@@ -101,7 +103,8 @@ class Args(H.RunArgs):
     drop_path: float = 0.0
     gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
                           "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
-    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
+    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for "
+                                                      "synthetic)"})
 
     # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
@@ -111,13 +114,20 @@ class Args(H.RunArgs):
     # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
     # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
     # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs).
-    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=6, batch_size=256, decoder_dim=128,
+    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=6, batch_size=256,
+                             decoder_dim=128,
                              decoder_depth=2, decoder_heads=4, proj_hidden=512, workers=2, log_every=20),
-               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=16, batch_size=512, decoder_dim=128,
+               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=16, batch_size=512,
+                           decoder_dim=128,
                            decoder_depth=2, decoder_heads=4, proj_hidden=512, micro_batch=0)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64,
                      decoder_dim=64, decoder_depth=2, decoder_heads=4, proj_hidden=256, proj_dim=64,
                      crop_scale=(0.3, 1.0), workers=2, log_every=20, steps_per_epoch=35)
+
+    def check(self):
+        """validate()'s rule for CAN's own flag."""
+        if not (min(self.weights) >= 0 < sum(self.weights)):
+            raise C.UserError(f"--weights (loss weights) must be >= 0 and not all 0, got {self.weights}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,7 +357,7 @@ def info_nce(u1, u2, tau=0.1):
     """
     n = u1.shape[0]
     z1, z2 = F.normalize(u1, dim=-1), F.normalize(u2, dim=-1)
-    keys = torch.cat([H.all_gather(z1), H.all_gather(z2)])                   # (2 n W, r)
+    keys = torch.cat([C.all_gather(z1), C.all_gather(z2)])                   # (2 n W, r)
     nW = keys.shape[0] // 2
     g = torch.arange(n, device=u1.device) + n * C.rank()                     # global image index
     logits = torch.cat([z1, z2]) @ keys.T / tau                              # (2n, 2nW)
@@ -388,7 +398,8 @@ class TwoViews:
     def __init__(self, a):
         from torchvision import transforms as T
         color = [] if a.gpu_aug else [C.color_augment()]
-        self.view = T.Compose([T.RandomResizedCrop(a.img_size, scale=a.crop_scale, interpolation=T.InterpolationMode.BICUBIC),
+        self.view = T.Compose([T.RandomResizedCrop(a.img_size, scale=a.crop_scale,
+                                                   interpolation=T.InterpolationMode.BICUBIC),
                                T.RandomHorizontalFlip(), *color, C.to_uint8])
 
     def __call__(self, img):
@@ -409,7 +420,8 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
     micro: images per forward/backward; InfoNCE stays over the whole (all-gathered) batch.
     """
     B = x.shape[1]
-    rows = lambda t, sl: t[:, sl].flatten(0, 1)                             # (2, b, ...) -> (2b, ...) view-major
+    def rows(t, sl):                                                    # (2, b, ...) -> (2b, ...) view-major
+        return t[:, sl].flatten(0, 1)
     target = patchify(x.flatten(0, 1), a.patch_size).view(2, B, -1, 3 * a.patch_size ** 2)
     target = norm_pix(target) if a.norm_pix else target
     noise_px = patchify(noise.flatten(0, 1), a.patch_size).view_as(target)
@@ -482,7 +494,7 @@ def train(args):
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train()
         bad0 = C.bad_reads(dataset)
-        for it, ((v1, v2), _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
+        for it, ((v1, v2), _) in C.epoch_batches(run, loader, epoch, ipe, start, args.seed):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             v1, v2 = v1.to(dev, non_blocking=True), v2.to(dev, non_blocking=True)
@@ -491,7 +503,8 @@ def train(args):
             B = x.shape[1]
             sigma = torch.rand(2 * B, device=dev).view(2, B) * args.sigma_max   # sigma_v ~ U[0, sigma_max]
             noise = sigma.view(2, B, 1, 1, 1) * torch.randn_like(x)             # sigma_v e_v
-            ids_keep, ids_restore, mask = (t.view(2, B, -1) for t in random_masking(2 * B, grid, args.mask_ratio, device=dev))
+            ids_keep, ids_restore, mask = (t.view(2, B, -1) for t in random_masking(2 * B, grid, args.mask_ratio,
+                                                                                    device=dev))
             opt.zero_grad(set_to_none=True)
             loss, parts = train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, args, micro, run.autocast,
                                      run.scaler.scale, ddp)
@@ -509,9 +522,9 @@ def train(args):
         C.save_image_grid(f"{run.out}/recon_ep{epoch:04d}_step{(epoch + 1) * ipe:06d}.png", [       # the log's ep, step
             x[0, :n], unpatchify(patchify(x[0, :n] + noise[0, :n], p) * (1 - m), p),
             unpatchify(torch.where(m.bool(), pr_px, xp), p), unpatchify(pr * (1 - m) / args.sigma_max, p)],
-            ["view", "masked + noise", "reconstruction", "predicted noise / sigma_max"], (epoch + 1) * ipe)
+            ["view", "masked + noise", "reconstruction", "predicted noise / sigma_max"], (epoch + 1) * ipe, run.tb)
 
-    if H.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+    if H.knn_wanted(args, run):                                           # end-of-run k-NN (eval_linear.py's)
         from eval_linear import knn_report
         knn_report(args, run, log, model.encoder, lambda: CAN(args).encoder, "mean", "encoder, mean patch token")
 

@@ -11,7 +11,7 @@ Launch. `--batch-size` is the GLOBAL batch (recipe: 4096 = official 256 x 16 GPU
 takes batch / processes images in micro-batches of --micro-batch (default 512: 34 GB measured on an
 80 GB H100, 1024: 66 GB; README) and the step is exact: InfoNCE stays over the global batch.
   python cmae.py --data synthetic                        # CPU quickstart, ~5 min, ends with k-NN
-  python cmae.py --data /cifar10 --preset small          # CIFAR-10 folders, 2 CPU cores: the recipe scaled by stated rules
+  python cmae.py --data /cifar10 --preset small          # CIFAR-10 folders, 2 CPU cores: stated rules
   python cmae.py --data /imagenet                        # ViT-B/16 official recipe on 1 GPU: 8 x 512
   torchrun --nproc_per_node=8 cmae.py --data /imagenet   # the same objective on 8 GPUs: 8 x 512
 
@@ -70,11 +70,13 @@ class Args(H.RunArgs):
     model: str = field(default="base", metadata={"help": "ViT size: nano|micro|tiny|small|base|large"})
     patch_size: int = 16
     img_size: int = 224
-    master_size: int = field(default=256, metadata={"help": "master crop; target shift is 0..master-img-1 px"})
+    master_size: int = H.arg(256, "master crop; target shift is 0..master-img-1 px", group="views and masking",
+                             positive=True)
     epochs: int = 300
     batch_size: int = field(default=4096, metadata={"help": "GLOBAL batch, all processes (official 256 x 16 GPUs)"})
-    micro_batch: int = field(default=512, metadata={"help": "images per forward/backward per process (34 GB measured on "
-                             "an 80 GB H100, bf16; 0 = the whole per-process batch); the step stays exact"})
+    micro_batch: int = field(default=512, metadata={"help": "images per forward/backward per process (34 GB measured "
+                                                            "on an 80 GB H100, bf16; 0 = the whole per-process batch); "
+                                                            "the step stays exact"})
     lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global batch / 256)"})
     blr: float = 1.5e-4
     min_lr: float = 0.0
@@ -89,15 +91,16 @@ class Args(H.RunArgs):
     decoder_dim: int = 512
     decoder_depth: int = 8
     decoder_heads: int = 16
-    feature_decoder_depth: int = 2
+    feature_decoder_depth: int = H.arg(2, "feature decoder blocks", group="model", min=0)
     proj_hidden: int = 1536
     proj_dim: int = 256
     tau: float = 0.07
-    lambda_c: float = field(default=1.0, metadata={"help": "weight of the contrastive loss"})
+    lambda_c: float = H.arg(1.0, "weight of the contrastive loss", min=0)
     drop_path: float = 0.0
     gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
                           "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
-    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
+    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for "
+                                                      "synthetic)"})
 
     # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
@@ -107,15 +110,28 @@ class Args(H.RunArgs):
     # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
     # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
     # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs).
-    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=9, batch_size=256, decoder_dim=128,
+    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=9, batch_size=256,
+                             decoder_dim=128,
                              decoder_depth=2, decoder_heads=4, feature_decoder_depth=1, proj_hidden=512, workers=2,
                              log_every=20),
-               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=16, batch_size=512, decoder_dim=128,
+               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=16, batch_size=512,
+                           decoder_dim=128,
                            decoder_depth=2, decoder_heads=4, feature_decoder_depth=1, proj_hidden=512, micro_batch=0)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64,
                      decoder_dim=64, decoder_depth=2, decoder_heads=4,
                      feature_decoder_depth=1, proj_hidden=256, proj_dim=64, workers=2, log_every=20,
                      steps_per_epoch=50)
+
+    def preset_rules(cls, preset):
+        """harness.scale_recipe's rules, then CMAE's own: the master crop x img / 224, to a pixel (256 -> 37 px)."""
+        out = H.scale_recipe(cls, preset)
+        out.setdefault("master_size", round(cls.master_size * preset["img_size"] / H.OFFICIAL_IMG))
+        return out
+
+    def check(self):
+        """validate()'s rule for CMAE's own flag."""
+        if self.master_size < self.img_size:
+            raise C.UserError(f"--master-size {self.master_size} is smaller than --img-size {self.img_size}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -362,6 +378,12 @@ def ema_update(target, online, m):
     torch._foreach_lerp_(list(target.parameters()), [p.detach() for p in online.parameters()], 1.0 - m)
 
 
+def ema_start(m, steps, horizon):
+    """The first EMA momentum: m, lowered where its horizon 1 / (1 - m) exceeds `horizon` x steps (the short-run rule:
+    harness.scale_recipe; the same lines in each EMA method's file, pinned equal by tests/test_common.py)."""
+    return min(m, 1 - 1 / max(1.0, horizon * steps)) if horizon else m
+
+
 class Target(nn.Module):
     """Momentum branch F_t: EMA encoder (no final norm) -> mean patch token z_t -> projector."""
 
@@ -396,7 +418,7 @@ def cmae_contrastive_loss(online, target, tau=0.07):
       L_c = 2 * tau * mean_i CE(logits_i, own index)                      mean over local rows
     """
     u = F.normalize(online, dim=-1)
-    v = F.normalize(H.all_gather(target.detach(), grad=False), dim=-1)       # (B*world, d)
+    v = F.normalize(C.all_gather(target.detach(), grad=False), dim=-1)       # (B*world, d)
     labels = torch.arange(u.shape[0], device=u.device) + u.shape[0] * C.rank()   # own image
     return 2 * tau * F.cross_entropy(u @ v.T / tau, labels)
 
@@ -490,7 +512,7 @@ def train(args):
                            args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
-    m = H.ema_start(args.ema, total, args.ema_horizon)               # short runs: horizon <= a share of the run
+    m = ema_start(args.ema, total, args.ema_horizon)               # short runs: horizon <= a share of the run
     lr = args.lr or args.blr * args.batch_size / 256
 
     model = CMAE(args).to(dev)
@@ -507,13 +529,14 @@ def train(args):
         return
     save = lambda s: C.save_run(run, "cmae", args, s // ipe, s, model.encoder, model, opt, target)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
-             + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)") + f"; EMA momentum {m:g}")
+             + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)")
+             + f"; EMA momentum {m:g}")
     p, grid = args.patch_size, model.encoder.grid
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), target.train()
         bad0 = C.bad_reads(dataset)
-        for it, ((x_s, x_t, _), _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
+        for it, ((x_s, x_t, _), _) in C.epoch_batches(run, loader, epoch, ipe, start, args.seed):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             x_s, x_t = x_s.to(dev, non_blocking=True), x_t.to(dev, non_blocking=True)
@@ -537,11 +560,12 @@ def train(args):
         recon = unpatchify(torch.where(mask[:n, :, None].bool(), unnorm_pix(pred, target_px), target_px), p)
         C.save_image_grid(f"{run.out}/recon_ep{epoch:04d}_step{(epoch + 1) * ipe:06d}.png",       # the log's ep, step
                           [x_s[:n], unpatchify(target_px * (1 - mask[:n, :, None]), p), recon],
-                          ["source view", "masked input", "reconstruction"], (epoch + 1) * ipe)
+                          ["source view", "masked input", "reconstruction"], (epoch + 1) * ipe, run.tb)
 
-    if H.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+    if H.knn_wanted(args, run):                                           # end-of-run k-NN (eval_linear.py's)
         from eval_linear import knn_report
-        knn_report(args, run, log, model.encoder, lambda: CMAE(args).encoder, "mean", "online encoder, mean patch token")
+        knn_report(args, run, log, model.encoder, lambda: CMAE(args).encoder, "mean",
+                   "online encoder, mean patch token")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,10 @@
-"""The training kit of msn.py, cmae.py, conmim.py, siammae.py and can.py (`import common as C`): what a method's
-training loop calls, in the order it calls it. Starting, sizing and stopping a run (the command line and presets,
-launching, resume, the non-finite guard, preemption) is harness.py's, which imports this module; this module imports
-nothing of the repository. Nothing here makes a method that method: each method file defines its ViT, masking, EMA
-target, heads, loss and step.
-
-Sections, top to bottom:
-  - which process this is (rank, print0) and UserError (bad input: one line, no traceback)
-  - activation checkpointing, pictures, schedules, the optimiser and its step
-  - one optimiser step over a batch in micro-batches: exact accumulation, the gradient cache
-  - data: image folders, the held-out split, the workers' views and augmentation (its batched GPU twin: gpu_aug.py;
-    `--data synthetic`: synthetic.py), the epoch stream and the loader
-  - after each step: end_step (the log line, the watches, mid-epoch checkpoints), unreadable images
-  - checkpoints: the format, atomic writes, loading
-  - the log: a console line, log.jsonl, TensorBoard
+"""The training kit of the method files (`import common as C`): what a training loop calls, in the order it calls it.
+Starting, sizing and stopping a run is harness.py's, which imports this module; this one imports nothing of the
+repository but synthetic.py, for `--data synthetic` only. Nothing here makes a method that method: each method file
+defines its ViT, masking, EMA target, heads, loss and step. Top to bottom: which process this is and the collectives
+a loss over the global batch needs; checkpointed blocks, pictures, schedules, the optimiser step; micro-batches and
+the gradient cache; data (folders, the held-out split, views, augmentation, the epoch stream, the loader); after each
+step (end_step, unreadable images); checkpoints; the log (console, log.jsonl, TensorBoard).
 """
 import contextlib
 import dataclasses
@@ -53,12 +45,49 @@ def print0(*a, **kw):
         print(*a, **kw, flush=True)
 
 
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, x.contiguous())
+        return torch.cat(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # d(sum of every rank's loss)/d(my rows) = sum over ranks of their grads on my rows
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        n = grad.shape[0] // dist.get_world_size()
+        return grad[dist.get_rank() * n:(dist.get_rank() + 1) * n]
+
+
+def all_gather(x, grad=True):
+    """Concatenate x (equal shapes) from all ranks along dim 0, rank order; autograd-aware: what gives a loss over the
+    global batch (MSN's Sinkhorn and ME-MAX, the InfoNCE negatives) its one-process value and gradient."""
+    if world_size() == 1:
+        return x
+    return _AllGather.apply(x) if grad else _AllGather.forward(None, x)
+
+
+def all_reduce_mean(x):
+    """Mean of x over ranks, autograd-aware (backward: mean of the incoming grads' sum)."""
+    if world_size() == 1:
+        return x
+    return all_gather(x[None]).mean(0)
+
+
+def all_reduce_sum_(x):
+    """In-place sum over ranks, no autograd (for statistics under no_grad)."""
+    if world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
 # ----------------------------------------------------------------------------------------------
 # Activation checkpointing, pictures, schedules, the optimiser and its step
 # ----------------------------------------------------------------------------------------------
 def run_blocks(blocks, x, checkpoint=False, *ctx):
-    """x through each block (blk(x, *ctx)); checkpoint: activation checkpointing per block when grad is on, the RNG
-    replayed in the recomputation (same drop-path draws, same gradients)."""
+    """x through each block (blk(x, *ctx)); checkpoint: activation checkpointing per block (RNG replayed)."""
     for blk in blocks:
         if checkpoint and torch.is_grad_enabled():
             x = torch.utils.checkpoint.checkpoint(blk, x, *ctx, use_reentrant=False, preserve_rng_state=True)
@@ -75,12 +104,9 @@ def set_grad_checkpointing(model, on=True):
     return model
 
 
-_TB = [None]                                       # the run's TensorBoard writer (--tensorboard), rank 0
-
-
-def save_image_grid(path, rows, labels, step=None):
-    """rows: list of (B, 3, H, W) ImageNet-normalised tensors -> one PNG (rank 0): a row per tensor, each labelled on its
-    left, tiles upscaled (nearest) to at least 64 px; also to TensorBoard with --tensorboard."""
+def save_image_grid(path, rows, labels, step=None, tb=None):
+    """rows: (B, 3, H, W) ImageNet-normalised tensors -> one PNG (rank 0), a labelled row each, tiles >= 64 px; also
+    to `tb` (the run's TensorBoard writer)."""
     if not is_main():
         return
     from PIL import ImageDraw
@@ -97,9 +123,9 @@ def save_image_grid(path, rows, labels, step=None):
     for i, text in enumerate(labels):
         draw.text((6, i * tile + tile // 2 - 6), text, fill="black")
     canvas.save(path)
-    if _TB[0] is not None:                                           # flushed now: on disk when the run ends
-        _TB[0].add_image(re.sub(r"_ep\d+.*", "", os.path.basename(path)), grid, step or 0)
-        _TB[0].flush()
+    if tb is not None:                                               # flushed now: on disk when the run ends
+        tb.add_image(re.sub(r"_ep\d+.*", "", os.path.basename(path)), grid, step or 0)
+        tb.flush()
 
 
 def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
@@ -116,8 +142,7 @@ def no_decay_1d(name, p):
 
 
 def make_optimizer(model, lr, weight_decay, betas, device, no_decay=no_decay_1d, eps=1e-8):
-    """AdamW, weight decay on every trainable tensor but those no_decay(name, param) names (each
-    method passes its official code's rule)."""
+    """AdamW, weight decay on every trainable tensor but those no_decay(name, param) names (the method's rule)."""
     decay, skip = [], []
     for n, p in model.named_parameters():
         if p.requires_grad:
@@ -128,13 +153,13 @@ def make_optimizer(model, lr, weight_decay, betas, device, no_decay=no_decay_1d,
 
 
 def optimizer_step(run, optimizer, params, max_norm=0.0):
-    """Unscale (fp16), clip to max_norm (0: no clipping), step, update the scaler. Returns the total
-    gradient norm as a device tensor (the non-finite guard watches it; no sync)."""
+    """Unscale (fp16), clip to max_norm (0: none), step; returns the gradient norm as a device tensor (no sync)."""
     run.scaler.unscale_(optimizer)
     if max_norm:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:                                                        # norm only: no pass rescaling by 1
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params if p.grad is not None])))
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     run.scaler.step(optimizer)
     run.scaler.update()
     return norm
@@ -181,10 +206,8 @@ def micro_slices(n, micro):
 
 
 def micro_batches(n, micro, ddp=None):
-    """The slices of this process's n samples, micro at a time, for a loss that is a sum over samples: the caller weights
-    each slice's loss by its share of the batch and back-propagates it, which accumulates the exact batch gradient.
-    With several slices under DDP, the reducer is paused (no_sync) until the last backward and gradients are averaged
-    once, as one DDP backward would."""
+    """The slices of n samples, micro at a time, for a loss that is a sum over samples (the caller back-propagates each
+    slice's share of the batch loss: the exact batch gradient). Under DDP the reducer waits for the last slice."""
     slices = micro_slices(n, micro)
     if ddp is None or len(slices) == 1:
         yield from slices
@@ -195,21 +218,13 @@ def micro_batches(n, micro, ddp=None):
 
 
 def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
-    """The gradient cache (Gao et al. 2021): the exact forward + backward of one step over this
-    process's n samples in micro-batches when the loss couples the whole batch (Sinkhorn, ME-MAX,
-    InfoNCE negatives). Method files write their one-pass step and call this for k > 1 slices.
-
-    forward(sl, local) -> (local_loss, emb, parts) for the samples sl (a slice): local_loss, the
-      per-sample terms as their share of the batch loss (None if none; may be None when not local);
-      emb (len(sl), ...), the rows entering the coupled term; parts, 0-d tensors to log (summed).
-    coupled(emb of all n samples) -> (loss, parts): the batch-coupled term.
-    A no-grad pass embeds every micro-batch (saving its RNG state); coupled and its gradient G w.r.t.
-    the embeddings are computed once (parameters used in it directly, e.g. MSN's prototypes, get their
-    gradient there); each micro-batch then runs again from its RNG state and back-propagates
-    local + <emb, G>: the one-pass gradient up to rounding (tests/test_step.py), BatchNorm statistics
-    aside. scale: GradScaler.scale (fp16); ddp: its reducer is bypassed, gradients averaged once.
-    Returns the loss and the parts, detached.
-    """
+    """The gradient cache (Gao et al. 2021): one step's exact forward + backward over n samples in micro-batches when
+    the loss couples the batch (Sinkhorn, ME-MAX, InfoNCE negatives).
+    forward(sl, local) -> (local_loss or None, emb (len(sl), ...), parts to log) for the samples of slice sl;
+    coupled(emb of all n) -> (loss, parts). A no-grad pass embeds every micro-batch (saving its RNG state); coupled
+    and its gradient G w.r.t. the embeddings are computed once; each micro-batch runs again from its RNG state and
+    back-propagates local + <emb, G>: the one-pass gradient up to rounding (tests/test_step.py), BatchNorm statistics
+    aside. scale: GradScaler.scale; ddp: bypassed, gradients averaged once. Returns the loss and parts, detached."""
     scale = scale or (lambda t: t)
     slices = micro_slices(n, micro)
     sync = ddp.no_sync if ddp is not None else contextlib.nullcontext
@@ -245,8 +260,7 @@ IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 
 
 def frame_order(name):
-    """Sort key of a video's frame files: digit runs compared as numbers, so frame_2.jpg comes before
-    frame_10.jpg (ffmpeg's unpadded %d names); zero-padded names keep their plain order."""
+    """Sort key of frame files: digit runs as numbers (frame_2.jpg before frame_10.jpg, ffmpeg's %d names)."""
     return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]   # odd: the digit runs
 
 
@@ -256,7 +270,8 @@ _MEAN_STD = {}                                           # device -> (mean, std)
 def normalize(x):
     """uint8 (or float in [0, 1]) (..., 3, H, W) on any device -> float, ImageNet mean/std."""
     if x.device not in _MEAN_STD:
-        _MEAN_STD[x.device] = tuple(torch.tensor(v, device=x.device).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+        _MEAN_STD[x.device] = tuple(torch.tensor(v, device=x.device).view(3, 1, 1) for v in (IMAGENET_MEAN,
+                                                                                             IMAGENET_STD))
     mean, std = _MEAN_STD[x.device]
     return ((x.float() / 255 if x.dtype == torch.uint8 else x) - mean) / std
 
@@ -272,8 +287,7 @@ BLUR_SIGMA = (0.1, 2.0)
 
 
 class GaussianBlur:
-    """With probability p, PIL's (untruncated) Gaussian blur, sigma ~ U[0.1, 2], as MSN's and DINO's
-    official pipelines; drawn from torch's RNG, which `Views` seeds."""
+    """With probability p, PIL's (untruncated) Gaussian blur, sigma ~ U[0.1, 2] (MSN's, DINO's); torch's RNG."""
 
     def __init__(self, p=0.5, sigma=BLUR_SIGMA):
         self.p, self.sigma = p, sigma
@@ -287,8 +301,7 @@ class GaussianBlur:
 
 
 def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5, p_solarize=0.0):
-    """SimCLR/BYOL photometric augmentation on PIL images: colour jitter, greyscale, PIL Gaussian
-    blur (sigma U[0.1, 2] px, untruncated) and solarisation."""
+    """SimCLR/BYOL photometric augmentation of PIL images: colour jitter, greyscale, blur, solarisation."""
     from torchvision import transforms as T
     ops = [T.RandomApply([T.ColorJitter(*jitter)], p=p_jitter), T.RandomGrayscale(p=p_gray)]
     if p_blur > 0:
@@ -299,8 +312,7 @@ def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=
 
 
 class CountsUnreadable:
-    """For a training dataset that skips what it cannot read: `bad` counts the distinct unreadable items (files; SiamMAE:
-    videos) met by this process and its forked workers, for --max-unreadable."""
+    """`bad`: the distinct unreadable items (files, videos) met by this process and its workers (--max-unreadable)."""
 
     def count_unreadable_of(self, n):
         import multiprocessing                          # shared with forked DataLoader workers:
@@ -319,9 +331,8 @@ class CountsUnreadable:
 
 
 class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
-    """Images under a directory: class = first-level sub-folder (ImageFolder), or one class if flat. skip_unreadable
-    (training): an unreadable image is replaced by the next readable one (i+1, i+2, ...: deterministic, resume stays
-    exact), reported once and counted; else (evaluation) an error."""
+    """Images under a directory, class = first-level sub-folder (or one class). skip_unreadable (training): an
+    unreadable image is replaced by the next readable one (deterministic: resume stays exact), reported and counted."""
 
     def __init__(self, root, skip_unreadable=False):
         if not os.path.isdir(root):
@@ -362,8 +373,8 @@ def read_rgb(path):
 
 
 def image_dataset(data, split="train", skip_unreadable=False, holdout=0):
-    """`synthetic`, or DIR (DIR/train or DIR/val when present, else DIR itself for training). holdout n:
-    split "train" is the training images but the n that held_out() keeps back, split "holdout" those n."""
+    """`synthetic`, or DIR (DIR/<split> when present, else DIR itself for training). holdout n: "train" without the n
+    images held_out() keeps back, "holdout" those n."""
     if data == "synthetic":
         if holdout:
             raise UserError("--holdout: the synthetic data has its own val split; leave --holdout out")
@@ -379,8 +390,8 @@ def image_dataset(data, split="train", skip_unreadable=False, holdout=0):
 
 
 def held_out(items, n, held=False):
-    """--holdout n: the n of `items` (a sorted list: image files, videos) that training never sees, a draw fixed by
-    n and len(items) alone (not --seed), so that every run and evaluation agree. held: those n, else the others."""
+    """--holdout n: the n of sorted `items` that training never sees (held: those, else the others), a draw fixed by n
+    and len(items) alone (not --seed): every run and evaluation agree."""
     if n and not 0 < n < len(items):
         raise UserError(f"--holdout {n}: there are {len(items)} training items (hold back fewer)")
     out = set(torch.randperm(len(items), generator=torch.Generator().manual_seed(0))[:n].tolist())
@@ -388,8 +399,7 @@ def held_out(items, n, held=False):
 
 
 class Views(torch.utils.data.Dataset):
-    """`transform` of dataset.load(i) under an RNG seeded by (seed, epoch, i) (EpochSampler hands out (index, epoch)):
-    the same views for any number of workers and across resumes."""
+    """`transform` of dataset.load(i) under an RNG seeded by (seed, epoch, i): the same views whatever the workers."""
 
     def __init__(self, dataset, transform, seed=0):
         self.dataset, self.transform, self.seed = dataset, transform, seed
@@ -406,9 +416,8 @@ class Views(torch.utils.data.Dataset):
 
 
 class EpochSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler (also for one process) yielding (index, epoch) for `Views`, skipping `skip` indices of the
-    first epoch (mid-epoch resume). With `ipe` set it runs on through the next epochs, each cut to ipe batches: one
-    iterator for the whole run, workers prefetching across epochs."""
+    """DistributedSampler yielding (index, epoch) for `Views`, skipping `skip` of the first epoch (mid-epoch resume);
+    with `ipe` set it runs on through the epochs, each cut to ipe batches (workers prefetch across them)."""
     skip, ipe, batch = 0, None, 1
 
     def __iter__(self):
@@ -427,26 +436,22 @@ def seed_epoch(seed, epoch, rank):
     torch.manual_seed(int(np.random.SeedSequence([seed, epoch, rank, 7]).generate_state(1)[0]))
 
 
-def epoch_batches(loader, epoch, ipe, start_step, seed, rank):
-    """enumerate(batches of `epoch`) after those a checkpoint at global step start_step covered. A fresh epoch reseeds
-    (seed_epoch); a resumed one keeps the checkpoint's RNG state (masks and noise go on exactly). One loader iterator
-    runs on across epochs; waits are counted for the log (data_wait)."""
+def epoch_batches(run, loader, epoch, ipe, start_step, seed):
+    """enumerate(batches of `epoch`) after those covered by a checkpoint at start_step. A fresh epoch reseeds; a resumed
+    one keeps the checkpoint's RNG state. The time it blocks is added to run.data_wait."""
     first = min(ipe, max(0, start_step - epoch * ipe))
     if first == 0:
-        seed_epoch(seed, epoch, rank)
+        seed_epoch(seed, epoch, run.rank)
     if getattr(loader, "run_next", None) != (epoch, first):         # new or resumed run: start the stream here
         loader.sampler.set_epoch(epoch)
         loader.sampler.skip, loader.sampler.ipe = first * loader.batch_size, ipe
         loader.run_iter = iter(loader)
     loader.run_next = (epoch + 1, 0)
-    return enumerate(waited(itertools.islice(loader.run_iter, ipe - first)), start=first)
+    return enumerate(waited(itertools.islice(loader.run_iter, ipe - first), run), start=first)
 
 
-DATA_WAIT = [0.0]              # seconds the training loop waited for batches since the last log line
-
-
-def waited(batches):
-    """Yield from `batches`, adding the time each next() blocks to DATA_WAIT (MAE's "data" time)."""
+def waited(batches, run):
+    """Yield from `batches`, adding the time each next() blocks to run.data_wait (MAE's "data" time)."""
     it = iter(batches)
     while True:
         t = time.perf_counter()
@@ -454,7 +459,7 @@ def waited(batches):
             batch = next(it)
         except StopIteration:
             return
-        DATA_WAIT[0] += time.perf_counter() - t
+        run.data_wait += time.perf_counter() - t
         yield batch
 
 
@@ -462,8 +467,7 @@ STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 
 def ignore_stop_signals(_worker_id=None):
-    """DataLoader worker_init_fn: a signal to the whole process group must not kill the workers while the main process
-    writes its checkpoint (they exit with the main process)."""
+    """DataLoader worker_init_fn: workers outlive a signal to the process group while the checkpoint is written."""
     import signal
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
@@ -487,8 +491,7 @@ def make_loader(dataset, batch_size, workers, seed, collate=None):
 # After each step: the log line's watches, unreadable images
 # ----------------------------------------------------------------------------------------------
 def end_step(run, log, args, step, epoch, parts, save, dataset=None, reads=0, bad0=0, **scalars):
-    """After each optimiser step: the non-finite watch, the unreadable-image count, the log line, a mid-epoch checkpoint
-    when due. True when the run must stop now (checkpoint written)."""
+    """After each step: the non-finite watch, the unreadable count, the log line, a checkpoint when due. True: stop."""
     run.guard.update(step, parts, run.scaler)
     bad = check_unreadable(dataset, reads, bad0, args.max_unreadable) if dataset is not None else None
     due, stop = run.control.poll(step)
@@ -496,22 +499,19 @@ def end_step(run, log, args, step, epoch, parts, save, dataset=None, reads=0, ba
     if due:
         save(step)
     if stop:
-        why = f"signal {run.control.signal}" if run.control.signal else f"--stop-step {step}"
+        why = run.control.signal or f"--stop-step {step}"
         print0(f"stopping after step {step} ({why}); checkpoint {run.ckpt} written: rerun the same command to resume")
     return stop
 
 
 def bad_reads(dataset):
-    """Distinct unreadable files (SiamMAE: videos) met so far by this process and its workers (0 for
-    datasets that do not count them, e.g. synthetic)."""
+    """Distinct unreadable files (videos) met so far by this process and its workers (0 where not counted)."""
     return dataset.bad.value if hasattr(dataset, "bad") else 0
 
 
 def check_unreadable(dataset, reads, bad0, max_frac, final=False):
-    """Stop when more than max_frac of the `reads` images read in this epoch are unreadable files (bad0: the count at the
-    epoch start; each file counts once per run, however often it is met); judged from 1000 reads on, and at the
-    epoch's end whatever the count. Returns the epoch's count of newly met unreadable files, or None when there is
-    none (for the log)."""
+    """Stop when more than max_frac of the `reads` of this epoch met unreadable files (bad0: the count at its start),
+    judged from 1000 reads on and at the epoch's end. Returns the epoch's new ones, or None (for the log)."""
     bad, unit = bad_reads(dataset) - bad0, getattr(dataset, "unit", "images")
     if (final or reads >= 1000) and bad > max_frac * reads:
         raise UserError(f"{bad} of {reads} {unit} read in this epoch were unreadable (> --max-unreadable "
@@ -530,8 +530,7 @@ def unwrap(model):
 
 
 def save_checkpoint(path, state):
-    """Atomic write: save to a temp file in the same dir, then rename over the target. A failed write (disk full,
-    permissions) leaves the previous file intact and stops with a one-line error."""
+    """Atomic write (a temp file, then a rename): a failed write leaves the previous file and is a one-line error."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         torch.save(state, tmp)
@@ -553,29 +552,15 @@ def read_checkpoint_file(path):
                         "by one of these scripts, or is it a state dict?") from None
 
 
-def _legacy_keys(sd):
-    """State dicts written before the encoder used timm's names: blocks.i.mlp.0/2 -> mlp.fc1/fc2, and
-    ConMIM's [MASK] token moved from encoder.mask_token to mask_token."""
-    out = {}
-    for k, v in sd.items():
-        k = re.sub(r"(blocks\.\d+\.mlp\.)0\.", r"\1fc1.", re.sub(r"(blocks\.\d+\.mlp\.)2\.", r"\1fc2.", k))
-        out["mask_token" if k == "encoder.mask_token" else k] = v
-    return out
-
-
 def load_checkpoint(path, method=None):
-    """Load a checkpoint of the common format (older ones are remapped to today's key names); clear errors for missing /
-    foreign / other-method files."""
+    """Load a checkpoint of the common format; clear errors for missing / foreign / other-method files."""
     ckpt = read_checkpoint_file(path)
     if not isinstance(ckpt, dict) or "method" not in ckpt or "encoder" not in ckpt:
         raise UserError(f"{path} is not a checkpoint of this project (no 'method'/'encoder' keys)")
     if method and ckpt["method"] != method:
         raise UserError(f"{path} is a {ckpt['method']} checkpoint, not {method}: use another "
                         "--output-dir or --resume a checkpoint of this method")
-    for key in ("encoder", "model", "target"):
-        if isinstance(ckpt.get(key), dict):
-            ckpt[key] = _legacy_keys(ckpt[key])
-    ckpt["encoder"].pop("mask_token", None)
+    ckpt["encoder"].pop("mask_token", None)                      # ConMIM's before its BEiT backbone
     return ckpt
 
 
@@ -590,9 +575,8 @@ def rng_states():
 
 
 def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=None):
-    """Write the common checkpoint format; called by every rank (the RNG states are gathered), rank 0 writes. `encoder`
-    is the ViT the paper evaluates; `rng` holds each rank's generator states, so a checkpoint written mid-epoch
-    resumes exactly. Never writes non-finite weights."""
+    """The checkpoint format, written by rank 0 (every rank calls: the RNG states are gathered, so a mid-epoch
+    checkpoint resumes exactly). `encoder`: the ViT the paper evaluates. Never writes non-finite weights."""
     run.guard.check()
     rng = rng_states()
     if not is_main():
@@ -620,17 +604,15 @@ def _logged_step(line):
 
 
 class Logger:
-    """Every `every` steps and at the run's last step (the schedule's end, --stop-epoch's end `stop`, or a stop that
-    end_step forces): one host sync, a console line and a JSONL record (rank 0 only). A resumed run first drops the
-    records of steps after its checkpoint (a run killed between two checkpoints logged steps it now trains again), so
-    each step is in log.jsonl once."""
+    """Every `every` steps and at the run's last step: one host sync, a console line and a log.jsonl record (rank 0). A
+    resumed run first drops the records of steps after its checkpoint: each step is logged once."""
 
     def __init__(self, run, total_steps, batch_size, every, start_step=0, stop=0):
-        self.total, self.batch, self.every, self.guard = total_steps, batch_size, every, run.guard
+        self.total, self.batch, self.every, self.guard, self.run = total_steps, batch_size, every, run.guard, run
         self.stop = stop
         self.path = os.path.join(run.out, "log.jsonl")
         self.t, self.last, self.first = time.time(), start_step, start_step + 1
-        DATA_WAIT[0] = 0.0
+        run.data_wait = 0.0
         a = getattr(getattr(run, "control", None), "args", None)
         stop_step = getattr(a, "stop_step", 0)
         ends = {"--epochs": (total_steps, getattr(a, "epochs", "?")),            # flag: (last step, its value)
@@ -639,7 +621,8 @@ class Logger:
         end = min(e for e, _ in ends.values())
         self.done = start_step >= end                                    # a finished or stopped run, rerun
         if self.done:
-            why = ", ".join(f"{k} {v}" for k, (e, v) in ends.items() if e == end and (k == "--epochs" or e != total_steps))
+            why = ", ".join(f"{k} "
+                            f"{v}" for k, (e, v) in ends.items() if e == end and (k == "--epochs" or e != total_steps))
             print0(f"the checkpoint is at step {start_step} and this run ends at step {end} ({why}): nothing to "
                    "train; raise --epochs / --stop-epoch / --stop-step to train on")
         if start_step and is_main() and os.path.isfile(self.path):
@@ -662,7 +645,7 @@ class Logger:
         ips = (step - self.last) * self.batch / max(dt, 1e-9)
         eta = (self.total - step) * dt / max(1, step - self.last)
         self.t, self.last = time.time(), step
-        wait, DATA_WAIT[0] = DATA_WAIT[0], 0.0
+        wait, self.run.data_wait = self.run.data_wait, 0.0
         rec = {"epoch": epoch, "step": step, **rec, **{k: float(v) for k, v in scalars.items() if v is not None},
                "img_s": round(ips, 1), "data_wait": round(min(1.0, wait / max(dt, 1e-9)), 3)}
         if torch.cuda.is_available():
@@ -680,16 +663,17 @@ class Logger:
             self.append(rec)
 
     def append(self, rec):
-        if _TB[0] is not None:                                         # --tensorboard: every numeric scalar
+        tb = getattr(self.run, "tb", None)
+        if tb is not None:                                             # --tensorboard: every numeric scalar
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and k not in ("epoch", "step"):
-                    _TB[0].add_scalar(k, v, rec.get("step", self.last))
-            _TB[0].flush()
+                    tb.add_scalar(k, v, rec.get("step", self.last))
+            tb.flush()
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         except OSError as e:
-            raise UserError(f"cannot write the log {self.path} ({e.strerror or type(e).__name__}); "
-                            f"the last checkpoint is {self.guard.ckpt if self.guard.saved is not None else 'not written yet'}") from None
+            raise UserError(f"cannot write the log {self.path} ({e.strerror or type(e).__name__}); the last checkpoint "
+                            f"is {self.guard.ckpt if self.guard.saved is not None else 'not written yet'}") from None
 
 

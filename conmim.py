@@ -11,7 +11,7 @@ Launch. `--batch-size` is the GLOBAL batch (recipe: 2048, official); each proces
 batch / processes images in micro-batches of --micro-batch (default 512: 40 GB peak measured on
 an 80 GB H100; README). The loss is per image, so accumulation is exact by construction.
   python conmim.py --data synthetic                       # CPU quickstart, ~5 min, ends with k-NN
-  python conmim.py --data /cifar10 --preset small         # CIFAR-10 folders, 2 CPU cores: the recipe scaled by stated rules
+  python conmim.py --data /cifar10 --preset small         # CIFAR-10 folders, 2 CPU cores: stated rules
   python conmim.py --data /imagenet                       # ViT-B/16 recipe on 1 GPU: 4 x 512
   torchrun --nproc_per_node=8 conmim.py --data /imagenet  # the same objective on 8 GPUs: 8 x 256
 
@@ -89,8 +89,9 @@ class Args(H.RunArgs):
     img_size: int = 224
     epochs: int = 800
     batch_size: int = field(default=2048, metadata={"help": "GLOBAL batch, all processes (official 2048)"})
-    micro_batch: int = field(default=512, metadata={"help": "images per forward/backward per process (40 GB measured on "
-                             "an 80 GB H100, bf16; 0 = the whole per-process batch); the step stays exact"})
+    micro_batch: int = field(default=512, metadata={"help": "images per forward/backward per process (40 GB measured "
+                                                            "on an 80 GB H100, bf16; 0 = the whole per-process batch); "
+                                                            "the step stays exact"})
     lr: float = field(default=7.5e-4, metadata={"help": "absolute peak lr (not scaled with batch)"})
     min_lr: float = 1e-5
     warmup_epochs: float = 10
@@ -105,15 +106,18 @@ class Args(H.RunArgs):
     proj_hidden: int = 4096
     proj_dim: int = 256
     tau: float = 0.1
-    rel_pos_lr: float = field(default=1.0, metadata={"help": "the relative position bias table's lr as a multiple of the "
-                              "others' (official 1; short-run presets 300: the symmetric start, docs/RESULTS.md)"})
+    rel_pos_lr: float = H.arg(1.0, "the relative position bias table's lr as a multiple of the others' (official 1; "
+                              "short-run presets 300: the symmetric start, docs/RESULTS.md)", group="optimisation",
+                              positive=True)
     crop_scale: tuple = (0.08, 1.0)
-    drop_path: float = field(default=0.0, metadata={"help": "student only (official pre-training: 0; 0.1 is fine-tuning's)"})
-    layer_scale: float = field(default=None, metadata={"help": "layer scale init of gamma_1 / gamma_2 (default: "
-                               "official 0.1, 1e-5 for --model large)"})
+    drop_path: float = field(default=0.0, metadata={"help": "student only (official pre-training: 0; 0.1 is "
+                                                            "fine-tuning's)"})
+    layer_scale: float = H.arg(None, "layer scale init of gamma_1 / gamma_2 (default: official 0.1, 1e-5 for --model "
+                               "large)", group="model")
     gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
                           "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
-    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial teacher at the end (default: on for synthetic)"})
+    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial teacher at the end (default: on for "
+                                                      "synthetic)"})
 
     # --data synthetic: batch 32 x 800 steps (k-NN 23.1% vs 16.7% at init) learned more than 64 x 400
     # (19.1%) in the same ~4.5 min; at EMA 0.996 the teacher would stay near its init in so few steps.
@@ -130,7 +134,8 @@ class Args(H.RunArgs):
     # x300 breaks it within ~40 steps where x30 had not after 40 (held-out 150-step probes).
     PRESETS = {"small": dict(lr_factor=1, rel_pos_lr=300, model="micro", patch_size=4, img_size=32, epochs=6,
                              batch_size=256, proj_hidden=512, workers=2, log_every=20),
-               "gpu": dict(lr_factor=1, rel_pos_lr=300, model="tiny", patch_size=4, img_size=32, epochs=16, batch_size=512,
+               "gpu": dict(lr_factor=1, rel_pos_lr=300, model="tiny", patch_size=4, img_size=32, epochs=16,
+                           batch_size=512,
                            proj_hidden=512, micro_batch=0)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=32, proj_hidden=256, proj_dim=64,
                      drop_path=0.0, crop_scale=(0.3, 1.0), workers=2, log_every=20, steps_per_epoch=100)
@@ -184,7 +189,8 @@ class Attention(nn.Module):
     def forward(self, x, bias=None):                                 # (B, T, D), bias (heads, T, T)
         B, T, D = x.shape
         qkv_bias = torch.cat((self.q_bias, torch.zeros_like(self.v_bias), self.v_bias))
-        q, k, v = F.linear(x, self.qkv.weight, qkv_bias).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = F.linear(x, self.qkv.weight, qkv_bias).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3,
+                                                                                                            1, 4)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype).unsqueeze(0))
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
@@ -324,6 +330,12 @@ def ema_update(teacher, student, m):
     torch._foreach_lerp_(list(teacher.parameters()), [p.detach() for p in student.parameters()], 1.0 - m)
 
 
+def ema_start(m, steps, horizon):
+    """The first EMA momentum: m, lowered where its horizon 1 / (1 - m) exceeds `horizon` x steps (the short-run rule:
+    harness.scale_recipe; the same lines in each EMA method's file, pinned equal by tests/test_common.py)."""
+    return min(m, 1 - 1 / max(1.0, horizon * steps)) if horizon else m
+
+
 # ----------------------------------------------------------------------------------------------
 # Heads: the per-token projector and the student / teacher network
 # ----------------------------------------------------------------------------------------------
@@ -373,7 +385,8 @@ def make_optimizer(model, a, device):
     if a.rel_pos_lr != 1:
         table, g = model.encoder.rel_pos_bias.relative_position_bias_table, opt.param_groups[0]
         g["params"] = [p for p in g["params"] if p is not table]
-        opt.add_param_group({**{k: v for k, v in g.items() if k != "params"}, "params": [table], "lr": g["lr"] * a.rel_pos_lr,
+        opt.add_param_group({**{k: v for k, v in g.items() if k != "params"}, "params": [table],
+                             "lr": g["lr"] * a.rel_pos_lr,
                              "lr_scale": a.rel_pos_lr})
     return opt
 
@@ -475,7 +488,7 @@ def train(args):
     loader = C.make_loader(C.Views(dataset, WeakStrongViews(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
-    m0 = H.ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
+    m0 = ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
 
     model = Net(args).to(dev)
     teacher = make_teacher(model)
@@ -490,12 +503,13 @@ def train(args):
     save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, teacher)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute; " +
              (f"--preset {args.preset}: harness.scale_recipe's rules)" if args.preset
-              else "for the official global batch 2048, not rescaled)") + f"; teacher momentum {m0:g} -> {args.ema[1]:g}")
+              else "for the official global batch 2048, not rescaled)") + f"; teacher momentum {m0:g} -> "
+                                                                          f"{args.ema[1]:g}")
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), teacher.train()
         bad0 = C.bad_reads(dataset)
-        for it, ((x_weak, x_strong), _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
+        for it, ((x_weak, x_strong), _) in C.epoch_batches(run, loader, epoch, ipe, start, args.seed):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, total, args.lr, args.min_lr, args.warmup_epochs * ipe)
             m = C.cosine_schedule(step, total, m0, args.ema[1])             # 0.996 -> 1, cosine
@@ -516,9 +530,10 @@ def train(args):
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
 
-    if H.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+    if H.knn_wanted(args, run):                                           # end-of-run k-NN (eval_linear.py's)
         from eval_linear import knn_report
-        knn_report(args, run, log, teacher.encoder, lambda: Net(args).encoder, "mean", "teacher encoder, mean patch token")
+        knn_report(args, run, log, teacher.encoder, lambda: Net(args).encoder, "mean",
+                   "teacher encoder, mean patch token")
 
 
 if __name__ == "__main__":

@@ -147,8 +147,8 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
     rng = np.random.default_rng([seed, gap])
     acc = {k: [] for k in ("enc_obj", "enc_bg", "enc_moved", "attn_obj", "attn_bg", "attn_moved", "zero_obj", "zero_bg",
                            "zero_attn_obj", "zero_attn_bg")}
-    loss = {f"{n}_{k}": [] for k in ("obj", "bg") for n in ("model", "other_f1", "blank_f1", "mean", "const", "copy",
-                                                           "oracle")}
+    loss = {f"{n}_{k}": [] for k in ("obj", "bg")
+            for n in ("model", "other_f1", "blank_f1", "mean", "const", "copy", "oracle")}
     const = mean_target(p, device=device)
     for v in range(videos):
         clip = S.SyntheticClip(v, "val")

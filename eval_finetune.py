@@ -67,13 +67,21 @@ RECIPES = {  # per-method defaults of the fields left at None
     "beit": dict(blr=None, lr=4e-3, warmup_epochs=20, warmup_lr=0.0),
 }
 METHOD_RECIPE = {"conmim": "beit"}                       # every other checkpoint: "mae"
+OFFICIAL_BATCH, OFFICIAL_EPOCHS = 1024, 100                # both recipes' (ViT-B)
+
+
+def identity_rules(cls, preset):
+    """harness.presets' hook: a fine-tuning preset's values are final; its lr and warm-up follow the
+    checkpoint's recipe at run time (finetune: per image, and the same share of the run)."""
+    return dict(preset)
 
 
 @dataclass
 class Args(H.RunArgs):
     """End-to-end fine-tuning of a checkpoint's encoder with a linear head (official recipes)."""
     ckpt: str = field(default=None, metadata={"help": "pre-trained checkpoint (any that eval_linear.py reads)"})
-    data: str = field(default=None, metadata={"help": "image folder with train/ and val/ class folders, or 'synthetic'"})
+    data: str = field(default=None, metadata={"help": "image folder with train/ and val/ class folders, or "
+                                                      "'synthetic'"})
     output_dir: str = field(default=None, metadata={"help": "default runs/finetune"})
     recipe: str = field(default=None, metadata={"help": "mae | beit (default: from the checkpoint's method)"})
     random_init: bool = field(default=False, metadata={"help": "the same run from the ViT's initialisation"})
@@ -100,6 +108,12 @@ class Args(H.RunArgs):
     randaug_magnitude: int = field(default=9, metadata={"help": "RandAugment magnitude (2 ops; -1 = off)"})
     crop_scale: tuple = (0.08, 1.0)
     eval_batch: int = 256
+    lr_factor: float = field(default=1.0, metadata={"help": "the recipe's lr times this (a preset's: chosen on "
+                                                            "held-out training images, never on the evaluated split)"})
+    split: str = field(default=None, metadata={"help": "the evaluated folder (default val/, else test/)"})
+    eval_every: int = field(default=1, metadata={"help": "epochs between evaluations (the run's last epoch always)"})
+    labels_per_class: int = field(default=0, metadata={"help": "fine-tune on this many labelled images of each class, "
+                                                         "a fixed draw (not --seed); 0 = all"})
 
     # --data synthetic: a CPU-sized run (150 steps of 64, about 2 min on 2 cores). The recipe's heavy
     # regularisation (MixUp, CutMix, RandAugment, erasing) is off: at 150 steps it kept both the
@@ -107,6 +121,14 @@ class Args(H.RunArgs):
     SYNTHETIC = dict(epochs=5, batch_size=64, micro_batch=0, warmup_epochs=1, workers=2, log_every=20,
                      steps_per_epoch=30, blr=4e-3, layer_decay=0.75, crop_scale=(0.3, 1.0), mixup=0.0, cutmix=0.0,
                      reprob=0.0, randaug_magnitude=-1)
+    # --preset small: 32-px images (CIFAR-10) on 2 CPU cores, <= ~20 min a run. The recipe's lr per image at batch
+    # 256 (MAE: blr as it is; BEiT: 4e-3 x 256 / 1024) times lr_factor, warm-up its share of the run (finetune),
+    # every other value the recipe's; the label budget, length and lr_factor were chosen on held-out training
+    # images (docs/RESULTS.md, "Fine-tuning on CIFAR-10").
+    PRESETS = {"small": dict(batch_size=256, micro_batch=0, labels_per_class=500, epochs=50, eval_every=5,
+                             lr_factor=1.0,
+                             workers=2, log_every=20)}
+    preset_rules = identity_rules                                    # harness.presets: no pre-training rules here
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,6 +207,25 @@ class Mix:
 # ----------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------
+def labelled(train, n):
+    """--labels-per-class n: keep n images of each class of `train` (an image folder), a draw fixed by the
+    file list alone (not --seed), so that every run of a comparison fine-tunes on the same images."""
+    if not hasattr(train, "samples"):
+        raise C.UserError("--labels-per-class needs an image folder (--data synthetic has no files to draw from)")
+    order = torch.randperm(len(train.samples), generator=torch.Generator().manual_seed(0)).tolist()
+    taken, keep = [0] * len(train.classes), []
+    for i in order:
+        c = train.samples[i][1]
+        if taken[c] < n:
+            taken[c] += 1
+            keep.append(i)
+    if min(taken) < n:
+        raise C.UserError(f"--labels-per-class {n}: class {train.classes[taken.index(min(taken))]!r} has "
+                          f"{min(taken)} training images")
+    train.samples = [train.samples[i] for i in sorted(keep)]
+    train.count_unreadable_of(len(train.samples))
+
+
 def train_transform(a, size):
     """RandomResizedCrop(bicubic) + flip + RandAugment(2, m) -> normalised float, random erasing."""
     from torchvision import transforms as T
@@ -213,7 +254,7 @@ def evaluate(model, val, size, a, run):
         top = logits.topk(min(5, len(val.classes)), dim=1).indices
         hits += torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(),
                              torch.tensor(len(y), device=run.device), F.cross_entropy(logits, y, reduction="sum")])
-    hits = H.all_reduce_sum_(hits)
+    hits = C.all_reduce_sum_(hits)
     model.train()
     return (100 * hits[0] / hits[2]).item(), (100 * hits[1] / hits[2]).item(), (hits[3] / hits[2]).item()
 
@@ -227,35 +268,44 @@ def finetune(args):
     for k in ("layer_decay", "smoothing", "reprob"):
         if not 0 <= getattr(args, k) <= 1:
             raise C.UserError(f"--{k.replace('_', '-')} must be in [0, 1], got {getattr(args, k)}")
-    if args.mixup < 0 or args.cutmix < 0 or args.eval_batch <= 0:
-        raise C.UserError("--mixup and --cutmix must be >= 0 and --eval-batch positive")
+    if args.mixup < 0 or args.cutmix < 0 or args.eval_batch <= 0 or args.eval_every <= 0:
+        raise C.UserError("--mixup and --cutmix must be >= 0, --eval-batch and --eval-every positive")
+    if args.labels_per_class < 0 or args.holdout < 0 or not args.lr_factor > 0:
+        raise C.UserError("--labels-per-class and --holdout must be >= 0 and --lr-factor positive")
     if not -1 <= args.randaug_magnitude <= 30:
-        raise C.UserError(f"--randaug-magnitude must be in 0..30 (RandAugment's 31 bins) or -1 (off), got {args.randaug_magnitude}")
+        raise C.UserError(f"--randaug-magnitude must be in 0..30 (RandAugment's 31 bins) or -1 (off), got "
+                          f"{args.randaug_magnitude}")
     enc, ckpt = E.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size, args.drop_path,
                                 per_block_rel_pos=True)
     recipe = args.recipe or METHOD_RECIPE.get(ckpt["method"], "mae")
     if recipe not in RECIPES:
         raise C.UserError(f"--recipe must be mae or beit, got {recipe!r}")
     rec = RECIPES[recipe]                                            # the recipe fills what was not given
+    small = args.preset not in (None, "synthetic")                   # a short run: preset_rules
     if args.lr is None and args.blr is None:
         args.lr, args.blr = rec["lr"], rec["blr"]
-    for k in ("warmup_epochs", "warmup_lr"):
-        if getattr(args, k) is None:
-            setattr(args, k, rec[k])
+        if small and args.lr:                                        # BEiT's lr for 1024 images -> per image
+            args.lr = float(f"{args.lr * args.batch_size / OFFICIAL_BATCH:.4g}")
+    if args.warmup_epochs is None:                                   # a preset: the same share of its run
+        args.warmup_epochs = rec["warmup_epochs"] * args.epochs / OFFICIAL_EPOCHS if small else rec["warmup_epochs"]
+    if args.warmup_lr is None:
+        args.warmup_lr = rec["warmup_lr"]
     size = E.check_size(enc, args.img_size or ckpt["vit"]["img_size"])
     if size % enc.patch_size:
         raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size {enc.patch_size}")
     run = H.setup(args, "finetune")
     per, micro = H.batch_plan(args, run, 1024, "the recipe's lr and its batch statistics (MixUp per process batch) "
                               "were tuned at 1024")
-    train, val, _ = E.splits(args.data, skip_unreadable=True)     # sorted names, val's within train's:
+    train, val, _ = E.splits(args.data, True, args.split, args.holdout)   # sorted names, val's within train's:
     if len(val.classes) != len(train.classes):                          # the same count = the same classes
         raise C.UserError(f"--data {args.data}: val/ must have the same classes as train/ for top-1 (train "
                           f"{len(train.classes)}, val {len(val.classes)})")
+    if args.labels_per_class:
+        labelled(train, args.labels_per_class)
     loader = C.make_loader(C.Views(train, train_transform(args, size), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
-    lr = args.lr or args.blr * args.batch_size / 256
+    lr = (args.lr or args.blr * args.batch_size / 256) * args.lr_factor
 
     model = Classifier(enc, len(train.classes)).to(run.device).train()    # the head: seeded in setup
     C.set_grad_checkpointing(model, args.grad_ckpt)
@@ -266,9 +316,13 @@ def finetune(args):
     mix = Mix(args, len(train.classes))
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     save = lambda s: C.save_run(run, "finetune", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
+    where = E.eval_split(args.data, args.split, args.holdout)
     C.print0(f"fine-tuning {ckpt['method']} ({'random init' if args.random_init else args.ckpt}), recipe {recipe}: "
-             f"{len(train)} images, {len(train.classes)} classes, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
-             + ("" if args.lr else f" (= blr {args.blr:g} x {args.batch_size} / 256)") + f", layer decay {args.layer_decay}")
+             f"{len(train)} images" + (f" ({args.labels_per_class} a class)" if args.labels_per_class else "") +
+             f", {len(train.classes)} classes, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
+             + ("" if args.lr else f" (= blr {args.blr:g} x {args.batch_size} / 256)")
+             + (f" x {args.lr_factor:g}" if args.lr_factor != 1 else "") + f", layer decay {args.layer_decay}, "
+             f"warm-up {args.warmup_epochs:g} epochs; evaluated on {where}/ ({len(val)} images)")
     vals = {}                                                        # epoch -> (top1, top5, val loss)
     if start and os.path.isfile(os.path.join(run.out, "log.jsonl")):     # resumed: the epochs already evaluated
         for rec in map(json.loads, open(os.path.join(run.out, "log.jsonl"))):
@@ -278,12 +332,16 @@ def finetune(args):
     def evaluate_epoch(epoch):
         top1, top5, vloss = vals[epoch] = evaluate(model, val, size, args, run)
         log.write({"epoch": epoch, "val_top1": round(top1, 3), "val_top5": round(top5, 3), "val_loss": round(vloss, 4)})
-    pending = torch.tensor(float(bool(start) and start % ipe == 0 and start // ipe - 1 not in vals), device=run.device)
-    if H.all_reduce_sum_(pending) > 0:             # stopped at an epoch's last step (--stop-step, a signal) before its
+    last = (args.stop_epoch or args.epochs) - 1                      # this invocation's last epoch: always evaluated
+    due = lambda e: (e + 1) % args.eval_every == 0 or e == last      # noqa: E731
+    ended = start // ipe - 1                                         # the checkpoint's last whole epoch
+    pending = torch.tensor(float(bool(start) and start % ipe == 0 and ended not in vals and due(ended)),
+                           device=run.device)
+    if C.all_reduce_sum_(pending) > 0:             # stopped at an epoch's last step (--stop-step, a signal) before its
         evaluate_epoch(start // ipe - 1)           # evaluation: evaluate it now (agreed: evaluate() is collective)
     for epoch in range(start // ipe, 0 if log.done else args.stop_epoch or args.epochs):   # done: nothing to train
         bad0 = C.bad_reads(train)
-        for it, (x, y) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
+        for it, (x, y) in C.epoch_batches(run, loader, epoch, ipe, start, args.seed):
             step = epoch * ipe + it
             lr_now = C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe, args.warmup_lr)
             C.set_hparams(opt, lr_now)                                 # x each group's layer-decay lr_scale
@@ -302,10 +360,12 @@ def finetune(args):
                 return None
         C.check_unreadable(train, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
-        evaluate_epoch(epoch)
+        if due(epoch):
+            evaluate_epoch(epoch)
     top1, top5, vloss = vals[max(vals)] if vals else evaluate(model, val, size, args, run)   # else: as it stands
     best = max([v[0] for v in vals.values()] + [top1])
-    res = {"method": ckpt["method"], "random_init": args.random_init, "recipe": recipe,
+    res = {"method": ckpt["method"], "random_init": args.random_init, "recipe": recipe, "split": where,
+           "train_images": len(train),
            "best_top1": round(best, 2), "last_top1": round(top1, 2), "last_top5": round(top5, 2),
            "last_val_loss": None if vloss is None else round(vloss, 4)}
     log.write(res)

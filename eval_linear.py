@@ -76,8 +76,7 @@ class Args:
     img_size: int = field(default=None, metadata={"help": "default: the checkpoint's training size"})
     model: str = field(default=None, metadata={"help": "ViT size (tiny|small|base|large): picks the "
                        "heads of a foreign checkpoint of non-standard width; checked against any checkpoint"})
-    patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's patch "
-                            "size"})
+    patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's patch size"})
     random_init: bool = field(default=False, metadata={"help": "evaluate the same ViT at its default random "
                               "initialisation (run's seed; may differ from the run's exact initial weights)"})
     online: bool = field(default=False, metadata={"help": "evaluate the online network's encoder (the checkpoint's "
@@ -97,7 +96,8 @@ class Args:
     subset_file: str = field(default=None, metadata={"help": "lowshot: train only on the images listed here "
                              "(one file name or relative path per line, as MSN's imagenet_subsets)"})
     batch_size: int = 256
-    workers: int = field(default=min(8, os.cpu_count() or 1), metadata={"help": "DataLoader workers (default: min(8, CPUs))"})
+    workers: int = field(default=min(8, os.cpu_count() or 1),
+                         metadata={"help": "DataLoader workers (default: min(8, CPUs))"})
     device: str = None
     cache: bool = field(default=True, metadata={"help": "cache features next to the checkpoint"})
 
@@ -127,7 +127,8 @@ class Attention(nn.Module):
 
     def forward(self, x, bias=None):                                 # (B, T, D), bias (heads, T, T)
         B, T, D = x.shape
-        b = self.qkv.bias if self.qkv.bias is not None else torch.cat((self.q_bias, torch.zeros_like(self.v_bias), self.v_bias))
+        b = self.qkv.bias if self.qkv.bias is not None else torch.cat((self.q_bias, torch.zeros_like(self.v_bias),
+                                                                       self.v_bias))
         q, k, v = F.linear(x, self.qkv.weight, b).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
         if hasattr(self, "relative_position_bias_table"):
             bias = relative_bias(self.relative_position_bias_table, self.relative_position_index)
@@ -216,7 +217,8 @@ def sincos_pos_embed(dim, grid):
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
     ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
                             indexing="ij")
-    return torch.cat([f(p.flatten()[:, None] * omega[None]) for p in (xs, ys) for f in (torch.sin, torch.cos)], 1).float()
+    return torch.cat([f(p.flatten()[:, None] * omega[None]) for p in (xs, ys) for f in (torch.sin, torch.cos)],
+                     1).float()
 
 
 class ViT(nn.Module):
@@ -353,8 +355,9 @@ def foreign_encoder(obj, path, model=None):
     sd = {k.removeprefix("module."): v for k, v in sd.items() if torch.is_tensor(v)}
     vit = {k: v for k, v in sd.items() if VIT_KEY.fullmatch(k)}
     if "cls_token" not in vit or "patch_embed.proj.weight" not in vit or "blocks.0.attn.qkv.weight" not in vit:
-        raise C.UserError(f"{path}: unknown checkpoint layout (keys: {', '.join(list(obj)[:6])}{', ...' if len(obj) > 6 else ''}); "
-                        "expected this project's format, MSN's target_encoder, an MAE-style 'model' or a timm ViT state dict")
+        keys = ", ".join(list(obj)[:6]) + (", ..." if len(obj) > 6 else "")
+        raise C.UserError(f"{path}: unknown checkpoint layout (keys: {keys}); expected this project's format, MSN's "
+                          "target_encoder, an MAE-style 'model' or a timm ViT state dict")
     dim, p = vit["cls_token"].shape[-1], vit["patch_embed.proj.weight"].shape[-1]
     depth = 1 + max(int(k.split(".")[1]) for k in vit if k.startswith("blocks."))
     grid = math.isqrt(vit["pos_embed"].shape[1] - 1)
@@ -520,8 +523,8 @@ def knn_report(args, run, log, encoder, build_init, how, what):
     init = build_init().to(run.device)
     accs = [knn_accuracy(e, args.data, args.img_size, run.device, how, autocast=run.autocast) for e in (encoder, init)]
     log.write({"knn_learned": accs[0], "knn_init": accs[1]})
-    C.print0(f"k-NN top-1 on {args.data} {eval_split(args.data)} ({what}): learned {accs[0]:.1f}% vs same architecture at "
-             f"initialisation {accs[1]:.1f}%")
+    C.print0(f"k-NN top-1 on {args.data} {eval_split(args.data)} ({what}): learned {accs[0]:.1f}% vs same architecture "
+             f"at initialisation {accs[1]:.1f}%")
 
 
 def eval_split(data, split=None, holdout=0):
@@ -531,7 +534,8 @@ def eval_split(data, split=None, holdout=0):
         return "holdout"
     if split or data == "synthetic":
         return split or "val"
-    return "test" if not os.path.isdir(os.path.join(data, "val")) and os.path.isdir(os.path.join(data, "test")) else "val"
+    return "test" if not os.path.isdir(os.path.join(data, "val")) and os.path.isdir(os.path.join(data,
+                                                                                                 "test")) else "val"
 
 
 def splits(data, skip_unreadable=False, split=None, holdout=0):
@@ -556,7 +560,8 @@ def splits(data, skip_unreadable=False, split=None, holdout=0):
     missing = [c for c, i in zip(val.classes, mapping.tolist()) if i < 0]
     if missing:
         raise C.UserError(f"--data {data}: val/ has {len(missing)} class(es) that train/ lacks, e.g. {missing[0]!r} "
-                          f"(train has {len(train.classes)}: {', '.join(train.classes[:5])}{', ...' if len(train.classes) > 5 else ''})")
+                          f"(train has {len(train.classes)}: "
+                          f"{', '.join(train.classes[:5])}{', ...' if len(train.classes) > 5 else ''})")
     return train, val, mapping
 
 
@@ -575,7 +580,6 @@ def features(a, enc, ckpt, split, ds, device):
                                           a.random_init, a.online, a.model, a.patch_size, len(ds), list(ds.classes),
                                           files]).encode()).hexdigest()[:16]
     path = st and os.path.join(os.path.dirname(os.path.abspath(a.ckpt)), "features", f"{key}_{split}.pt")
-    H._OUT[0] = os.path.dirname(path) if a.cache else None                  # main's closing line: the cache
     if a.cache and os.path.isfile(path):
         return torch.load(path, weights_only=True)
     tf = eval_transform(size, synthetic=a.data == "synthetic")
@@ -737,13 +741,14 @@ def evaluate(a):
         raise C.UserError(f"--holdout {a.holdout}: {a.ckpt} was trained with --holdout {trained}"
                           f"{' (on every train/ image)' if not trained else ''}: its held-out images are not these")
     if a.img_size is not None and (a.img_size <= 0 or a.img_size % enc.patch_size):
-        raise C.UserError(f"--img-size {a.img_size} is not a positive multiple of the checkpoint's patch size {enc.patch_size}")
+        raise C.UserError(f"--img-size {a.img_size} is not a positive multiple of the checkpoint's patch size "
+                          f"{enc.patch_size}")
     if a.subset_file and a.mode not in ("lowshot", "all"):
         raise C.UserError(f"--subset-file is read by --mode lowshot or all, not {a.mode}")
     train, val, val_to_train = splits(a.data, split=a.split, holdout=a.holdout)   # layout checked before any extraction
     subset = subset_from_file(a.subset_file, a.data) if a.subset_file else None           # so is the subset
-    C.print0(f"train: {len(train)} images in {len(train.classes)} classes; {eval_split(a.data, a.split, a.holdout)}: {len(val)} images in "
-             f"{len(val.classes)} classes (labels matched by class name)")
+    C.print0(f"train: {len(train)} images in {len(train.classes)} classes; {eval_split(a.data, a.split, a.holdout)}: "
+             f"{len(val)} images in {len(val.classes)} classes (labels matched by class name)")
     enc = enc.to(device)
     ftr, ytr = features(a, enc, ckpt, "train", train, device)
     fva, yva = features(a, enc, ckpt, "val", val, device)

@@ -11,8 +11,8 @@ The first frame's labels are propagated through each video with the frozen encod
 features (last layer, after the final norm, L2-normalised). For frame t, each patch takes a soft
 label from its top-k most similar patches among the context frames, with weights
 softmax(affinity / T). Defaults per task (the settings CropMAE's public evaluation,
-alexandre-eymael/CropMAE downstreams/propagation/util.py, uses for SiamMAE-style ViTs; DAVIS's are
-../shared/methods/siammae.md's): --n-context 20 --radius 20 --temperature 0.7 everywhere,
+alexandre-eymael/CropMAE downstreams/propagation/util.py, uses for SiamMAE-style ViTs; DAVIS's follow
+CRW's protocol, which SiamMAE evaluates with): --n-context 20 --radius 20 --temperature 0.7 everywhere,
 --topk 7 (davis, jhmdb) or 10 (vip); frames: DAVIS short side 480 (--short-side, aspect kept),
 VIP long side 880 with the short side scaled and floored to a multiple of 64 (--size), JHMDB
 stretched to 320 x 320 (--size).
@@ -103,7 +103,8 @@ POSE_TOPK, POSE_SIGMA, PCK_AT = 3, 0.5, (0.1, 0.2)         # CRW's process_pose 
 class Args:
     """Label-propagation evaluation (DAVIS J&F, VIP mIoU, JHMDB PCK) of a checkpoint's encoder."""
     ckpt: str = field(default=None, metadata={"help": "checkpoint.pth (siammae, or any image method)"})
-    data: str = field(default=None, metadata={"help": "DAVIS-2016 or -2017, VIP or JHMDB root (see --task), or 'synthetic'"})
+    data: str = field(default=None, metadata={"help": "DAVIS-2016 or -2017, VIP or JHMDB root (see --task), or "
+                                                      "'synthetic'"})
     task: str = field(default="davis", metadata={"help": "davis (J&F) | vip (mIoU) | jhmdb (PCK@0.1/0.2)"})
     split: str = field(default="val", metadata={"help": "davis: ImageSets/2017/<split>.txt (or 480p/ for 2016); vip: "
                        "lists/<split>_videos.txt; jhmdb: split 1's test videos always"})
@@ -117,8 +118,7 @@ class Args:
     temperature: float = 0.7
     model: str = field(default=None, metadata={"help": "ViT size (tiny|small|base|large): picks the "
                        "heads of a foreign checkpoint of non-standard width; checked against any checkpoint"})
-    patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's patch "
-                            "size"})
+    patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's patch size"})
     random_init: bool = False
     online: bool = field(default=False, metadata={"help": "evaluate the online network's encoder (the checkpoint's "
                          "`model`) instead of the evaluated one (for SiamMAE they are the same)"})
@@ -126,8 +126,9 @@ class Args:
                          "siammae.py --holdout N run kept out (the lr sweep's validation)"})
     pixels: bool = field(default=False, metadata={"help": "baseline, no checkpoint: each patch's normalised pixels "
                          "(3 x p^2 numbers, p = --patch-size) as its feature, through the same propagation"})
-    copy_first: bool = field(default=False, metadata={"help": "baseline, no checkpoint: every frame's prediction is the "
-                             "first frame's labels (davis, vip) or joints (jhmdb), unmoved"})
+    copy_first: bool = field(default=False, metadata={"help": "baseline, no checkpoint: every frame's prediction is "
+                                                              "the first frame's labels (davis, vip) or joints "
+                                                              "(jhmdb), unmoved"})
     output: str = field(default=None, metadata={"help": "write predictions here (davis, vip: palette PNGs; jhmdb: "
                         "<video>.json keypoints)"})
     device: str = None
@@ -674,7 +675,6 @@ def evaluate(a):
     device = H.resolve_device(a.device)
     if a.output:
         H.check_writable(a.output, "--output")
-        H._OUT[0] = a.output                                                  # main's closing line
     if baseline:
         enc, ckpt = PatchPixels(a.patch_size or 1), {"method": "pixels" if a.pixels else "copy-first"}
     else:

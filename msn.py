@@ -11,7 +11,7 @@ Launch. `--batch-size` is the GLOBAL batch (recipe: 1024 = official 64 x 16 GPUs
 takes batch / processes images in micro-batches of --micro-batch (default 512: 46 GB peak measured
 on an 80 GB H100; README) and the step is exact: Sinkhorn and ME-MAX stay over the global batch.
   python msn.py --data synthetic                       # CPU quickstart, ~5 min, ends with k-NN
-  python msn.py --data /cifar10 --preset small         # CIFAR-10 folders, 2 CPU cores: the recipe scaled by stated rules
+  python msn.py --data /cifar10 --preset small         # CIFAR-10 folders, 2 CPU cores: stated rules
   python msn.py --data /imagenet                       # ViT-S/16 official recipe on 1 GPU: 2 x 512
   torchrun --nproc_per_node=8 msn.py --data /imagenet  # the same objective on 8 GPUs: 8 x 128
   python msn.py --data /imagenet --grad-ckpt --micro-batch 1024   # 1 GPU, one micro-batch
@@ -71,7 +71,7 @@ differs from both, and why:
 import contextlib
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -91,42 +91,47 @@ class Args(H.RunArgs):
     img_size: int = field(default=224, metadata={"help": "target / random anchor view size"})
     epochs: int = 800
     batch_size: int = field(default=1024, metadata={"help": "GLOBAL batch, all processes (official 64 x 16 GPUs)"})
-    micro_batch: int = field(default=512, metadata={"help": "images per forward/backward per process (46 GB measured on "
-                             "an 80 GB H100, bf16; 0 = the whole per-process batch); the step stays exact"})
+    micro_batch: int = field(default=512, metadata={"help": "images per forward/backward per process (46 GB measured "
+                                                            "on an 80 GB H100, bf16; 0 = the whole per-process batch); "
+                                                            "the step stays exact"})
     lr: float = field(default=1e-3, metadata={"help": "peak lr (not scaled with batch size)"})
-    start_lr: float = field(default=2e-4, metadata={"help": "lr at the start of warm-up"})
+    start_lr: float = H.arg(2e-4, "lr at the start of warm-up", group="optimisation", min=0)
     min_lr: float = 1e-6
     warmup_epochs: float = 15
     weight_decay: float = field(default=0.04, metadata={"help": "start of the cosine wd schedule"})
-    final_weight_decay: float = 0.4
+    final_weight_decay: float = H.arg(0.4, "weight decay at the end (cosine)", group="optimisation", min=0)
     betas: tuple = (0.9, 0.999)
     clip_grad: float = field(default=3.0, metadata={"help": "max grad norm of encoder+head (0 = off)"})
     ema: tuple = field(default=(0.996, 1.0), metadata={"help": "EMA momentum start, end (linear)"})
     ema_horizon: float = field(default=0.0, metadata={"help": "cap the EMA horizon 1/(1-m) at this fraction of the "
                                "run's steps by lowering the first momentum (0: official; short-run presets: 0.02)"})
-    ipe_scale: float = field(default=1.25, metadata={"help": "schedules span ipe_scale x the steps run"})
+    ipe_scale: float = H.arg(1.25, "schedules span ipe_scale x the steps run", group="optimisation", min=1,
+                             why=" (the schedules span ipe-scale x the run: below 1 they would end before it)")
     drop_path: float = 0.0
     # views and masking
-    rand_views: int = field(default=1, metadata={"help": "masked anchor views at img-size"})
-    focal_views: int = 10
-    focal_size: int = 96
-    rand_scale: tuple = (0.3, 1.0)
-    focal_scale: tuple = (0.05, 0.3)
+    rand_views: int = H.arg(1, "masked anchor views at img-size", group="views and masking", positive=True)
+    focal_views: int = H.arg(10, "focal views per image", group="views and masking", min=0)
+    focal_size: int = H.arg(96, "focal view size (px)", group="views and masking", positive=True)
+    rand_scale: tuple = H.arg((0.3, 1.0), "crop area range of the random anchor views", group="views and masking")
+    focal_scale: tuple = H.arg((0.05, 0.3), "crop area range of the focal views", group="views and masking")
     mask_ratio: float = field(default=0.15, metadata={"help": "patch drop ratio of the random anchors"})
     gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
                           "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
-    gpu_decode: bool = field(default=False, metadata={"help": "decode JPEGs, crop and flip on the device (gpu_decode.py; "
-                             "needs --gpu-aug): the workers only read files, for hosts whose CPUs cannot feed the GPU"})
+    gpu_decode: bool = H.arg(False, "decode JPEGs, crop and flip on the device (gpu_decode.py; needs --gpu-aug): the "
+                             "workers only read files, for hosts whose CPUs cannot feed the GPU",
+                             group="views and masking")
     # head, prototypes, loss
-    head_hidden: int = 2048
-    head_dim: int = 256
-    num_prototypes: int = 1024
+    head_hidden: int = H.arg(2048, "projection hidden width", group="model", positive=True)
+    head_dim: int = H.arg(256, "projection output width", group="model", positive=True)
+    num_prototypes: int = H.arg(1024, "prototypes K", group="model", min=2,
+                                why=" (a softmax over one prototype is constant: nothing to learn)")
     tau: float = 0.1
-    tau_plus: float = field(default=0.025, metadata={"help": "target temperature (0.1 x sharpen 0.25)"})
-    me_max_weight: float = 1.0
-    sinkhorn_iters: int = 3
+    tau_plus: float = H.arg(0.025, "target temperature (0.1 x sharpen 0.25)", positive=True)
+    me_max_weight: float = H.arg(1.0, "weight of the ME-MAX regulariser", min=0)
+    sinkhorn_iters: int = H.arg(3, "Sinkhorn-Knopp iterations", min=0)
     # run plumbing
-    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for synthetic)"})
+    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for "
+                                                      "synthetic)"})
 
     # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
@@ -136,12 +141,32 @@ class Args(H.RunArgs):
     # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
     # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
     # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs).
-    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=4, batch_size=256, head_hidden=512,
+    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=4, batch_size=256,
+                             head_hidden=512,
                              workers=2, log_every=20),
-               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=5, batch_size=512, head_hidden=512,
+               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=5, batch_size=512,
+                           head_hidden=512,
                            micro_batch=0)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, focal_views=4, epochs=8, batch_size=64,
                      head_hidden=256, head_dim=64, num_prototypes=64, workers=2, log_every=20, steps_per_epoch=40)
+
+    def preset_rules(cls, preset):
+        """harness.scale_recipe's rules, then MSN's own: the warm-up's start lr scaled as the lr, the prototypes in
+        their official ratio to the batch (1,024 at 1,024: Sinkhorn gives every prototype the same share of a batch's
+        target mass), the focal crop x img / 224 (a multiple of the patch)."""
+        d, out = {f.name: f.default for f in fields(cls)}, H.scale_recipe(cls, preset)
+        p, lr_ratio = preset.get("patch_size", d["patch_size"]), preset.get("lr_factor", 1.0) * preset["batch_size"]
+        out.setdefault("start_lr", float(f"{d['start_lr'] * lr_ratio / d['batch_size']:.4g}"))
+        out.setdefault("num_prototypes", max(2, round(d["num_prototypes"] * preset["batch_size"] / d["batch_size"])))
+        out.setdefault("focal_size", max(p, round(d["focal_size"] * preset["img_size"] / H.OFFICIAL_IMG / p) * p))
+        return out
+
+    def check(self):
+        """validate()'s rules for MSN's own flags."""
+        if self.focal_size % self.patch_size:
+            raise C.UserError(f"--focal-size {self.focal_size} is not a multiple of --patch-size {self.patch_size}")
+        if self.start_lr > self.lr:
+            raise C.UserError(f"--start-lr {self.start_lr:g} is above the peak lr {self.lr:g}: the warm-up would fall")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,6 +306,12 @@ def ema_update(target, online, m):
     torch._foreach_lerp_(list(target.parameters()), [p.detach() for p in online.parameters()], 1.0 - m)
 
 
+def ema_start(m, steps, horizon):
+    """The first EMA momentum: m, lowered where its horizon 1 / (1 - m) exceeds `horizon` x steps (the short-run rule:
+    harness.scale_recipe; the same lines in each EMA method's file, pinned equal by tests/test_common.py)."""
+    return min(m, 1 - 1 / max(1.0, horizon * steps)) if horizon else m
+
+
 def linear_schedule(step, total, start, end):
     """The EMA momentum m: start -> end linearly over `total` steps (official momentum_scheduler)."""
     return start + (end - start) * min(1.0, step / max(1, total))
@@ -338,9 +369,9 @@ def sinkhorn(P, iters=3):
     """
     Q = P.T.float()                                                  # (K, B)
     K, B = Q.shape[0], Q.shape[1] * C.world_size()
-    Q = Q / H.all_reduce_sum_(Q.sum())
+    Q = Q / C.all_reduce_sum_(Q.sum())
     for _ in range(iters):
-        Q = Q / H.all_reduce_sum_(Q.sum(dim=1, keepdim=True)) / K   # each prototype: mass 1/K
+        Q = Q / C.all_reduce_sum_(Q.sum(dim=1, keepdim=True)) / K   # each prototype: mass 1/K
         Q = Q / Q.sum(dim=0, keepdim=True) / B                       # each sample: mass 1/B
     return (Q * B).T                                                 # (B, K), rows sum to 1
 
@@ -368,7 +399,7 @@ def msn_loss(anchor, target, prototypes, tau=0.1, tau_plus=0.025, me_max_weight=
         n_proto = torch.zeros(K, device=p_plus.device).scatter_(0, p_plus.argmax(-1), 1.0).sum()
         p_plus = p_plus.repeat(anchor.shape[0] // target.shape[0], 1)                   # (M*B, K)
     ce = -(p_plus * log_p).sum(dim=-1).mean()
-    p_bar = H.all_reduce_mean(log_p.exp().mean(dim=0))                                 # (K,)
+    p_bar = C.all_reduce_mean(log_p.exp().mean(dim=0))                                 # (K,)
     me_max = (p_bar * torch.log(p_bar)).sum() + math.log(K)
     loss = ce + me_max_weight * me_max
     return loss, {"loss": loss.detach(), "ce": ce.detach(), "me_max": me_max.detach(),
@@ -460,16 +491,18 @@ def train(args):
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True, holdout=args.holdout)
     if args.gpu_decode:                                              # workers read files and draw the boxes
         if not args.gpu_aug:
-            raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, colour runs on the device")
+            raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, colour runs on "
+                              "the device")
         import gpu_decode as G
         boxes = G.Boxes(view_specs(args))                            # MultiView's crops and flips
-        loader = C.make_loader(C.Views(G.encoded(dataset), boxes, args.seed), per, args.workers, args.seed, collate=G.collate)
+        loader = C.make_loader(C.Views(G.encoded(dataset), boxes, args.seed), per, args.workers, args.seed,
+                               collate=G.collate)
     else:
         loader = C.make_loader(C.Views(dataset, MultiView(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
     sched = int(args.ipe_scale * total)                              # schedules over 1.25x, stop at 80%
-    m0 = H.ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
+    m0 = ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
 
     model = MSN(args).to(dev)                                        # seeded in setup: same on all ranks
     target = make_target(model.net)                                  # f_theta_bar: EMA of f_theta, no drop path
@@ -493,7 +526,7 @@ def train(args):
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), target.train()                                # official target uses batch BN stats
         bad0 = C.bad_reads(dataset)
-        for it, (views, _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
+        for it, (views, _) in C.epoch_batches(run, loader, epoch, ipe, start, args.seed):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, sched, args.lr, args.min_lr, args.warmup_epochs * ipe, args.start_lr)
             wd = C.cosine_schedule(step, sched, args.weight_decay, args.final_weight_decay)
@@ -519,7 +552,7 @@ def train(args):
         C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
 
-    if H.knn_wanted(args):                                           # end-of-run k-NN (eval_linear.py's)
+    if H.knn_wanted(args, run):                                           # end-of-run k-NN (eval_linear.py's)
         from eval_linear import knn_report
         knn_report(args, run, log, target.encoder, lambda: MSN(args).net.encoder, "cls", "target encoder, CLS")
 

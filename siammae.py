@@ -1,27 +1,20 @@
 """SiamMAE: Siamese Masked Autoencoders.
 Gupta, Wu, Deng, Fei-Fei. NeurIPS 2023. arXiv:2305.14344. (No official code.)
 
-Idea. Two frames of a video, f1 and a later f2, go through one shared ViT encoder: f1 whole (0%
-masked), f2 with 95% of its patches dropped. A decoder predicts f2's missing patches; its f2
-tokens can only learn where things went by cross-attending to f1's tokens, which teaches the
-encoder correspondence (evaluated by label propagation, eval_video.py).
+Idea. Two frames of a video, f1 and a later f2, go through one shared ViT encoder: f1 whole, f2 with 95% of its
+patches dropped. A decoder predicts f2's missing patches; its f2 tokens can only learn where things went by
+cross-attending to f1's, which teaches the encoder correspondence (label propagation: eval_video.py).
 
-Launch. `--batch-size` is the GLOBAL number of videos per step (default 1024 videos x R = 2
-pairs = 2048 pairs, the paper's batch 2048 read as frame pairs); each process takes batch /
-processes videos in micro-batches of --micro-batch videos (default 512: about 50 GB on an 80 GB
-H100, twice the 25 GB measured at 256; README). The loss is per pair: accumulation is exact.
+Launch. `--batch-size` is the GLOBAL number of videos per step (default 1024 videos x R = 2 pairs = the
+paper's 2048), each process's share in micro-batches of --micro-batch videos (512: ~50 GB of an 80 GB H100).
   python siammae.py --data synthetic                          # CPU quickstart, ~5 min
   python siammae.py --data /DAVIS --preset davis              # DAVIS-2016's 30 train videos, 2 CPU cores
   python siammae.py --data /kinetics_frames                   # ViT-S/16 ablation recipe on 1 GPU: 2 x 512 videos
   torchrun --nproc_per_node=8 siammae.py --data /kinetics_frames   # the same objective on 8 GPUs: 8 x 128
 
---data DIR: a directory of videos, each a folder of frames (JPEG/PNG, in file-name order with frame
-numbers compared as numbers: 2.jpg before 10.jpg), found at any depth (DAVIS
-`JPEGImages/480p/<video>/`, Kinetics frame folders, ...).
-
-Files. This file, common.py (the training kit its loop calls: schedules, the optimiser step, micro-batches,
-data, checkpoints, the log) and harness.py (the command line and presets, launching, resume, preemption) are all
-a run needs: copy the three.
+--data DIR: videos as folders of frames (JPEG/PNG in file-name order, 2.jpg before 10.jpg) at any depth
+(Kinetics frame folders; a DAVIS root trains on its train list). Files: this file, common.py (the training kit)
+and harness.py (command line, presets, launching, resume, preemption) are all a run needs.
 
 Paper -> code.
   Frame pair, gap 4..48, same crop + flip .... FramePair
@@ -30,24 +23,16 @@ Paper -> code.
   Loss: norm-pix MSE on f2's masked patches .. siammae_loss
   (not in the paper) does the decoder read f1? f1_probe, logged every --probe-every steps
 
-Choices (no official code; see ../shared/methods/siammae.md): pre-norm decoder blocks
-x += CA(LN(x), LN(f1)); x += SA(LN(x)); x += MLP(LN(x)), decoder position embeddings on both
-streams, CLS tokens kept in both streams; not the unofficial repos' post-norm / weight-tied blocks.
-Joint decoder: self-attention over [f1 tokens, f2 tokens] with a learned stream embedding added to
-f1's tokens so the two streams are distinguishable.
+Choices (no official code: the paper's text, and its best public re-implementation, alexandre-eymael/CropMAE,
+without its known deviations): pre-norm decoder blocks x += CA(LN(x), LN(f1)); x += SA(LN(x)); x += MLP(LN(x)),
+decoder position embeddings and CLS tokens in both streams (not the unofficial post-norm / weight-tied blocks).
+Joint decoder: self-attention over [f1 tokens + a learned stream embedding, f2 tokens].
 
-Epochs, batch and lr (MAE-ST convention, which SiamMAE's repeated sampling comes from):
-`--repeated-sampling R` draws R pairs per video visit, so a step holds R x batch-size pairs;
-`--batch-size` counts videos, and lr = blr x (videos per step, all processes) / 256. One pass over
-the videos shows each video R times, so `--epochs` and `--warmup-epochs` count EFFECTIVE epochs
-(passes x R): the default 400 is 200 passes of R = 2 (`--stop-epoch` counts passes).
-Decoder 4 blocks x 256 wide x 8 heads: CropMAE's ViT-S setting (the paper states only that the
-other settings follow MAE, whose decoder is 8 x 512; `--decoder-depth 8 --decoder-dim 512`).
-The frame gap 4..48 counts stored frames: for frame dumps sub-sampled from the video's frame rate,
-scale `--gap` accordingly (the paper samples from 30 fps Kinetics).
-No BatchNorm anywhere, so micro-batches and processes change nothing but float rounding.
-Initialisation and weight decay follow MAE's code (xavier-uniform Linear and patch embedding;
-no decay on biases and 1-d tensors only, so cls / mask tokens are decayed).
+Epochs, batch, lr (MAE-ST's convention): R = --repeated-sampling pairs per video visit, `--batch-size` counts videos,
+lr = blr x videos per step / 256, `--epochs` / `--warmup-epochs` count EFFECTIVE epochs (passes x R; `--stop-epoch`
+passes). Decoder 4 x 256 x 8 heads: CropMAE's ViT-S (the paper: "as MAE", 8 x 512). The gap counts stored frames
+(the paper's 30 fps). No BatchNorm: micro-batches and processes change only rounding. Initialisation and weight
+decay as MAE's (xavier-uniform Linear and patch embedding; no decay on biases and 1-d tensors: the tokens decay).
 """
 import contextlib
 import os
@@ -72,11 +57,10 @@ class Args(H.RunArgs):
     patch_size: int = 16
     img_size: int = 224
     epochs: int = field(default=400, metadata={"help": "effective epochs = passes over the videos x repeated-sampling"})
-    batch_size: int = field(default=1024, metadata={"help": "GLOBAL videos per step, all processes (x repeated-sampling "
-                            "pairs: 1024 x 2 = the paper's 2048, read as pairs)"})
+    batch_size: int = H.arg(1024, "GLOBAL videos a step (x repeated-sampling pairs: 1024 x 2 = the paper's 2048)")
     micro_batch: int = field(default=512, metadata={"help": "videos per forward/backward per process (about 50 GB "
                              "on an 80 GB H100, bf16; 0 = the whole per-process batch); the step stays exact"})
-    repeated_sampling: int = 2
+    repeated_sampling: int = H.arg(2, "pairs drawn per video visit (R)", group="optimisation", positive=True)
     lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global videos per step / 256)"})
     blr: float = 1.5e-4
     min_lr: float = 0.0
@@ -84,47 +68,46 @@ class Args(H.RunArgs):
     weight_decay: float = 0.05
     betas: tuple = (0.9, 0.95)
     mask_ratio: float = 0.95
-    gap: tuple = field(default=(4, 48), metadata={"help": "frame gap range (clipped to the video length)"})
+    gap: tuple = H.arg((4, 48), "frame gap range (clipped to the video length)", group="views and masking")
     crop_scale: tuple = (0.5, 1.0)
-    decoder: str = field(default="cross-self", metadata={"help": "cross-self | cross | joint"})
+    decoder: str = H.arg("cross-self", "cross-self | cross | joint", group="model")
     decoder_dim: int = 256
     decoder_depth: int = 4
     decoder_heads: int = 8
     drop_path: float = 0.0
-    init: str = field(default="xavier", metadata={"help": "xavier (MAE's, default) | trunc (trunc-normal 0.02, DeiT)"})
-    probe_every: int = field(default=200, metadata={"help": "steps between f1 probes, and one at the end (0 = off): the "
-                             "loss on fixed pairs with the true f1, another video's, a grey one and f2 itself; f1_gap = "
-                             "other - true is how much the decoder reads f1 (scripts/siammae_probe.py: any checkpoint)"})
+    init: str = H.arg("xavier", "xavier (MAE's, default) | trunc (trunc-normal 0.02, DeiT)", group="model")
+    probe_every: int = H.arg(200, "steps between f1 probes (how much the decoder reads f1: f1_probe; 0 = off), and one "
+                             "at the end", group="run control", min=0)
 
-    # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr = blr x
-    # videos per step / 256 x the preset's lr_factor, chosen by scripts/lr_sweep.py on 6 held-out train
-    # videos; warm-up the same fraction of the run); the other values are choices for the budget (model,
-    # decoder, batch, length: ~20 min alone on 2 CPU cores) or the data (size, gaps).
-    # `--preset davis` (a DAVIS-2016 root: its 30 train videos, 2 CPU cores): 64 px crops, patch 4 (a
-    # 16 x 16 grid; official 14 x 14), 8 videos x 2 pairs a step, 3,000 steps. The lr: at the per-video lr
-    # (factor 1) the decoder never starts reading f1 (f1 gap ~0.03; it predicts a flat patch; J&F +0.2);
-    # it needs ~200x, lr 1e-3 at 8 videos. Sweep (750-step runs, 24 train videos, J&F of the other 6;
-    # initial encoder 47.4): x53 50.5, x213 52.6, x853 51.2 (docs/RESULTS.md). Gaps from the videos' motion:
-    # a crop of scale 0.5-1 (about 555 px of a 480p frame) at 64 px makes one patch about 35 px of the
-    # frame; the objects' median displacement (train masks' centroids) is 23 px at gap 4, 41 at 8, 60 at
-    # 16 and 73 at 48, so gaps 8..48 (official 4..48; DAVIS is 24 fps, Kinetics 25-30) keep the median
-    # motion above one patch, where copying f1 in place (the synthetic clips' shortcut) does not pay.
-    # --data synthetic: 64 px, the clips' native size, so that eval_video (which runs on native
-    # frames) sees the patch scale the encoder was trained at (a 32 px run fell below random init
-    # there); nano keeps it about 5 min on 2 CPU cores (16 effective epochs = 8 passes of 62 steps).
-    PRESETS = {"davis": dict(lr_factor=213.33, model="nano", patch_size=4, img_size=64, epochs=2000, batch_size=8, decoder_dim=64,
+    # Small recipes (harness.scale_recipe's rules, the lr_factor swept on held-out train videos, the rest the budget's
+    # or the data's; docs/RESULTS.md). `--preset davis`: DAVIS-2016's 30 train videos, 2 CPU cores, ~20 min: lr 1e-3
+    # (x213: at x1 the decoder never reads f1), gaps 8..48 (the median motion above one patch). --data synthetic:
+    # the clips' native 64 px (what eval_video scores), nano, ~5 min.
+    PRESETS = {"davis": dict(lr_factor=213.33, model="nano", patch_size=4, img_size=64, epochs=2000, batch_size=8,
+                             decoder_dim=64,
                              decoder_depth=2, decoder_heads=4, gap=(8, 48), workers=2, log_every=20)}
     SYNTHETIC = dict(model="nano", patch_size=4, img_size=64, epochs=16, batch_size=32, decoder_dim=64,
                      decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2, log_every=20)
+    RUN_ONLY = {"probe_every"}                                       # a resumed run may change it (harness.resume_run)
+
+    def check(self):
+        """validate()'s rules for SiamMAE's own flags."""
+        if not 1 <= self.gap[0] <= self.gap[1]:
+            raise C.UserError(f"--gap must be 1 <= min <= max frames (0 pairs a frame with itself), got {self.gap}")
+        R, passes = self.repeated_sampling, self.epochs // self.repeated_sampling
+        if self.epochs % R:
+            raise C.UserError(f"--epochs {self.epochs} counts effective epochs (passes x --repeated-sampling {R}): "
+                              "make it a multiple of it")
+        if self.stop_epoch > passes:
+            raise C.UserError(f"--stop-epoch {self.stop_epoch} counts passes: this run has {passes}")
 
 
 # ----------------------------------------------------------------------------------------------
 # Video data: folders of frames (the synthetic clips are in synthetic.py)
 # ----------------------------------------------------------------------------------------------
 class FrameFolder:
-    """One video: its frame files in order (C.frame_order). len() = number of frames, load(t) -> PIL RGB. In training (owner:
-    the VideoFolders) an unreadable frame is replaced by the nearest readable one (t+1, t-1, t+2, ...:
-    deterministic, so resume stays exact) and the video is counted as unreadable once per run."""
+    """One video's frame files in order; load(t) -> PIL RGB. In training (owner: the VideoFolders) an unreadable frame
+    is replaced by the nearest readable one (deterministic: resume stays exact) and the video counted once."""
 
     def __init__(self, paths, owner=None, index=0):
         self.paths, self.owner, self.index = paths, owner, index
@@ -146,10 +129,8 @@ class FrameFolder:
 
 
 class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
-    """Every directory under root holding >= 2 image files is a video (any nesting depth).
-    Videos with < 2 frames or an unreadable first frame are skipped with a counted warning. A frame
-    found unreadable later is replaced (FrameFolder.load), reported once, and its video counted in
-    `bad` (shared with forked DataLoader workers; train() stops above --max-unreadable)."""
+    """Every directory under root with >= 2 image files is a video (any depth); shorter ones or an unreadable first
+    frame are skipped with a warning; an unreadable frame later is replaced and its video counted (--max-unreadable)."""
     unit = "videos"                                      # what --max-unreadable's share counts
 
     def __init__(self, root, min_frames=2, holdout=0):
@@ -159,10 +140,8 @@ class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
         listed = davis_train_folders(root)
         for dirpath, _, files in (listed or sorted(os.walk(root, followlinks=True))):
             frames = sorted((f for f in files if f.lower().endswith(C.IMG_EXTS)), key=C.frame_order)
-            if not frames:
-                continue
             if len(frames) < min_frames:
-                short += 1
+                short += len(frames) > 0                             # a folder of no frame is no video
                 continue
             try:
                 with Image.open(os.path.join(dirpath, frames[0])) as im:
@@ -172,7 +151,8 @@ class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
                 continue
             self.videos.append(FrameFolder([os.path.join(dirpath, f) for f in frames], self, len(self.videos)))
         if short or bad:
-            C.print0(f"warning: skipped {short} video(s) with < {min_frames} frames and {bad} with an unreadable first frame")
+            C.print0(f"warning: skipped {short} video(s) with < {min_frames} frames and {bad} with an unreadable first "
+                     "frame")
         if not self.videos:
             raise C.UserError(f"--data {root}: no usable videos (folders with >= {min_frames} JPEG/PNG frames)")
         if holdout:                                                  # --holdout: eval_video.py --holdout scores them
@@ -187,10 +167,9 @@ class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
 
 
 def davis_train_folders(root):
-    """A DAVIS root (JPEGImages/480p/ and a train list: DAVIS-2016 ImageSets/480p/train.txt of "frame
-    mask" pairs, or DAVIS-2017 ImageSets/2017/train.txt of names): (folder, [], frame files) of its train
-    videos only, said in one line; None for any other folder. Walking a DAVIS root whole would also
-    train on the val videos and on the annotation PNGs as if they were videos."""
+    """A DAVIS root (JPEGImages/480p/ and ImageSets/480p/train.txt of DAVIS-2016 or ImageSets/2017/train.txt):
+    (folder, [], frame files) of its train videos only (walked whole it would train on the val videos and the
+    annotations too); None for any other folder."""
     img = os.path.join(root, "JPEGImages", "480p")
     lists = [os.path.join(root, "ImageSets", *s, "train.txt") for s in (("480p",), ("2017",))]
     lst = next((q for q in lists if os.path.isfile(q)), None)
@@ -200,12 +179,14 @@ def davis_train_folders(root):
                     for ln in open(lst) if ln.strip()})
     missing = [v for v in names if not os.path.isdir(os.path.join(img, v))]
     if missing or not names:
-        raise C.UserError(f"--data {root}: {lst} lists {'no video' if not names else f'{missing[0]}, which has no folder in {img}'}")
+        raise C.UserError(f"--data {root}: {lst} lists "
+                          f"{'no video' if not names else f'{missing[0]}, which has no folder in {img}'}")
     C.print0(f"DAVIS root: training on the {len(names)} videos of {os.path.relpath(lst, root)} (JPEGImages/480p)")
     return [(os.path.join(img, v), [], os.listdir(os.path.join(img, v))) for v in names]
 
 
 def video_dataset(data, split="train", holdout=0):
+    """--data: `synthetic` (synthetic.py's clips) or a folder of frame folders; holdout: VideoFolders'."""
     if data == "synthetic":
         if holdout:
             raise C.UserError("--holdout: the synthetic clips have their own val split; leave --holdout out")
@@ -215,8 +196,7 @@ def video_dataset(data, split="train", holdout=0):
 
 
 class FramePair:
-    """video -> R pairs (f1, f2) as uint8 (R, 2, 3, S, S): gap ~ U{gap_min..gap_max} clipped to the
-    video, the same RandomResizedCrop(scale 0.5-1) and flip on both frames, no colour augmentation."""
+    """video -> R pairs (f1, f2) uint8 (R, 2, 3, S, S): gap ~ U{gap}, the same crop and flip, no colour ops."""
 
     def __init__(self, a):
         self.size, self.scale, self.gap, self.R = a.img_size, a.crop_scale, a.gap, a.repeated_sampling
@@ -232,18 +212,14 @@ class FramePair:
             f1, f2 = video.load(t1), video.load(t1 + gap)
             i, j, h, w = T.RandomResizedCrop.get_params(f1, self.scale, (3 / 4, 4 / 3))
             flip = bool(torch.rand(()) < 0.5)
-            out = []
-            for f in (f1, f2):
-                f = TF.resized_crop(f, i, j, h, w, [self.size, self.size], antialias=True)
-                out.append(C.to_uint8(TF.hflip(f) if flip else f))
-            pairs.append(torch.stack(out))
+            crops = [TF.resized_crop(f, i, j, h, w, [self.size, self.size], antialias=True) for f in (f1, f2)]
+            pairs.append(torch.stack([C.to_uint8(TF.hflip(f) if flip else f) for f in crops]))
         return torch.stack(pairs)
 
 
 # ----------------------------------------------------------------------------------------------
-# Model: an MAE-style ViT (models_mae.py): [CLS], fixed 2-D sin-cos position embeddings, masked
-# patches dropped before the encoder. timm's key names: the encoder loads into timm's
-# VisionTransformer and into every other method's ViT (tests/test_interop.py).
+# Model: an MAE-style ViT (models_mae.py): [CLS], fixed 2-D sin-cos position embeddings, masked patches dropped
+# before the encoder; timm's key names (it loads into timm's VisionTransformer and every other method's ViT).
 # ----------------------------------------------------------------------------------------------
 SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small": (384, 12, 6),
          "base": (768, 12, 12), "large": (1024, 24, 16)}                # width, depth, heads
@@ -310,9 +286,8 @@ def sincos_pos_embed(dim, grid):
 
 
 def init_weights(module, style="xavier"):
-    """"xavier" (MAE's, default): Linear xavier-uniform, biases 0; the patch-embedding Conv2d
-    xavier-uniform on its (D, 3 p p) view, bias PyTorch's default (as MAE). "trunc" (DeiT):
-    Linear trunc-normal(0.02), patch embedding kaiming-normal, biases 0. LayerNorm keeps 1 / 0."""
+    """"xavier" (MAE's): Linear and the patch embedding's (D, 3 p p) view xavier-uniform, Linear biases 0 (the patch
+    embedding's PyTorch's default). "trunc" (DeiT): trunc-normal(0.02), patch embedding kaiming-normal, biases 0."""
     for m in module.modules():
         if isinstance(m, nn.Conv2d):
             if style == "xavier":
@@ -331,8 +306,7 @@ def init_token(t, style="xavier"):
 
 
 class ViT(nn.Module):
-    """forward(x, ids_keep=None, norm=True) -> (B, 1 + n, D), [CLS] first; ids_keep (B, n): the
-    visible patches, the only ones the encoder sees."""
+    """forward(x, ids_keep=None, norm=True) -> (B, 1 + n, D), [CLS] first; ids_keep (B, n): the visible patches."""
 
     def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0, init="xavier"):
         super().__init__()
@@ -357,21 +331,13 @@ class ViT(nn.Module):
         return self.norm(x) if norm else x
 
 
-def make_vit(a):
-    if a.model not in SIZES:
-        raise C.UserError(f"--model must be one of {', '.join(SIZES)}, got {a.model!r}")
-    dim, depth, heads = SIZES[a.model]
-    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path, a.init)
-
-
 # ----------------------------------------------------------------------------------------------
 # Masking and patches (MAE)
 # ----------------------------------------------------------------------------------------------
 def random_masking(batch, grid, ratio, device=None):
-    """MAE's per-image random masking of the grid x grid patches: exactly int(N (1 - ratio)) kept, chosen
-    by the ranks of uniform noise. Returns ids_keep (B, n_keep) kept patch indices (ascending),
-    ids_restore (B, N) (gathering cat([kept, masked]) with it restores raster order), mask (B, N)
-    float, 1 = masked."""
+    """MAE's per-image random masking: exactly int(N (1 - ratio)) of the N patches kept, by the ranks of uniform noise.
+    ids_keep (B, n_keep) ascending, ids_restore (B, N) (gathers cat([kept, masked]) back to raster order), mask
+    (B, N) float, 1 = masked."""
     n_keep = int(grid * grid * (1 - ratio))
     noise = torch.rand(batch, grid * grid, device=device)           # argsort of noise (MAE)
     mask = noise.argsort(1).argsort(1) >= n_keep
@@ -401,16 +367,16 @@ def unpatchify(x, p):
     return torch.einsum("bhwpqc->bchpwq", x.reshape(B, h, h, p, p, 3)).reshape(B, 3, h * p, h * p)
 
 
-def norm_pix(target, eps=1e-6):
-    """MAE's norm_pix_loss target: each patch's pixels (x - mean) / sqrt(var + eps), over the patch."""
-    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
-    return (target - mean) / (var + eps) ** 0.5
-
-
 def unnorm_pix(pred, target, eps=1e-6):
     """norm_pix-space predictions back to pixels with the target patches' mean / var (for pictures)."""
     mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
     return pred * (var + eps) ** 0.5 + mean
+
+
+def norm_pix(target, eps=1e-6):
+    """MAE's norm_pix_loss target: each patch's pixels (x - mean) / sqrt(var + eps), over the patch."""
+    mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
+    return (target - mean) / (var + eps) ** 0.5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,7 +403,8 @@ class CrossSelfBlock(nn.Module):
 
     def __init__(self, dim, heads, self_attn=True):
         super().__init__()
-        self.norm_x, self.norm_ctx, self.cross = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6), CrossAttention(dim, heads)
+        self.norm_x, self.norm_ctx = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
+        self.cross = CrossAttention(dim, heads)
         self.norm_sa, self.attn = (nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)) if self_attn else (None, None)
         self.norm_mlp, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, 4 * dim)
 
@@ -453,9 +420,10 @@ class SiamMAE(nn.Module):
         super().__init__()
         if a.decoder not in ("cross-self", "cross", "joint"):
             raise C.UserError(f"--decoder must be cross-self, cross or joint, got {a.decoder!r}")
-        if a.init not in ("xavier", "trunc"):
-            raise C.UserError(f"--init must be xavier or trunc, got {a.init!r}")
-        self.encoder = make_vit(a)
+        if a.init not in ("xavier", "trunc") or a.model not in SIZES:
+            raise C.UserError(f"--init must be xavier or trunc (got {a.init!r}), --model one of {', '.join(SIZES)} "
+                              f"(got {a.model!r})")
+        self.encoder = ViT(a.img_size, a.patch_size, *SIZES[a.model], a.drop_path, a.init)
         D, dd, p = self.encoder.dim, a.decoder_dim, a.patch_size
         self.kind = a.decoder
         self.decoder_embed = nn.Linear(D, dd)
@@ -489,8 +457,7 @@ class SiamMAE(nn.Module):
 # Loss
 # ----------------------------------------------------------------------------------------------
 def siammae_loss(pred, target, mask):
-    """MSE on f2's masked patches. pred (B, N, p*p*3), target (B, N, p*p*3) = norm-pix f2 patches,
-    mask (B, N), 1 = masked. Mean over a patch's values, then mean over masked patches."""
+    """MSE on f2's masked patches: pred, target (norm-pix f2 patches) (B, N, p*p*3), mask (B, N) 1 = masked."""
     return (((pred - target) ** 2).mean(-1) * mask).sum() / mask.sum()
 
 
@@ -499,13 +466,10 @@ def siammae_loss(pred, target, mask):
 # ----------------------------------------------------------------------------------------------
 def train_step(net, f1, f2, ids_keep, ids_restore, mask, a, micro=None, autocast=contextlib.nullcontext(),
                scale=None, ddp=None):
-    """One SiamMAE step on this process's P pairs; gradients are left in the network.
-
-    f1 (P, 3, S, S): the earlier frame, encoded whole (0% masked), read by the decoder as context;
-    f2 (P, 3, S, S): the later frame, encoded at ids_keep only; the loss reads the predictions at
-    f2's MASKED patches (mask (P, N), 1 = masked) against f2's own norm-pix patches. Per pair, so
-    micro-batches (micro pairs) accumulate directly.
-    """
+    """One SiamMAE step on this process's P pairs; gradients are left in the network. f1 (P, 3, S, S): the earlier
+    frame, encoded whole, the decoder's context; f2: the later one, encoded at ids_keep only; the loss reads the
+    predictions at f2's MASKED patches (mask (P, N), 1 = masked) against f2's norm-pix patches. Per pair: micro-batches
+    accumulate directly."""
     P = f1.shape[0]
     target = norm_pix(patchify(f2, a.patch_size))                       # (P, N, p*p*3)
     scale, total = scale or (lambda t: t), 0.0
@@ -519,17 +483,15 @@ def train_step(net, f1, f2, ids_keep, ids_restore, mask, a, micro=None, autocast
 
 
 # ----------------------------------------------------------------------------------------------
-# The f1 probe: does the decoder read f1? The objective can be lowered from f2's few visible patches
-# alone (towards a flat patch); only reading f1 teaches correspondence, so the run measures it.
+# The f1 probe: does the decoder read f1? The objective can fall from f2's visible patches alone (a flat patch)
 # ----------------------------------------------------------------------------------------------
 PROBE_SEED = 20231113                   # the probe pairs' and masks' own draw, never a training draw
 
 
 def probe_pairs(dataset, a, n=48):
-    """Fixed frame pairs for f1_probe: one pair (a's gaps and crops) from each of up to n videos spread over the
-    dataset (a video with an unreadable frame is left out; the reads do not count towards --max-unreadable),
-    and fixed masks of f2, all drawn under PROBE_SEED (the caller's RNG is left alone). Returns
-    (f1, f2 uint8 (k, 3, S, S), ids_keep, ids_restore, mask), or None where no video could be read."""
+    """Fixed pairs for f1_probe, drawn under PROBE_SEED (the caller's RNG left alone): one pair from each of up to n
+    videos spread over the dataset (unreadable ones left out, uncounted) and f2's masks. (f1, f2 uint8 (k, 3, S, S),
+    ids_keep, ids_restore, mask), or None where no video could be read."""
     idx = torch.linspace(0, len(dataset) - 1, min(n, len(dataset))).round().long().unique().tolist()
     if isinstance(dataset, VideoFolders):          # read outside its unreadable-frame count (--max-unreadable's)
         dataset = types.SimpleNamespace(load=lambda i, d=dataset: (FrameFolder(d.videos[i].paths), 0))
@@ -550,9 +512,8 @@ def probe_pairs(dataset, a, n=48):
 
 @torch.no_grad()
 def f1_probe(model, probe, a, autocast=contextlib.nullcontext()):
-    """The loss on the probe pairs' masked f2 patches (probe_pairs) with f1 = the true earlier frame, another
-    video's (the next pair's), a grey frame (0 after normalisation) and f2 itself (the answer in place), and
-    f1_gap = other - true: 0 where the decoder ignores what f1 shows, large where it reads it."""
+    """The loss on the probe pairs' masked f2 patches with f1 = the true frame, another video's, a grey one and f2
+    itself (the answer in place); f1_gap = other - true: 0 where the decoder ignores what f1 shows."""
     dev = next(model.parameters()).device
     f1, f2, ids_keep, ids_restore, mask = (t.to(dev) for t in probe)
     x1, x2 = C.normalize(f1), C.normalize(f2)
@@ -582,19 +543,9 @@ def train(args):
     dataset = video_dataset(args.data, holdout=args.holdout)
     loader = C.make_loader(C.Views(dataset, FramePair(args), args.seed), per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
-    R = args.repeated_sampling
-    if args.epochs % R:
-        raise C.UserError(f"--epochs {args.epochs} counts effective epochs (passes x --repeated-sampling {R}): "
-                          "make it a multiple of it")
-    passes = args.epochs // R
-    if args.stop_epoch > passes:
-        raise C.UserError(f"--stop-epoch {args.stop_epoch} counts passes: this run has {passes} "
-                          f"(--epochs {args.epochs} / --repeated-sampling {R})")
-    total = passes * ipe
-    videos = args.batch_size                                           # MAE-ST: lr scales with videos
-    pairs = videos * R
-    lr = args.lr or args.blr * videos / 256
-    warmup = round(args.warmup_epochs / R * ipe)
+    R, videos = args.repeated_sampling, args.batch_size               # MAE-ST: the lr scales with videos
+    passes, pairs, lr = args.epochs // R, videos * R, args.lr or args.blr * videos / 256
+    total, warmup = passes * ipe, round(args.warmup_epochs / R * ipe)  # epochs: effective (x R; Args.check)
 
     model = SiamMAE(args).to(dev)
     C.set_grad_checkpointing(model, args.grad_ckpt)
@@ -613,7 +564,7 @@ def train(args):
     for epoch in range(start // ipe, args.stop_epoch or passes):         # epoch = one pass over the videos
         model.train()
         bad0 = C.bad_reads(dataset)
-        for it, (clips, _) in C.epoch_batches(loader, epoch, ipe, start, args.seed, run.rank):
+        for it, (clips, _) in C.epoch_batches(run, loader, epoch, ipe, start, args.seed):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, warmup))
             x = C.normalize(clips.to(dev, non_blocking=True).flatten(0, 1))    # (B*R, 2, 3, S, S)
@@ -637,9 +588,11 @@ def train(args):
         with torch.no_grad(), run.autocast:
             pred = model.eval()(f1[:n], f2[:n], ids_keep[:n], ids_restore[:n]).float()
         xp = patchify(f2[:n], p)
-        C.save_image_grid(f"{run.out}/pairs_ep{epoch:04d}_step{(epoch + 1) * ipe:06d}.png", [        # the log's ep, step
-            f1[:n], f2[:n], unpatchify(xp * (1 - m), p), unpatchify(torch.where(m.bool(), unnorm_pix(pred, xp), xp), p)],
-            ["f1 (seen whole)", "f2 (target)", "f2 as encoded (95% masked)", "f2 predicted"], (epoch + 1) * ipe)
+        C.save_image_grid(f"{run.out}/pairs_ep{epoch:04d}_step{(epoch + 1) * ipe:06d}.png",
+                          [        # the log's ep, step
+            f1[:n], f2[:n], unpatchify(xp * (1 - m), p), unpatchify(torch.where(m.bool(), unnorm_pix(pred, xp), xp),
+                                                                    p)],
+            ["f1 (seen whole)", "f2 (target)", "f2 as encoded (95% masked)", "f2 predicted"], (epoch + 1) * ipe, run.tb)
 
 
 if __name__ == "__main__":

@@ -90,8 +90,10 @@ class SyntheticClip:
         self.bg = (rng.uniform(0.3, 0.7), rng.uniform(2, 6), rng.uniform(0, np.pi), rng.uniform(-0.02, 0.02, 2))
         self.objs = []
         for _ in range(rng.integers(1, 4)):
-            self.objs.append(dict(shape=rng.integers(len(SHAPES)), s=rng.uniform(0.25, 0.4), p0=rng.uniform(-0.6, 0.6, 2),
-                                  vel=rng.uniform(-0.04, 0.04, 2), rot0=rng.uniform(0, 2 * np.pi), w=rng.uniform(-0.1, 0.1),
+            self.objs.append(dict(shape=rng.integers(len(SHAPES)), s=rng.uniform(0.25, 0.4), p0=rng.uniform(-0.6, 0.6,
+                                                                                                            2),
+                                  vel=rng.uniform(-0.04, 0.04, 2), rot0=rng.uniform(0, 2 * np.pi), w=rng.uniform(-0.1,
+                                                                                                                 0.1),
                                   level=rng.uniform(0, 1)))
         self.tint = rng.uniform(0.3, 0.7, 3)                     # drawn last: the geometry is as before
         for o in self.objs:

@@ -111,7 +111,8 @@ def reference(method):
         focal = T.Compose([T.RandomResizedCrop(96, scale=(0.05, 0.3)), T.RandomHorizontalFlip(), *color, norm])
         return lambda img: [rand(img) for _ in range(2)] + [focal(img) for _ in range(10)]
     if method == "cmae":                     # CMAE config + CMAEDataset: master crop, shifted coloured target
-        master = T.Compose([T.RandomResizedCrop(256, scale=(0.2, 1.0), interpolation=bicubic), T.RandomHorizontalFlip()])
+        master = T.Compose([T.RandomResizedCrop(256, scale=(0.2, 1.0), interpolation=bicubic),
+                            T.RandomHorizontalFlip()])
         aug = T.Compose([jitter((0.4, 0.4, 0.4, 0.1)), T.RandomGrayscale(0.2), PILBlur(0.5)])
 
         def cmae_views(img):
@@ -120,7 +121,8 @@ def reference(method):
             return norm(m.crop((0, 0, 224, 224))), norm(aug(m.crop((dx, dy, dx + 224, dy + 224))))
         return cmae_views
     if method == "conmim":                   # ConMIM datasets.DataAugmentationForConMIM
-        common = T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(224, scale=(0.08, 1.0), interpolation=bicubic)])
+        common = T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(224, scale=(0.08, 1.0),
+                                                                          interpolation=bicubic)])
         hard = T.Compose([jitter((0.4, 0.4, 0.2, 0.1)), T.RandomGrayscale(0.2), PILBlur(0.1), Solarize(0.2)])
 
         def conmim_views(img):
@@ -339,7 +341,8 @@ def main():
         ld = loader_rate(views, min(bs, len(views)), a.workers, a.batches)
         unit = " (pairs)" if m == "siammae" else ""
         ours = f"{rates[0] * per_item:.1f}"
-        off, ratio, gw = (f"{rates[1]:.1f}", f"{rates[0] / rates[1]:.2f}", f"{rates[2]:.1f}") if ref else ("-", "-", "-")
+        off, ratio, gw = ((f"{rates[1]:.1f}", f"{rates[0] / rates[1]:.2f}", f"{rates[2]:.1f}") if ref
+                          else ("-", "-", "-"))
         g = (f"{gpu_aug_rate(m, args, a.batch_size, device, aug=aug):.0f} ({device})"
              if ref is not None and (device.type == "cuda" or a.device_aug) else "-")
         print(f"| {m}{unit} | {n_views} | {ours} | {off} | {ratio} | {gw} | {ld * per_item:.1f} | {g} |", flush=True)

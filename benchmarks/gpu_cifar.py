@@ -3,7 +3,7 @@ then k-NN of the encoder its paper evaluates against the same run's initial enco
 
   python benchmarks/gpu_cifar.py --data /data/cifar10 --out gpu_check_out              # all four methods, ~10 min
   python benchmarks/gpu_cifar.py --data DIR --methods can msn --minutes 2 --workers 15
-  python benchmarks/gpu_cifar.py --data DIR --small                                     # CPU dry run (nano models, 3 steps)
+  python benchmarks/gpu_cifar.py --data DIR --small                                 # CPU dry run (nano, 3 steps)
 
 Each method runs its real train() in this process, in segments (`--stop-step`; resume is exact and the schedules
 span the whole run): step 1 (the warm-up starts at lr 0, so that checkpoint is the run's initial encoder), 1/4,
@@ -43,7 +43,8 @@ def train_segments(method, a, run_dir):
     [(step, path)], the training seconds, the steps planned and whether the cap stopped it."""
     mod = importlib.import_module(method)
     argv = ["--data", a.data, "--preset", "gpu", "--output-dir", run_dir, "--workers", str(a.workers), "--no-knn",
-            "--save-every-minutes", "0", "--no-compile"] + (SMALL if a.small else []) + (["--device", a.device] if a.device else [])
+            "--save-every-minutes", "0", "--no-compile"] + (SMALL if a.small else []) + (["--device",
+                                                                                          a.device] if a.device else [])
     args = H.parse_args(mod.Args, argv)
     ipe = len(C.image_dataset(args.data, "train")) // args.batch_size          # as the loops count (full batches)
     ipe = min(ipe, args.steps_per_epoch or ipe)
@@ -56,7 +57,7 @@ def train_segments(method, a, run_dir):
             capped = True
             break
         args.stop_step = stop
-        timer = threading.Timer(left, lambda: H._SIGNAL.append(("the --minutes cap", time.time())))
+        timer = threading.Timer(left, lambda: H.Control.current.stop("the --minutes cap"))     # as a signal would
         t0 = time.time()
         timer.start()
         try:
@@ -131,7 +132,8 @@ def main():
     H.catch_preemption()
     res = {"title": f"CIFAR-10, --preset gpu ({device}, seed 0)", "device": device, "torch": torch.__version__,
            "commit": os.environ.get("COMMIT", "unknown"),
-           "source": "python benchmarks/gpu_cifar.py --data cifar10 (bash benchmarks/gpu_check.sh cifar)", "methods": {}}
+           "source": "python benchmarks/gpu_cifar.py --data cifar10 (bash benchmarks/gpu_check.sh "
+                     "cifar)", "methods": {}}
     rows, images = [], eval_images(a)
 
     def save(res):

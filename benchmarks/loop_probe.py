@@ -62,7 +62,8 @@ def timed(fn, n, dev):
 
 
 def section_step(a, dev):
-    print("| method | step + augmentation img/s | ms | step alone img/s | ms | augmentation's share |\n|---|---|---|---|---|---|")
+    print("| method | step + augmentation img/s | ms | step alone img/s | ms | augmentation's share "
+          "|\n|---|---|---|---|---|---|")
     for m in a.methods:
         row = []
         for aug in (True, False):
@@ -84,9 +85,11 @@ def section_aug(a, dev):
     R, F_ = args.rand_views, args.focal_views
     sizes = [(args.img_size, args.focal_size, a.batch_size)] + ([] if a.small else [(224, 96, 256)])
     compiled = GA.color_augmenter(True) if dev.type == "cuda" else None
-    print("| MSN views (batch) | one call per view, eager ms | per size, eager ms | per size, compiled ms |\n|---|---|---|---|")
+    print("| MSN views (batch) | one call per view, eager ms | per size, eager ms | per size, compiled ms "
+          "|\n|---|---|---|---|")
     for big, small, B in sizes:
-        u = [torch.randint(0, 256, (n * B, 3, s, s), dtype=torch.uint8, device=dev) for n, s in ((1 + R, big), (F_, small))]
+        u = [torch.randint(0, 256, (n * B, 3, s, s), dtype=torch.uint8, device=dev) for n, s in ((1 + R, big), (F_,
+                                                                                                                small))]
         per_view = lambda: [C.normalize(GA.color_augment_batch(v)) for x in u for v in x.split(B)]   # noqa: E731
         grouped = lambda f: lambda: [f(x, normalize=True) for x in u]                                # noqa: E731
         ms = [1000 * timed(f, a.timed_steps, dev) for f in (per_view, grouped(GA.color_augment_batch))]
@@ -101,7 +104,8 @@ class Fixed:
     """The real loader's first batch, handed out again and again (no workers, no pin-memory thread after it)."""
 
     def __init__(self, loader):
-        self.loader, self.sampler, self.batch_size, self.dataset = loader, loader.sampler, loader.batch_size, loader.dataset
+        self.loader, self.sampler, self.batch_size, self.dataset = loader, loader.sampler, loader.batch_size, \
+            loader.dataset
 
     def __len__(self):
         return len(self.loader)
@@ -188,7 +192,8 @@ def section_syncs(a, dev, tmp):
         def show(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" not in str(message):
                 return
-            frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(ROOT) and "loop_probe" not in f.filename]
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if f.filename.startswith(ROOT) and "loop_probe" not in f.filename]
             f = frames[-1] if frames else traceback.extract_stack()[-2]
             seen[f"{os.path.relpath(f.filename, ROOT)}:{f.lineno}"] += 1
         with warnings.catch_warnings():
@@ -208,8 +213,8 @@ def section_profile(a, dev, tmp):
         print("profile: CUDA only (the GPU's busy time)")
         return
     from torch.profiler import ProfilerActivity, profile
-    print("| method | wall ms / step | GPU busy ms / step | busy share | top GPU ops (ms / step) | top CPU ops (ms / step) |\n"
-          "|---|---|---|---|---|---|")
+    print("| method | wall ms / step | GPU busy ms / step | busy share | top GPU ops (ms / step) | top CPU ops (ms / "
+          "step) |\n|---|---|---|---|---|---|")
     for m in a.methods:
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         k, t = a.profile_steps, {}
@@ -223,13 +228,17 @@ def section_profile(a, dev, tmp):
                 sync(dev)
                 t[1] = time.perf_counter()
                 prof.stop()
-        train(m, argparse.Namespace(**{**vars(a), "steps": max(a.steps, k)}), dev, os.path.join(tmp, f"{m}-prof"), hook=hook)
+        train(m, argparse.Namespace(**{**vars(a), "steps": max(a.steps, k)}), dev, os.path.join(tmp, f"{m}-prof"),
+              hook=hook)
         ev = prof.key_averages()
-        dev_t = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))   # noqa: E731 (us)
+        def dev_t(e):                                                # us
+            return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
         busy = sum(dev_t(e) for e in ev) / 1000 / k
         wall = 1000 * (t[1] - t[0]) / k
-        top = lambda key: ", ".join(f"{e.key[:40]} {key(e) / 1000 / k:.1f}" for e in sorted(ev, key=key, reverse=True)[:4])  # noqa: E731
-        print(f"| {m} | {wall:.1f} | {busy:.1f} | {busy / wall:.2f} | {top(dev_t)} | {top(lambda e: e.self_cpu_time_total)} |",
+        def top(key):
+            return ", ".join(f"{e.key[:40]} {key(e) / 1000 / k:.1f}" for e in sorted(ev, key=key, reverse=True)[:4])
+        print(f"| {m} | {wall:.1f} | {busy:.1f} | {busy / wall:.2f} | {top(dev_t)} | "
+              f"{top(lambda e: e.self_cpu_time_total)} |",
               flush=True)
 
 

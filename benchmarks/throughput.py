@@ -140,7 +140,8 @@ def setup(method, a, dev):
         nk = int(N * (1 - args.mask_ratio))
         dd = args.decoder_dim
         flops = 2 * B * (3 * (blocks(D, depth, nk + 1) + blocks(dd, args.decoder_depth, N + 1)
-                              + (nk + 1) * lin(D, dd) + (N + 1) * lin(dd, p * p * 3) + lin(D, args.proj_hidden, args.proj_dim))
+                              + (nk + 1) * lin(D, dd) + (N + 1) * lin(dd, p * p * 3) + lin(D, args.proj_hidden,
+                                                                                           args.proj_dim))
                          + 2 * embed(D, N, p) + (2 + 3) * lin(dd, dd))    # two views; sigma's MLP (its input: no grad)
         flops += 3 * 2 * (2 * B) ** 2 * args.proj_dim                                    # InfoNCE logits (2B, 2B)
 
@@ -185,15 +186,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="all", help="msn|cmae|conmim|can|siammae|all")
     ap.add_argument("--model", default="small")
-    ap.add_argument("--preset", default=None, help="time a preset's recipe (e.g. gpu: ViT-Tiny at 32 px) instead of the "
-                    "ImageNet one; --model is then the preset's")
+    ap.add_argument("--preset", default=None, help="time a preset's recipe (e.g. gpu: ViT-Tiny at 32 px) instead of "
+                                                   "the ImageNet one; --model is then the preset's")
     ap.add_argument("--batch-size", type=int, default=64, help="images (pairs for siammae) per step")
     ap.add_argument("--micro-batch", type=int, default=0, help="images per forward/backward (0 = the batch)")
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing of every block")
     ap.add_argument("--precision", default=None, help="bf16|fp32 (default bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--gpu-aug", action="store_true", help="include the loop's batched colour augmentation (uint8 views in, "
-                    "one call per view size, compiled on CUDA as train() runs it) in the step (not siammae: it has none)")
+    ap.add_argument("--gpu-aug", action="store_true", help="include the loop's batched colour augmentation (uint8 "
+                                                           "views in, one call per view size, compiled on CUDA as "
+                                                           "train() runs it) in the step (not siammae: it has none)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100 SXM: 989)")
@@ -205,7 +207,8 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     methods = ["msn", "cmae", "conmim", "can", "siammae"] if a.method == "all" else [a.method]
     name = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"device: {name}, torch {torch.__version__}, {f'--preset {a.preset}' if a.preset else f'model {a.model}'}, batch {a.batch_size}"
+    recipe = f"--preset {a.preset}" if a.preset else f"model {a.model}"
+    print(f"device: {name}, torch {torch.__version__}, {recipe}, batch {a.batch_size}"
           f"{f' (micro {a.micro_batch})' if a.micro_batch else ''}, {a.precision}{', compile' if a.compile else ''}"
           f"{', grad-ckpt' if a.grad_ckpt else ''}{', gpu-aug' if a.gpu_aug else ''}")
     print("| method | img/s (pairs/s siammae) | step ms | peak mem GB | TFLOP/step | MFU |")

@@ -6,7 +6,8 @@ requirement: pip install -r docs/requirements.txt).
 cifar10_curves.png: k-NN top-1 (%) on the 10,000 CIFAR-10 test images against the images seen in
 pre-training, one line per method (the encoder each paper evaluates; an open square: the online encoder
 of an EMA method at the end; dotted: a method's earlier recipe), each method's own initial encoder as a
-dashed line of its colour and raw pixels as a black line; cifar10_gpu_curves.png the same for the GPU tier (benchmarks/gpu_cifar.py). davis_curve.png: SiamMAE's J&F (%) on
+dashed line of its colour and raw pixels as a black line; cifar10_gpu_curves.png the same for the GPU tier
+(benchmarks/gpu_cifar.py). davis_curve.png: SiamMAE's J&F (%) on
 the 20 DAVIS-2016 val videos against the training step, with its initial encoder, raw pixels and the
 first mask copied as horizontal lines. docs/results.json holds every number and where it comes from.
 """

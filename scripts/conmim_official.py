@@ -159,10 +159,10 @@ def main(argv=None):
     opt_ours = C.make_optimizer(ours, lr, a.weight_decay, a.betas, torch.device("cpu"), conmim.no_decay)
     opt_theirs = torch.optim.AdamW(official_groups(theirs, a.weight_decay), lr=lr, betas=a.betas, eps=1e-8)
     total, warm = 1000, a.warmup_epochs / a.epochs * 1000               # the preset's schedule shapes over 1000 steps
-    m0 = H.ema_start(a.ema[0], total, a.ema_horizon)
+    m0 = conmim.ema_start(a.ema[0], total, a.ema_horizon)
     rows, chance = [], math.log((a.img_size // a.patch_size) ** 2)
-    print(f"ConMIM vs the official code at {args.official}: preset small, batch {args.batch_size}, lr x{args.lr_factor:g} "
-          f"(peak {lr:g}), chance ln N = {chance:.4f}")
+    print(f"ConMIM vs the official code at {args.official}: preset small, batch {args.batch_size}, lr "
+          f"x{args.lr_factor:g} (peak {lr:g}), chance ln N = {chance:.4f}")
     for step, (weak, strong, mask) in enumerate(batches(a, args.data, args.batch_size, args.steps, args.seed)):
         C.set_hparams(opt_ours, C.cosine_schedule(step, total, lr, a.min_lr * args.lr_factor, warm))
         for g in opt_theirs.param_groups:
@@ -185,8 +185,8 @@ def main(argv=None):
         b_theirs = theirs.rel_pos_bias.relative_position_bias_table.abs().max().item()
         rows.append({"step": step + 1, "ours": float(l_ours), "official": float(l_theirs),
                      "diff": abs(float(l_ours) - float(l_theirs)), "bias_ours": b_ours, "bias_official": b_theirs})
-        print(f"step {step + 1:4d}  ours {float(l_ours):.5f}  official {float(l_theirs):.5f}  |diff| {rows[-1]['diff']:.1e}"
-              f"  max|b| {b_ours:.4f} / {b_theirs:.4f}", flush=True)
+        print(f"step {step + 1:4d}  ours {float(l_ours):.5f}  official {float(l_theirs):.5f}  |diff| "
+              f"{rows[-1]['diff']:.1e}  max|b| {b_ours:.4f} / {b_theirs:.4f}", flush=True)
     first = max(r["diff"] for r in rows[:args.agree])
     result = {"steps": len(rows), "lr_factor": args.lr_factor, "batch_size": args.batch_size, "chance": chance,
               f"max_diff_first_{args.agree}": first, "agree": first <= args.tol,
@@ -194,7 +194,8 @@ def main(argv=None):
               "mean_official": sum(r["official"] for r in rows) / len(rows)}
     print(json.dumps(result))
     if first > args.tol:
-        raise SystemExit(f"error: the losses differ by {first:.2e} within the first {args.agree} steps (> --tol {args.tol:g})")
+        raise SystemExit(f"error: the losses differ by {first:.2e} within the first {args.agree} steps "
+                         f"(> --tol {args.tol:g})")
     return rows
 
 

@@ -33,7 +33,7 @@ def sweep_flags(cls, preset, factor, fraction):
     raw = {**getattr(cls, "PRESETS", {})}[preset]
     unit = raw.get("repeated_sampling", getattr(cls, "repeated_sampling", 1))
     epochs = max(unit, round(raw["epochs"] * fraction / unit) * unit)
-    derived = H.scale_recipe(cls, {**raw, "epochs": epochs, "lr_factor": factor})
+    derived = getattr(cls, "preset_rules", H.scale_recipe)(cls, {**raw, "epochs": epochs, "lr_factor": factor})
     flags = ["--epochs", str(epochs)]
     for k in LR_KEYS:
         if derived.get(k) is not None:
@@ -64,7 +64,8 @@ def run(cmd, log):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
     p.add_argument("method", choices=("msn", "cmae", "conmim", "can", "siammae"))
-    p.add_argument("--data", required=True, help="the training folder the preset is for (e.g. CIFAR-10's, a DAVIS root)")
+    p.add_argument("--data", required=True,
+                   help="the training folder the preset is for (e.g. CIFAR-10's, a DAVIS root)")
     p.add_argument("--preset", default="small", help="the method's preset (default small; SiamMAE: davis)")
     p.add_argument("--factors", type=float, nargs="+", default=[1, 4, 16], help="lr multiples of the per-image lr")
     p.add_argument("--fraction", type=float, default=0.25, help="share of the preset's epochs each run trains")
@@ -77,7 +78,8 @@ def main(argv=None):
         raise SystemExit("error: --fraction must be in (0, 1], --holdout and every factor positive")
     mod = __import__(a.method)
     if a.preset not in getattr(mod.Args, "PRESETS", {}):
-        raise SystemExit(f"error: {a.method} has no preset {a.preset!r} (it has: {', '.join(getattr(mod.Args, 'PRESETS', {}))})")
+        raise SystemExit(f"error: {a.method} has no preset {a.preset!r} (it has: "
+                         f"{', '.join(getattr(mod.Args, 'PRESETS', {}))})")
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
     rows = []

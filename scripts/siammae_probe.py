@@ -37,7 +37,8 @@ def probe(ckpt, data, pairs=48, device=None):
         raise C.UserError(f"--data {data}: no video with readable probe frames")
     target = M.norm_pix(M.patchify(C.normalize(p[1]), a.patch_size))
     flat = M.siammae_loss(torch.zeros_like(target), target, p[4]).item()
-    return {"ckpt": ckpt, "step": c["step"], "pairs": len(p[0]), **M.f1_probe(model, p, a), "flat_patch": round(flat, 5)}
+    return {"ckpt": ckpt, "step": c["step"], "pairs": len(p[0]), **M.f1_probe(model, p, a), "flat_patch": round(flat,
+                                                                                                                5)}
 
 
 def main():

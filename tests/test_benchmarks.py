@@ -25,13 +25,15 @@ def test_throughput_and_data_scripts_run():
                 "--workers", "0", "--batch-size", "4", "--batches", "2")
     assert r.returncode == 0, r.stderr
     row = [c.strip() for c in [ln for ln in r.stdout.splitlines() if ln.startswith("| conmim |")][0].split("|")]
-    assert row[2] == "2" and all(float(row[i]) > 0 for i in (3, 4, 5, 6, 7)) and ("(cpu)" in row[8] or "(cuda)" in row[8])
+    assert row[2] == "2" and all(float(row[i]) > 0 for i in (3, 4, 5, 6,
+                                                             7)) and ("(cpu)" in row[8] or "(cuda)" in row[8])
 
 
 def test_data_script_times_the_augmentation_against_a_git_revision():
     """--aug-against REV: this checkout's gpu_aug against the file at REV, a row per method with the
     recipe's view sizes; a revision git does not know is one line."""
-    r = run_cli("benchmarks/data.py", "--aug-against", "HEAD", "--method", "cmae", "--batch-size", "2", "--device", "cpu")
+    r = run_cli("benchmarks/data.py", "--aug-against", "HEAD", "--method", "cmae", "--batch-size", "2",
+                "--device", "cpu")
     assert r.returncode == 0, r.stderr
     row = [c.strip() for c in [ln for ln in r.stdout.splitlines() if ln.startswith("| cmae |")][0].split("|")]
     assert row[2] == "224 px" and all(float(row[i]) > 0 for i in (3, 4, 5))
@@ -112,9 +114,10 @@ def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     with its table; every part under its cap (cuda-* and tests only run pytest). A GPU call can then fail for GPU
     reasons only."""
     out = tmp_path / "out"
-    parts = ["probe", "realstep", "aug", "cifar"]     # the prepared calls' other parts run pytest: the suite covers them
+    parts = ["probe", "realstep", "aug", "cifar"]     # the calls' other parts run pytest: the suite covers them
     r = subprocess.run(["bash", "benchmarks/gpu_check.sh", *parts], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "SMALL": "1", "OUT": str(out), "PYTHON": sys.executable})
+                       text=True, timeout=600, env={**os.environ, "SMALL": "1", "OUT": str(out),
+                                                    "PYTHON": sys.executable})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = (out / "summary.log").read_text().splitlines()
     assert [ln.split(":")[0] for ln in summary] == parts and all("rc 0" in ln for ln in summary)
@@ -122,7 +125,8 @@ def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     assert set(res["methods"]) == {"msn", "cmae", "conmim", "can"} and 0 <= res["pixels"] <= 100
     for m, run in res["methods"].items():
         assert run["steps"] == run["planned_steps"] == 3 and not run["capped"], m         # 3 classes x 8 / batch 8
-        assert [n for n, _ in run["knn"]] == [0, 16, 24] and run["model"] == "nano", m    # step 1 = init, 1/2 -> 2, end 3
+        assert [n for n, _ in run["knn"]] == [0, 16,
+                                              24] and run["model"] == "nano", m    # step 1 = init, 1/2 -> 2, end 3
         assert run["init"] == run["knn"][0][1] and ("online" in run) == (m in ("msn", "conmim")), m
     assert "| CAN (online) | 3 x 8 |" in (out / "cifar.log").read_text()
     rows = [ln for ln in (out / "realstep.log").read_text().splitlines() if ln.startswith("| ") and "img/s" not in ln]

@@ -38,7 +38,8 @@ def test_reconstruction_and_denoising_use_masked_and_visible_patches():
     pred, x, noise = (torch.randn(B, N, P, generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.tensor([[1, 0, 1, 0], [0, 0, 1, 1], [1, 1, 0, 0]], dtype=torch.float64)
     rec = sum(((pred[b, j] - x[b, j]) ** 2).sum() for b in range(B) for j in range(N) if mask[b, j]) / (mask.sum() * P)
-    den = sum(((pred[b, j] - noise[b, j]) ** 2).sum() for b in range(B) for j in range(N) if not mask[b, j]) / ((1 - mask).sum() * P)
+    den = sum(((pred[b, j] - noise[b, j]) ** 2).sum() for b in range(B) for j in range(N)
+              if not mask[b, j]) / ((1 - mask).sum() * P)
     torch.testing.assert_close(can.reconstruction_loss(pred, x, mask), rec)
     torch.testing.assert_close(can.denoising_loss(pred, noise, mask), den)
     u1, u2 = torch.randn(B, 5, dtype=torch.float64), torch.randn(B, 5, dtype=torch.float64)
@@ -61,7 +62,8 @@ def test_noise_embedding_changes_decoder_output_and_gradients_reach_everything()
     p0, u0 = model(x, torch.zeros(4), ids_keep, ids_restore)
     p1, u1 = model(x, torch.full((4,), 0.05), ids_keep, ids_restore)
     assert not torch.allclose(p0, p1)                      # decoder knows sigma, at every token
-    assert not torch.allclose(p0[mask.bool()], p1[mask.bool()]) and not torch.allclose(p0[~mask.bool()], p1[~mask.bool()])
+    assert not torch.allclose(p0[mask.bool()], p1[mask.bool()]) and not torch.allclose(p0[~mask.bool()],
+                                                                                       p1[~mask.bool()])
     torch.testing.assert_close(u0, u1)                     # the encoder does not see sigma
     model.train()
     x = torch.randn(8, 3, 16, 16)
@@ -102,7 +104,8 @@ def test_end_to_end_resume_and_png(tmp_path):
 
 
 def test_bad_input(tmp_path):
-    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "4", "--epochs", "1", "--warmup-epochs", "0",
+    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "4", "--epochs", "1",
+            "--warmup-epochs", "0",
             "--steps-per-epoch", "1", "--no-knn"]
     one_line_error(run_cli("can.py", "--data", str(tmp_path / "nope"), *tiny), "no such directory")
     C.save_checkpoint(str(tmp_path / "checkpoint.pth"), {"method": "msn", "encoder": {}})
@@ -132,7 +135,9 @@ def test_tensorboard_gets_every_scalar_and_the_pictures(tmp_path, monkeypatch):
     calls = []
     for name in ("add_scalar", "add_image", "flush"):
         real = getattr(SummaryWriter, name)
-        monkeypatch.setattr(SummaryWriter, name, lambda self, *a, _r=real, _n=name, **kw: (calls.append(_n), _r(self, *a, **kw))[1])
+        monkeypatch.setattr(SummaryWriter, name, lambda self, *a, _r=real, _n=name, **kw: (calls.append(_n), _r(self,
+                                                                                                                *a,
+                                                                                                                **kw))[1])
     can.train(tiny_args(tmp_path, epochs=1, tensorboard=True))
     assert "add_image" in calls and calls[-1] == "flush", calls[-6:]
     ev = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0, "scalars": 0})

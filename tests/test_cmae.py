@@ -50,10 +50,13 @@ def test_contrastive_loss_matches_naive(B, d, tau):
 def test_reconstruction_loss_matches_naive(B, N, P):
     pred, target = torch.randn(B, N, P, dtype=torch.float64), torch.randn(B, N, P, dtype=torch.float64)
     _, _, mask = cmae.random_masking(B, int(math.sqrt(N)), 0.5)
-    torch.testing.assert_close(cmae.reconstruction_loss(pred, target, mask.double()), naive_reconstruction(pred, target, mask))
+    torch.testing.assert_close(cmae.reconstruction_loss(pred, target, mask.double()), naive_reconstruction(pred,
+                                                                                                           target,
+                                                                                                           mask))
     # visible patches do not matter
     pred2 = pred + (1 - mask.double())[..., None] * 100
-    torch.testing.assert_close(cmae.reconstruction_loss(pred2, target, mask.double()), cmae.reconstruction_loss(pred, target, mask.double()))
+    torch.testing.assert_close(cmae.reconstruction_loss(pred2, target, mask.double()),
+                               cmae.reconstruction_loss(pred, target, mask.double()))
 
 
 def test_pixel_shift_views_overlap_where_the_shift_says():
@@ -86,7 +89,8 @@ def test_pixel_shift_views_overlap_where_the_shift_says():
 def tiny_args(tmp, **kw):
     base = dict(data="synthetic", output_dir=str(tmp), model="nano", patch_size=4, img_size=16, master_size=20,
                 epochs=2, steps_per_epoch=2, batch_size=8, warmup_epochs=1, decoder_dim=32, decoder_depth=1,
-                decoder_heads=2, feature_decoder_depth=1, proj_hidden=32, proj_dim=16, workers=0, log_every=1, knn=False)
+                decoder_heads=2, feature_decoder_depth=1, proj_hidden=32, proj_dim=16, workers=0, log_every=1,
+                knn=False)
     base.update(kw)
     return cmae.Args(**base)
 

@@ -124,7 +124,8 @@ def _ddp_worker(rank, world, s, t, mask):
 
 def test_ddp_two_processes_equal_one_process():
     g = torch.Generator().manual_seed(0)
-    s, t = torch.randn(4, 16, 5, generator=g, dtype=torch.float64), torch.randn(4, 16, 5, generator=g, dtype=torch.float64)
+    s, t = torch.randn(4, 16, 5, generator=g, dtype=torch.float64), torch.randn(4, 16, 5, generator=g,
+                                                                                dtype=torch.float64)
     mask = conmim.random_masking(4, 4, 0.75, 2)         # equal masked counts per image
     s1 = s.clone().requires_grad_()
     loss1 = conmim.conmim_loss(s1, t, mask.double())
@@ -183,7 +184,8 @@ def test_the_official_comparison_skips_where_the_official_code_is_not_on_disk(tm
     import conmim_official
     assert conmim_official.main(["--official", str(tmp_path)]) is None
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and out[0].startswith("skipped:") and "git clone https://github.com/TencentARC/ConMIM" in out[0]
+    assert len(out) == 1 and out[0].startswith("skipped:")
+    assert "git clone https://github.com/TencentARC/ConMIM" in out[0]
     official = os.environ.get("CONMIM_OFFICIAL")
     if not official or not os.path.isfile(os.path.join(official, "modeling_pretrain.py")):
         pytest.skip("CONMIM_OFFICIAL is not a checkout of TencentARC/ConMIM")
@@ -192,7 +194,8 @@ def test_the_official_comparison_skips_where_the_official_code_is_not_on_disk(tm
 
 
 def test_bad_input(tmp_path):
-    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "4", "--epochs", "1", "--warmup-epochs", "0",
+    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "4", "--epochs", "1",
+            "--warmup-epochs", "0",
             "--steps-per-epoch", "1", "--no-knn"]
     one_line_error(run_cli("conmim.py", "--data", str(tmp_path / "nope"), *tiny), "no such directory")
     C.save_checkpoint(str(tmp_path / "checkpoint.pth"), {"method": "cmae", "encoder": {}})
@@ -217,7 +220,8 @@ def test_the_probe_script_takes_the_student_from_model_and_the_teacher_from_targ
     spec = importlib.util.spec_from_file_location("conmim_probe", os.path.join(ROOT, "scripts", "conmim_probe.py"))
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    run = lambda name: probe.main([str(tmp_path / name), "--data", data, "--split", "val", "--images", "9"])  # noqa: E731
+    def run(name):
+        return probe.main([str(tmp_path / name), "--data", data, "--split", "val", "--images", "9"])
     apart, same = run("apart.pth"), run("same.pth")
     assert apart["objective"] != same["objective"] and apart["other_image"] != same["other_image"]
     assert apart["sym"] == same["sym"] and apart["max_bias"] == same["max_bias"]    # the student: the same `model`
@@ -229,7 +233,8 @@ def test_the_official_comparison_fails_when_one_steps_losses_part(tmp_path, monk
     schedule, EMA and official_loss's transcription) and agree (exit 0); with the official loss moved by 0.01 at ONE
     of the --agree steps it exits non-zero (the largest difference counts, not the smallest)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("conmim_official", os.path.join(ROOT, "scripts", "conmim_official.py"))
+    path = os.path.join(ROOT, "scripts", "conmim_official.py")
+    spec = importlib.util.spec_from_file_location("conmim_official", path)
     off = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(off)
 

@@ -24,7 +24,8 @@ def test_warping_f1_by_the_true_motion_reproduces_f2():
         f1, f2 = (np.asarray(clip.load(t))[..., 0] / 255.0 for t in (3, 11))
         src, ids = clip.source(3, 11)
         grid = torch.tensor(src / ((clip.size - 1) / 2) - 1, dtype=torch.float32)[None]
-        warped = F.grid_sample(torch.tensor(f1, dtype=torch.float32)[None, None], grid, align_corners=True)[0, 0].numpy()
+        warped = F.grid_sample(torch.tensor(f1, dtype=torch.float32)[None, None], grid, align_corners=True)[0,
+                                                                                                            0].numpy()
         inside = ((src >= 0) & (src <= clip.size - 1)).all(-1)
         assert np.median(np.abs(warped - f2)[inside]) < 0.01
         moved = np.hypot(*(src - np.stack(np.meshgrid(np.arange(64), np.arange(64)), -1)).transpose(2, 0, 1)) > 2
@@ -114,10 +115,12 @@ def test_cross_attention_hook_leaves_the_forward_unchanged(tiny_siammae):
 
 
 def test_evaluate_reports_every_measure_for_trained_and_random_init(tiny_siammae, tmp_path):
-    rows = EC.evaluate(EC.Args(ckpt=tiny_siammae, gaps=(4,), videos=2, pairs=1, device="cpu", output=str(tmp_path / "c.jsonl")))
+    rows = EC.evaluate(EC.Args(ckpt=tiny_siammae, gaps=(4,), videos=2, pairs=1, device="cpu",
+                               output=str(tmp_path / "c.jsonl")))
     r = rows[0]
     for k in ("acc_enc_obj", "acc_enc_bg", "acc_attn_obj", "acc_attn_bg", "acc_zero_obj", "acc_zero_bg",
-              "loss_model_obj", "loss_other_f1_obj", "loss_blank_f1_obj", "loss_mean_obj", "loss_const_obj", "loss_copy_obj", "loss_oracle_obj"):
+              "loss_model_obj", "loss_other_f1_obj", "loss_blank_f1_obj", "loss_mean_obj", "loss_const_obj",
+              "loss_copy_obj", "loss_oracle_obj"):
         assert r[k] is not None and not (isinstance(r[k], float) and math.isnan(r[k])), k
     assert r["loss_oracle_bg"] < r["loss_copy_bg"]                              # the true motion explains f2
     assert json.loads(open(tmp_path / "c.jsonl").readline()) == r
@@ -147,6 +150,7 @@ def test_the_constant_baseline_is_the_mean_training_target_and_colour_clips_defe
     clip = next(S.SyntheticClip(i) for i in range(50) if len(S.SyntheticClip(i).objs) >= 2)
     img, ids = clip._render(0)
     assert img.ndim == 3 and not np.allclose(img[..., 0], img[..., 1])                     # colour frames
-    flat = [siammae.norm_pix(siammae.patchify(C.normalize(torch.tensor(np.tile(o["rgb"], (4, 4, 1)).T[None]).float()), 4))
+    flat = [siammae.norm_pix(siammae.patchify(C.normalize(torch.tensor(np.tile(o["rgb"], (4, 4, 1)).T[None]).float()),
+                                              4))
             for o in clip.objs[:2]]
     assert not torch.allclose(flat[0], flat[1], atol=1e-2)

@@ -135,7 +135,7 @@ def test_a_training_step_never_waits_for_the_gpu(method, tmp_path, monkeypatch):
     monkeypatch.setattr(C, "end_step", end_step)
     extra = (dict(epochs=2, steps_per_epoch=4, probe_every=0) if method == "siammae"   # 2 effective epochs = 1 pass;
              else dict(gpu_aug=True, epochs=1, steps_per_epoch=4))                     # its f1 probe reads numbers
-    try:                                                                                # (a log step: syncs, as they do)
+    try:                                                                            # (a log step: syncs, as they do)
         mod.train(tiny(tmp_path, device="cuda", compile=False, log_every=100, **extra))
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -45,7 +45,8 @@ def test_knn_normalises_each_row_whatever_its_norm():
     (normalising the feature columns instead passed the small test above by chance)."""
     g = torch.Generator().manual_seed(1)
     tr, te = torch.randn(300, 8, generator=g), torch.randn(200, 8, generator=g)
-    tr, te = tr * torch.logspace(-1, 1, 300)[torch.randperm(300, generator=g), None], te * torch.logspace(-1, 1, 200)[:, None]
+    tr, te = tr * torch.logspace(-1, 1, 300)[torch.randperm(300, generator=g), None], te * torch.logspace(-1, 1,
+                                                                                                          200)[:, None]
     ytr, yte = torch.randint(0, 6, (300,), generator=g), torch.randint(0, 6, (200,), generator=g)
     votes = E.knn_predict(F.normalize(tr, dim=1), ytr, F.normalize(te, dim=1), 6, k=10, T=0.07)   # naive-checked below
     res = E.knn(tr, ytr, te, yte, 6, k=10, T=0.07)
@@ -134,7 +135,8 @@ def test_lowshot_reports_the_mean_and_std_of_each_seeds_top1_under_its_protocols
         calls.append(1)
         return Ws[len(calls) - 1]
     monkeypatch.setattr(E, "logistic_regression", fixed_w)
-    accs = torch.tensor([100 * ((E.msn_preprocess(va).double() @ W).argmax(1) == yva).double().mean().item() for W in Ws])
+    accs = torch.tensor([100 * ((E.msn_preprocess(va).double() @ W).argmax(1) == yva).double().mean().item()
+                         for W in Ws])
     assert len(set(accs.tolist())) > 1
     res = E.lowshot(tr, ytr, va, yva, 4, shots=2, seeds=3)
     assert res.keys() == {"lowshot_2shot_mean", "lowshot_2shot_std"}
@@ -201,7 +203,8 @@ def test_each_method_checkpoint_evaluates(method, tmp_path):
     mod = importlib.import_module(method)
     data = tiny_folder(tmp_path / "data")
     mod.train(mod.Args(data=data, output_dir=str(tmp_path / "run"), model="nano", patch_size=4, img_size=16,
-                       epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, warmup_epochs=0, **TINY[method]))
+                       epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, warmup_epochs=0,
+                       **TINY[method]))
     ckpt = str(tmp_path / "run" / "checkpoint.pth")
     res = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="all", workers=0, k=3, linear_epochs=2, seeds=2))
     assert res["method"] == method and res["pool"] == E.DEFAULT_POOL[method]
@@ -239,11 +242,14 @@ def test_the_sweeps_validation_is_train_images_held_out_of_training_never_val(tm
     read.clear()
     shapes = []
     real_knn = E.knn
-    monkeypatch.setattr(E, "knn", lambda tr, ytr, va, yva, *a: (shapes.append((len(tr), len(va))), real_knn(tr, ytr, va, yva, *a))[1])
+    monkeypatch.setattr(E, "knn", lambda tr, ytr, va, yva, *a: (shapes.append((len(tr), len(va))), real_knn(tr, ytr,
+                                                                                                            va, yva,
+                                                                                                            *a))[1])
     ckpt = str(tmp_path / "run" / "checkpoint.pth")
     res = E.evaluate(E.Args(ckpt=ckpt, data=data, holdout=5, workers=0, k=3))
     assert res["split"] == "holdout" and shapes == [(13, 5)] and sorted(read) == sorted(every)
-    for bad, match in ((dict(holdout=4), "trained with --holdout 5"), (dict(holdout=5, split="val"), "not --split val")):
+    for bad, match in ((dict(holdout=4), "trained with --holdout 5"), (dict(holdout=5, split="val"), "not --split "
+                                                                                                     "val")):
         with pytest.raises(C.UserError, match=match):
             E.evaluate(E.Args(ckpt=ckpt, data=data, workers=0, k=3, **bad))
     with pytest.raises(C.UserError, match="trained with --holdout 0 .on every train/ image"):
@@ -280,11 +286,14 @@ def test_online_reads_the_online_networks_encoder(method, prefix, tmp_path):
 
 
 def test_bad_checkpoints(tmp_path):
-    one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "missing.pth"), "--data", "synthetic"), "does not exist")
+    one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "missing.pth"), "--data", "synthetic"),
+                   "does not exist")
     (tmp_path / "junk.pth").write_bytes(b"junk")
-    one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "junk.pth"), "--data", "synthetic"), "not a readable checkpoint")
+    one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "junk.pth"), "--data", "synthetic"),
+                   "not a readable checkpoint")
     torch.save({"state_dict": {}}, tmp_path / "foreign.pth")
-    one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "foreign.pth"), "--data", "synthetic"), "unknown checkpoint layout")
+    one_line_error(run_cli("eval_linear.py", "--ckpt", str(tmp_path / "foreign.pth"), "--data", "synthetic"),
+                   "unknown checkpoint layout")
 
 
 def test_an_unreadable_image_is_an_error_in_evaluation_not_skipped(tmp_path):
@@ -349,7 +358,8 @@ def test_knn_monitor_is_the_evaluations_knn_on_the_folder(how, tmp_path, monkeyp
     def feats(split):
         rows = [(p, int(p.parent.name[1])) for p in sorted((tmp_path / "d" / split).glob("*/*.png"))]
         with torch.no_grad():
-            f = torch.cat([E.features_of(enc, C.normalize(tf(Image.open(p).convert("RGB"))[None]), how) for p, _ in rows])
+            f = torch.cat([E.features_of(enc, C.normalize(tf(Image.open(p).convert("RGB"))[None]), how) for p,
+                           _ in rows])
         return f, torch.tensor([c for _, c in rows])
     (ftr, ytr), (fva, yva) = feats("train"), feats("val")
     ref = E.knn(ftr, ytr, fva, yva, 3, k=4)["knn_top1"]
@@ -533,7 +543,8 @@ def test_a_dataset_changed_in_place_gets_fresh_features_and_labels(tmp_path):
     ckpt = vit_checkpoint(tmp_path / "c.pth", "can")
     a = E.Args(ckpt=ckpt, data=data, workers=0)
     enc, ck = E.load_encoder(ckpt)
-    feats = lambda: E.features(a, enc, ck, "val", C.image_dataset(data, "val"), torch.device("cpu"))
+    def feats():
+        return E.features(a, enc, ck, "val", C.image_dataset(data, "val"), torch.device("cpu"))
     f1, y1 = feats()
     shutil.copy(os.path.join(data, "val", "c0", "0.png"), os.path.join(data, "val", "c1", "9.png"))
     f2, y2 = feats()

@@ -159,14 +159,17 @@ def test_a_broken_davis_folder_is_a_one_line_error_naming_what_is_missing(tmp_pa
         edit(root)
         with pytest.raises(C.UserError, match=match):
             list(V.davis_videos(str(root), "val"))
-    broken("list", lambda r: os.remove(r / "ImageSets/2017/val.txt"), "no ImageSets/2017/val.txt, the list of the --split val")
+    broken("list", lambda r: os.remove(r / "ImageSets/2017/val.txt"),
+           "no ImageSets/2017/val.txt, the list of the --split val")
     broken("empty", lambda r: (r / "ImageSets/2017/val.txt").write_text("\n"), "lists no video")
-    broken("listed", lambda r: (r / "ImageSets/2017/val.txt").write_text("v\nw\n"), "video w listed in .*val.txt has no folder")
+    broken("listed", lambda r: (r / "ImageSets/2017/val.txt").write_text("v\nw\n"),
+           "video w listed in .*val.txt has no folder")
     broken("noframes", lambda r: [os.remove(f) for f in (r / "JPEGImages/480p/v").iterdir()], "video v: no frames")
     broken("first", lambda r: os.remove(r / "Annotations/480p/v/00000.png"), "no first-frame annotation")
     broken("frame", lambda r: (r / "JPEGImages/480p/v/00001.jpg").write_bytes(b"not a jpeg"), "cannot read .*00001.jpg")
     broken("mask", lambda r: (r / "Annotations/480p/v/00002.png").write_bytes(b"not a png"), "cannot read .*00002.png")
-    broken("object", lambda r: Image.fromarray(np.zeros((32, 32), np.uint8), mode="P").save(r / "Annotations/480p/v/00000.png"),
+    broken("object", lambda r: Image.fromarray(np.zeros((32, 32), np.uint8),
+                                               mode="P").save(r / "Annotations/480p/v/00000.png"),
            "has no object to propagate")
     _, root = davis_folder(tmp_path / "ok", frames=3)
     os.remove(root / "Annotations/480p/v/00001.png")                    # unannotated frames are allowed
@@ -191,7 +194,8 @@ def test_davis_layout_end_to_end_and_palette_output(tmp_path):
     one_line_error(run_cli("eval_video.py", "--ckpt", ck, "--data", str(root), "--short-side", "3"),
                    "--short-side 3 is below the patch size 4")                 # it was a traceback in F.interpolate
     (tmp_path / "file").write_text("")                                   # --output: checked before any video
-    one_line_error(run_cli("eval_video.py", "--ckpt", ck, "--data", str(root), "--output", str(tmp_path / "file" / "o")),
+    one_line_error(run_cli("eval_video.py", "--ckpt", ck, "--data", str(root), "--output",
+                           str(tmp_path / "file" / "o")),
                    "is not a writable directory (Not a directory)")
 
 
@@ -297,7 +301,8 @@ def test_propagation_equals_a_naive_reference(T, n_context):
         for i, j in cells:
             cand = [(float(feats[t, i, j] @ feats[0, a, b]) / temp, labels[0][a, b]) for a, b in cells]
             cand += [(float(feats[t, i, j] @ feats[s, a, b]) / temp, labels[s][a, b])
-                     for s in range(max(0, t - n_context), t) for a, b in cells if (a - i) ** 2 + (b - j) ** 2 < radius ** 2]
+                     for s in range(max(0, t - n_context), t) for a,
+                     b in cells if (a - i) ** 2 + (b - j) ** 2 < radius ** 2]
             top = sorted(cand, key=lambda c: -c[0])[:k]
             wgt = torch.softmax(torch.tensor([a for a, _ in top]), 0)
             new[i, j] = sum(wt * lab for wt, (_, lab) in zip(wgt, top))
@@ -387,7 +392,8 @@ def test_synthetic_clips_are_evaluated_at_their_native_size(tmp_path, monkeypatc
     from helpers import vit_checkpoint
     seen = []
     monkeypatch.setattr(V, "synthetic_videos", lambda task: iter([("v", [None] * 3, [None] * 3)]))
-    monkeypatch.setattr(V, "evaluate_video", lambda enc, fr, m, a, short, dev: (seen.append(short), (None, {1: (0.5, 0.7)}))[1])
+    monkeypatch.setattr(V, "evaluate_video", lambda enc, fr, m, a, short, dev: (seen.append(short), (None, {1: (0.5,
+                                                                                                                0.7)}))[1])
     res = V.evaluate(V.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", "siammae"), data="synthetic"))
     assert seen == [0] and res["JF_mean"] == pytest.approx(60.0)
 
@@ -449,7 +455,8 @@ def test_evaluate_reports_the_mean_over_objects_and_checks_its_flags(tmp_path, m
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["a", "J", "70.0", "F", "50.0", "objects", "2"]
     assert out[1].split() == ["b", "J", "10.0", "F", "20.0", "objects", "1"]
-    assert json.loads(out[-1]) == {"method": "siammae", "random_init": False, "online": False, "task": "davis", "videos": 2, "J_mean": 50.0,
+    assert json.loads(out[-1]) == {"method": "siammae", "random_init": False, "online": False, "task": "davis",
+                                   "videos": 2, "J_mean": 50.0,
                                    "F_mean": 40.0, "JF_mean": 45.0}
     for _ in range(2):                                                  # twice into the same --output
         run(output=str(tmp_path / "out"))
@@ -514,10 +521,12 @@ def test_davis2016_layout_reads_255_as_the_object_and_an_oracle_scores_100(tmp_p
     for name, frames, masks in got:
         truth = [(clips[name].mask(t) == 1).astype(np.uint8) for t in range(6)]
         assert all(np.array_equal(m, g) for m, g in zip(masks, truth)) and masks[0].max() == 1
-        assert np.array_equal(np.array(frames[2]), np.array(Image.open(root / f"JPEGImages/480p/{name}/00002.jpg").convert("RGB")))
+        assert np.array_equal(np.array(frames[2]),
+                              np.array(Image.open(root / f"JPEGImages/480p/{name}/00002.jpg").convert("RGB")))
     truth = {n: np.stack([(clips[n].mask(t) == 1).astype(np.uint8) for t in range(6)]) for n in clips}
     order = iter(["a", "b"])
-    monkeypatch.setattr(V, "propagate_labels", lambda enc, frames, gt0, a, geom, device: (truth[next(order)].copy(), [1]))
+    monkeypatch.setattr(V, "propagate_labels", lambda enc, frames, gt0, a, geom, device: (truth[next(order)].copy(),
+                                                                                          [1]))
     res = V.evaluate(V.Args(pixels=True, patch_size=4, data=str(root), short_side=0))
     assert res["videos"] == 2 and res["JF_mean"] == pytest.approx(100.0)
     monkeypatch.undo()

@@ -33,7 +33,8 @@ CAN_CLI = ["can.py", "--model", "nano", "--patch-size", "4", "--img-size", "16",
 
 def test_non_finite_loss_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
     out = str(tmp_path)
-    cmd = [*CAN_CLI, "--data", "synthetic", "--epochs", "3", "--steps-per-epoch", "3", "--lr", "1e30", "--output-dir", out]
+    cmd = [*CAN_CLI, "--data", "synthetic", "--epochs", "3", "--steps-per-epoch", "3", "--lr", "1e30", "--output-dir",
+           out]
     r = run_cli(*cmd, "--stop-step", "1")                  # step 1's update, lr 1e30: weights ~1e30, still finite
     assert r.returncode == 0, r.stderr
     before = open(tmp_path / "checkpoint.pth", "rb").read()
@@ -58,7 +59,8 @@ def test_no_checkpoint_is_written_after_a_non_finite_step_even_with_finite_weigh
         return loss, parts
     step_3_logs_nan.calls = 0
     monkeypatch.setattr(can, "train_step", step_3_logs_nan)
-    with pytest.raises(C.UserError, match="non-finite loss or gradient at step 3 .*last finite checkpoint \\(step 2\\)"):
+    with pytest.raises(C.UserError, match="non-finite loss or gradient at step 3 .*last finite checkpoint \\(step "
+                                          "2\\)"):
         can.train(can_args(tmp_path, epochs=2, steps_per_epoch=3, save_every=1, log_every=10))
     assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 2
 
@@ -77,7 +79,8 @@ def test_weights_made_non_finite_with_a_finite_loss_are_never_written(tmp_path, 
         return norm
     step_3_breaks_a_weight.calls = 0
     monkeypatch.setattr(C, "optimizer_step", step_3_breaks_a_weight)
-    with pytest.raises(C.UserError, match="non-finite weights at step 3: not written; .* keeps the last finite checkpoint"):
+    with pytest.raises(C.UserError, match="non-finite weights at step 3: not written; .* keeps the last finite "
+                                          "checkpoint"):
         can.train(can_args(tmp_path, epochs=2, steps_per_epoch=3, save_every=1, log_every=10))
     assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 2
 
@@ -161,7 +164,8 @@ def test_each_loop_stops_at_the_epoch_end_when_too_many_images_are_unreadable(me
     data = _image_folder(tmp_path / "data")
     mod, args = {"msn": (msn, msn_args), "cmae": (cmae, cmae_args), "conmim": (conmim, conmim_args),
                  "can": (can, can_args)}[method]
-    with pytest.raises(C.UserError, match=r"2 of 24 images read in this epoch were unreadable \(> --max-unreadable 0.05\)"):
+    with pytest.raises(C.UserError, match=r"2 of 24 images read in this epoch were unreadable \(> --max-unreadable "
+                                          r"0.05\)"):
         mod.train(args(tmp_path / "out", data=data, batch_size=8, epochs=1, steps_per_epoch=0, warmup_epochs=0,
                        max_unreadable=0.05))
 
@@ -190,7 +194,8 @@ def test_mid_epoch_resume_is_bit_exact(method, tmp_path):
 def test_save_every_writes_mid_epoch_checkpoints(tmp_path, monkeypatch):
     steps = []
     real = C.save_run
-    monkeypatch.setattr(C, "save_run", lambda run, m, a, e, s, *r, **kw: (steps.append(s), real(run, m, a, e, s, *r, **kw)))
+    monkeypatch.setattr(C, "save_run", lambda run, m, a, e, s, *r, **kw: (steps.append(s), real(run, m, a, e, s, *r,
+                                                                                                **kw)))
     can.train(can_args(tmp_path, epochs=2, steps_per_epoch=3, save_every=2, save_every_minutes=0))
     assert steps == [2, 3, 4, 6, 6]                                         # every 2 steps + each epoch end
 
@@ -300,7 +305,8 @@ def test_an_error_raised_in_an_evaluation_loader_worker_ends_the_process(tmp_pat
     (["--stop-epoch", "3"], "--stop-epoch 3 is after the last epoch (--epochs 2)"),
 ])
 def test_flags_are_validated_with_one_line_errors(flags, msg, tmp_path):
-    one_line_error(run_cli(*CAN_CLI, "--data", "synthetic", "--epochs", "2", *flags, "--output-dir", str(tmp_path)), msg)
+    one_line_error(run_cli(*CAN_CLI, "--data", "synthetic", "--epochs", "2", *flags, "--output-dir", str(tmp_path)),
+                   msg)
 
 
 def test_global_batch_must_divide_over_processes():
@@ -343,7 +349,8 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(obj, f, *a, **kw)
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(C.UserError, match="cannot write checkpoint .*No space left on device.*the previous one is intact"):
+    with pytest.raises(C.UserError, match="cannot write checkpoint .*No space left on device.*the previous one is "
+                                          "intact"):
         can.train(can_args(tmp_path, epochs=2, steps_per_epoch=2, save_every_minutes=0))
     ck = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")
     assert ck["step"] == 2 and not [f for f in os.listdir(tmp_path) if ".tmp." in f]
@@ -392,7 +399,8 @@ def test_one_loader_iterator_serves_every_epoch(tmp_path, monkeypatch):
 def test_a_run_that_stops_early_logs_its_last_step(tmp_path):
     """Whatever ends the run, its last step is in the log, between --log-every steps too: the end of
     --stop-epoch's epoch, --stop-step, a preemption signal (the stop end_step forces)."""
-    steps = lambda d: [json.loads(line)["step"] for line in open(tmp_path / d / "log.jsonl") if '"step"' in line]
+    def steps(d):
+        return [json.loads(line)["step"] for line in open(tmp_path / d / "log.jsonl") if '"step"' in line]
     can.train(can_args(tmp_path / "epoch", epochs=3, steps_per_epoch=3, log_every=2, stop_epoch=1))
     can.train(can_args(tmp_path / "step", epochs=3, steps_per_epoch=3, log_every=2, stop_step=5))
     assert steps("epoch") == [2, 3] and steps("step") == [2, 4, 5]

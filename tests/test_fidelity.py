@@ -41,7 +41,8 @@ def test_conmim_pretraining_drop_path_is_zero_and_teacher_is_deterministic_in_tr
 def test_conmim_projector_has_no_bias_and_sees_the_cls_token():
     """modeling_pretrain.py: (Linear no bias, BN, ReLU) x 2, Linear no bias, BN(affine=False); over every token."""
     model = conmim.Net(conmim_args("/tmp/unused"))
-    assert [type(m) for m in model.projector.mlp] == [nn.Linear, nn.BatchNorm1d, nn.ReLU] * 2 + [nn.Linear, nn.BatchNorm1d]
+    assert [type(m) for m in model.projector.mlp] == [nn.Linear, nn.BatchNorm1d, nn.ReLU] * 2 + [nn.Linear,
+                                                                                                 nn.BatchNorm1d]
     assert model.projector.mlp[1].affine and not model.projector.mlp[-1].affine
     assert all(m.bias is None for m in model.projector.modules() if isinstance(m, nn.Linear))
     seen = []
@@ -114,7 +115,7 @@ def test_conmim_uses_beit_init():
     torch.manual_seed(0)
     model = conmim.Net(conmim_args("/tmp/unused", model="micro"))
     enc = model.encoder
-    assert not enc.rel_pos_bias.relative_position_bias_table.any()   # official: zeros (its trunc_normal_ is commented out)
+    assert not enc.rel_pos_bias.relative_position_bias_table.any()   # official: zeros (its trunc_normal_ commented out)
     assert all(not (b.attn.q_bias.any() or b.attn.v_bias.any()) for b in enc.blocks)
     for t in (enc.patch_embed.proj.weight, enc.cls_token, model.mask_token,
               enc.blocks[0].attn.qkv.weight, model.projector.mlp[0].weight):
@@ -161,7 +162,8 @@ def test_mae_family_decoders_are_xavier_initialised(build, parts):
                                    lambda: cmae.CMAE(cmae_args("/tmp/unused")),
                                    lambda: conmim.Net(conmim_args("/tmp/unused")),
                                    lambda: can.CAN(can_args("/tmp/unused")),
-                                   lambda: siammae.SiamMAE(siammae_args())], ids=["msn", "cmae", "conmim", "can", "siammae"])
+                                   lambda: siammae.SiamMAE(siammae_args())],
+                         ids=["msn", "cmae", "conmim", "can", "siammae"])
 def test_every_layernorm_has_eps_1e_6(build):
     """partial(nn.LayerNorm, eps=1e-6) in every official encoder and decoder (timm's ViT default too)."""
     norms = [m for m in build().modules() if isinstance(m, nn.LayerNorm)]

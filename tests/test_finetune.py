@@ -112,7 +112,8 @@ def test_resume_is_exact_and_the_run_reports_top1(tmp_path, pretrained):
 
     def make(out, **kw):
         return FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(out), epochs=2, steps_per_epoch=2, batch_size=8,
-                       micro_batch=0, warmup_epochs=1, blr=1e-3, workers=0, log_every=1, eval_batch=500, device="cpu", **kw)
+                       micro_batch=0, warmup_epochs=1, blr=1e-3, workers=0, log_every=1, eval_batch=500, device="cpu",
+                       **kw)
     exact_resume(FT.finetune, make, tmp_path, "finetune", ("model", "encoder"))
     for run in ("full", "part"):                                     # part: epoch 0, then resumed for epoch 1
         recs = [json.loads(line) for line in open(tmp_path / run / "log.jsonl")]
@@ -167,7 +168,8 @@ def test_micro_batches_give_the_step_of_one_batch(tmp_path, pretrained):
 
 
 def test_bad_input_is_one_line(tmp_path, pretrained):
-    one_line_error(run_cli("eval_finetune.py", "--data", "synthetic", "--output-dir", str(tmp_path)), "--ckpt is required")
+    one_line_error(run_cli("eval_finetune.py", "--data", "synthetic", "--output-dir", str(tmp_path)),
+                   "--ckpt is required")
     one_line_error(run_cli("eval_finetune.py", "--ckpt", str(tmp_path / "none.pth"), "--data", "synthetic",
                            "--output-dir", str(tmp_path)), "does not exist")
     ckpt = pretrained
@@ -195,7 +197,8 @@ def test_the_network_sees_the_mixed_images_and_the_loss_the_mixed_targets(tmp_pa
     forward = FT.Classifier.forward
     monkeypatch.setattr(FT.Classifier, "forward", lambda self, x: (seen.append(x), forward(self, x))[1])
     FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=1, steps_per_epoch=1,
-                        batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, eval_batch=500, device="cpu"))
+                        batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, eval_batch=500,
+                        device="cpu"))
     assert seen and (seen[0] == 7.0).all()                           # training forward: the mixed images
     assert targets and torch.allclose(targets[0].sum(1), torch.ones(8)) and targets[0].max() < 1.0   # smoothed
 
@@ -211,7 +214,8 @@ def test_the_checkpoint_method_picks_the_official_recipe(method, recipe, warmup_
     monkeypatch.setattr(C, "optimizer_step", lambda run, opt, params, max_norm=0.0: (
         lrs.append([g["lr"] / g["lr_scale"] for g in opt.param_groups]), real(run, opt, params, max_norm))[1])
     res = FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=2,
-                              steps_per_epoch=2, batch_size=8, micro_batch=0, warmup_epochs=1, workers=0, eval_batch=500,
+                              steps_per_epoch=2, batch_size=8, micro_batch=0, warmup_epochs=1, workers=0,
+                              eval_batch=500,
                               device="cpu"))
     assert res["recipe"] == recipe and len(lrs) == 4
     assert lrs[0] == pytest.approx([warmup_lr] * len(lrs[0]), abs=1e-12)            # warm-up start
@@ -253,7 +257,8 @@ def test_train_transform_is_the_recipes_pipeline():
     from torchvision import transforms as T
     bic = T.InterpolationMode.BICUBIC
     ref = T.Compose([T.RandomResizedCrop(16, scale=(0.08, 1.0), interpolation=bic), T.RandomHorizontalFlip(),
-                     T.RandAugment(2, 9, interpolation=bic), C.to_uint8, C.normalize, T.RandomErasing(0.25, value="random")])
+                     T.RandAugment(2, 9, interpolation=bic), C.to_uint8, C.normalize, T.RandomErasing(0.25,
+                                                                                                      value="random")])
     ours = FT.train_transform(FT.Args(), 16)
     img = Image.fromarray(torch.randint(0, 256, (30, 40, 3), dtype=torch.uint8).numpy())
     for seed in range(12):
@@ -272,15 +277,17 @@ def test_each_process_evaluates_its_strided_share_of_val(monkeypatch):
     _, val, _ = E.splits("synthetic")
     model = FT.Classifier(E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), len(val.classes))
     sums = []
-    monkeypatch.setattr(H, "all_reduce_sum_", lambda h: (sums.append(h.clone()), h)[1])
+    monkeypatch.setattr(C, "all_reduce_sum_", lambda h: (sums.append(h.clone()), h)[1])
     for rank, world in ((0, 1), (0, 2), (1, 2)):
-        run = H.argparse.Namespace(rank=rank, world=world, device=torch.device("cpu"), autocast=C.contextlib.nullcontext())
+        run = H.argparse.Namespace(rank=rank, world=world, device=torch.device("cpu"),
+                                   autocast=C.contextlib.nullcontext())
         FT.evaluate(model, val, 16, FT.Args(data="synthetic", workers=0, eval_batch=300), run)
     assert sums[1][2] == (len(val) + 1) // 2 and sums[2][2] == len(val) // 2
     torch.testing.assert_close(sums[1] + sums[2], sums[0])
 
 
-@pytest.mark.parametrize("method,lr,blr,warmup,warmup_lr", [("conmim", 4e-3, None, 20, 0.0), ("cmae", None, 5e-4, 5, 0.0),
+@pytest.mark.parametrize("method,lr,blr,warmup,warmup_lr", [("conmim", 4e-3, None, 20, 0.0), ("cmae", None, 5e-4, 5,
+                                                                                              0.0),
                                                             ("msn", None, 5e-4, 5, 0.0)])
 def test_the_recipe_fills_every_unset_field(method, lr, blr, warmup, warmup_lr, tmp_path, monkeypatch):
     """BEiT-style (ConMIM): lr 4e-3 absolute, 20 warm-up epochs from 0; MAE (others): blr 5e-4, 5 from 0."""
@@ -302,8 +309,10 @@ def test_best_top1_is_the_best_epoch_and_a_resume_ignores_records_of_epochs_stil
     monkeypatch.setattr(FT, "evaluate", lambda *a: (next(scores), 90.0, 1.0))
 
     def args(**kw):
-        return FT.Args(**{**dict(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=3, steps_per_epoch=1,
-                                 batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, device="cpu"), **kw})
+        return FT.Args(**{**dict(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=3,
+                                 steps_per_epoch=1,
+                                 batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, device="cpu"),
+                          **kw})
     res = FT.finetune(args())
     assert (res["best_top1"], res["last_top1"]) == (50.0, 45.0)
     out = str(tmp_path / "resumed")
@@ -335,11 +344,104 @@ def test_a_run_stopped_at_an_epochs_last_step_evaluates_that_epoch_when_resumed(
     monkeypatch.setattr(FT, "evaluate", lambda *a: (next(scores), 90.0, 1.0))
 
     def args(**kw):
-        return FT.Args(**{**dict(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=3, steps_per_epoch=1,
-                                 batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, device="cpu"), **kw})
+        return FT.Args(**{**dict(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=3,
+                                 steps_per_epoch=1,
+                                 batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, device="cpu"),
+                          **kw})
     assert FT.finetune(args(stop_step=2)) is None                   # epochs 0, 1 trained; epoch 0 evaluated
     assert FT.finetune(args(stop_step=3)) is None                   # epoch 1 evaluated, epoch 2 trained
     res = FT.finetune(args())                                        # the final epoch evaluated, nothing to train
     vals = [json.loads(line) for line in open(tmp_path / "o" / "log.jsonl")]
     assert [(r["epoch"], r["val_top1"]) for r in vals if "val_top1" in r] == [(0, 50.0), (1, 40.0), (2, 45.0)]
     assert (res["best_top1"], res["last_top1"]) == (50.0, 45.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The small recipe on real-data folders: a label budget, held-out images, test/, sparse evaluations
+# ----------------------------------------------------------------------------------------------
+def cifar_like(root, n_train=6, n_test=3):
+    """train/ and test/ (no val/, as CIFAR-10's folders), 3 classes of synthetic shapes, PNGs of 16 px."""
+    from test_eval_linear import S
+    for split, n in (("train", n_train), ("test", n_test)):
+        for c in range(3):
+            os.makedirs(root / split / f"c{c}", exist_ok=True)
+            for i in range(n):
+                S.synthetic_image(c + 10 * i, split="val" if split == "test" else split, size=16)[0].save(
+                    root / split / f"c{c}" / f"{i}.png")
+    return str(root)
+
+
+def test_labels_per_class_keeps_a_fixed_draw_of_n_images_of_each_class(tmp_path):
+    """The same n files of each class whatever --seed (every run of a comparison sees the same labels), a fixed
+    draw rather than the first n, and a one-line error where a class has fewer."""
+    data = cifar_like(tmp_path / "d", n_train=8)
+    draws = []
+    for _ in range(2):
+        train = C.image_dataset(data, "train")
+        FT.labelled(train, 3)
+        draws.append(train.samples)
+    assert draws[0] == draws[1] and len(draws[0]) == 9
+    assert sorted(c for _, c in draws[0]) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    firsts = [s for s in C.image_dataset(data, "train").samples if s[0].endswith(("/0.png", "/1.png", "/2.png"))]
+    assert draws[0] != sorted(firsts)                                  # a draw, not the first files
+    with pytest.raises(C.UserError, match="--labels-per-class 9: class 'c0' has 8 training images"):
+        FT.labelled(C.image_dataset(data, "train"), 9)
+
+
+def test_a_run_with_a_label_budget_and_held_out_images_trains_and_scores_what_it_says(tmp_path, monkeypatch):
+    """--holdout N scores the N held-out training images and trains on the others; --labels-per-class n draws from
+    those others only; without --holdout a folder with no val/ is scored on test/. The images the network trains on
+    and those scored are counted where they are used (the loader's dataset, evaluate's)."""
+    data = cifar_like(tmp_path / "d", n_train=8)
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
+    seen = {}
+    real_loader, real_eval = C.make_loader, FT.evaluate
+    monkeypatch.setattr(C, "make_loader", lambda ds, *a, **kw: (seen.update(train=[s[0] for s in ds.dataset.samples]),
+                                                                real_loader(ds, *a, **kw))[1])
+    monkeypatch.setattr(FT, "evaluate", lambda model, val, *a: (seen.update(val=[s[0] for s in val.samples]),
+                                                                real_eval(model, val, *a))[1])
+
+    def run(name, **kw):
+        return FT.finetune(FT.Args(ckpt=ckpt, data=data, output_dir=str(tmp_path / name), epochs=1, batch_size=3,
+                                   micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, device="cpu", **kw))
+    res = run("held", holdout=6, labels_per_class=2)
+    held = [s[0] for s in C.image_dataset(data, "holdout", holdout=6).samples]
+    assert res["split"] == "holdout" and seen["val"] == held and len(seen["train"]) == res["train_images"] == 6
+    assert not set(seen["train"]) & set(held)                        # never a held-out image
+    res = run("test")
+    assert res["split"] == "test" and len(seen["val"]) == 9 and all("/test/" in p for p in seen["val"])
+    assert res["train_images"] == 24
+
+
+def test_eval_every_evaluates_every_nth_epoch_and_the_last_also_after_a_resume(tmp_path, monkeypatch):
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
+    scores = iter(range(10, 100, 10))
+    monkeypatch.setattr(FT, "evaluate", lambda *a: (float(next(scores)), 90.0, 1.0))
+
+    def args(**kw):
+        return FT.Args(**{**dict(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=5,
+                                 steps_per_epoch=1,
+                                 batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0, device="cpu",
+                                 eval_every=2), **kw})
+    assert FT.finetune(args(stop_step=2)) is None                    # epoch 1 (the 2nd) due, stopped before it
+    FT.finetune(args())                                              # resumed: 1 evaluated first, then 3 and 4 (last)
+    vals = [json.loads(line) for line in open(tmp_path / "o" / "log.jsonl")]
+    assert [r["epoch"] for r in vals if "val_top1" in r] == [1, 3, 4]
+    assert vals[-1]["best_top1"] == 30.0 and vals[-1]["last_top1"] == 30.0
+
+
+@pytest.mark.parametrize("method,lr", [("conmim", 4e-3 * 256 / 1024 * 2.0), ("cmae", 5e-4 * 2.0)])
+def test_the_small_preset_takes_the_recipes_per_image_lr_and_its_warm_up_share(method, lr, tmp_path, monkeypatch):
+    """--preset small: BEiT's lr (4e-3 for 1024 images) per image at the preset's batch, MAE's blr as it is, both
+    times the preset's lr_factor (here forced to 2); warm-up the recipe's share of its 100 epochs (BEiT 20%, MAE
+    5%) of the preset's epochs; the peak lr each step applies, as a number."""
+    monkeypatch.setitem(FT.Args.PRESETS, "small", {**FT.Args.PRESETS["small"], "lr_factor": 2.0})
+    seen = []
+    monkeypatch.setattr(H, "setup", lambda args, name: (seen.append(args), (_ for _ in ()).throw(KeyboardInterrupt))[1])
+    with pytest.raises(KeyboardInterrupt):
+        FT.finetune(H.parse_args(FT.Args, ["--ckpt", vit_checkpoint(tmp_path / "c.pth", method), "--data", "synthetic",
+                                           "--preset", "small"]))
+    a, p = seen[0], FT.Args.PRESETS["small"]
+    share = 0.2 if method == "conmim" else 0.05
+    assert a.batch_size == p["batch_size"] == 256 and a.warmup_epochs == pytest.approx(share * p["epochs"])
+    assert (a.lr or a.blr * a.batch_size / 256) * a.lr_factor == pytest.approx(lr)

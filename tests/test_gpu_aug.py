@@ -67,7 +67,8 @@ def _ks(a, b):
     """Two-sample Kolmogorov-Smirnov statistic."""
     a, b = a.sort()[0], b.sort()[0]
     z = torch.cat([a, b])
-    return (torch.searchsorted(a, z, right=True) / len(a) - torch.searchsorted(b, z, right=True) / len(b)).abs().max().item()
+    return (torch.searchsorted(a, z, right=True) / len(a) - torch.searchsorted(b, z,
+                                                                               right=True) / len(b)).abs().max().item()
 
 
 @pytest.mark.parametrize("params", [{}, dict(jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)],
@@ -111,7 +112,8 @@ def test_color_augment_batch_has_the_torchvision_distribution(params, device="cp
 
 
 @pytest.mark.compiles
-@pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))), reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))),
+                    reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_color_augment_batch_has_the_torchvision_distribution():
     """What train() runs under --compile (gpu_aug.color_augmenter(True), compiled color_augment_batch):
     inductor draws its own random numbers, so the KS test above, not equality, says it is the same
@@ -195,7 +197,8 @@ def test_with_compile_the_loop_augments_through_the_compiled_function(method, tm
     through that compiled function (torch.compile replaced by a marker; networks pass through)."""
     mod, args, n_views = CASES[method][:3]
     calls = []
-    monkeypatch.setattr(GA, "color_augment_batch", lambda x, normalize=False, **kw: (calls.append("eager"), x.float() / 255)[1])
+    monkeypatch.setattr(GA, "color_augment_batch", lambda x, normalize=False, **kw: (calls.append("eager"),
+                                                                                     x.float() / 255)[1])
 
     def fake_compile(fn, **kw):
         if isinstance(fn, torch.nn.Module):

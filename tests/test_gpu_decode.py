@@ -112,11 +112,18 @@ def test_msn_step_gets_the_same_views_with_and_without_gpu_decode(folder, tmp_pa
     resampling difference), and each is far from any other view of the batch."""
     got = []
     real = msn.train_step
-    monkeypatch.setattr(msn, "train_step", lambda *a, **kw: (got.append([t.clone() for t in a[2:5]]), real(*a, **kw))[1])
-    monkeypatch.setattr(GA, "color_augment_batch", lambda x: x.float() / 255 if x.dtype == torch.uint8 else x)
+    def step(*a, **kw):
+        got.append([t.clone() for t in a[2:5]])
+        return real(*a, **kw)
+
+    def identity(x, normalize=False, **kw):                            # in [0, 1]; "normalised": x 255
+        return (x.float() / 255 if x.dtype == torch.uint8 else x) * (255 if normalize else 1)
+    monkeypatch.setattr(msn, "train_step", step)
+    monkeypatch.setattr(GA, "color_augment_batch", identity)
     monkeypatch.setattr(C, "normalize", lambda x: x.float() * 255)
     for flag in (False, True):
-        msn.train(tiny_args(tmp_path / str(flag), data=folder, img_size=224, focal_size=96, patch_size=16, batch_size=4, epochs=1,
+        msn.train(tiny_args(tmp_path / str(flag), data=folder, img_size=224, focal_size=96, patch_size=16,
+                            batch_size=4, epochs=1,
                             steps_per_epoch=1, warmup_epochs=0, gpu_aug=True, gpu_decode=flag, resume=False,
                             max_unreadable=0.5, device="cpu"))   # the wiring; nvJPEG vs libjpeg: test_cuda.py
     (cpu, dev) = got

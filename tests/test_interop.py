@@ -31,8 +31,9 @@ def beit_keys(depth, shared=True):
     keys = {"cls_token", "patch_embed.proj.weight", "patch_embed.proj.bias", "norm.weight", "norm.bias"}
     keys |= {"rel_pos_bias.relative_position_bias_table"} if shared else set()
     for i in range(depth):
-        keys |= {f"blocks.{i}.{k}" for k in ("norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.q_bias", "attn.v_bias",
-                                             "attn.proj.weight", "attn.proj.bias", "norm2.weight", "norm2.bias",
+        keys |= {f"blocks.{i}.{k}" for k in ("norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.q_bias",
+                                             "attn.v_bias", "attn.proj.weight", "attn.proj.bias", "norm2.weight",
+                                             "norm2.bias",
                                              "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias",
                                              "gamma_1", "gamma_2")}
         keys |= set() if shared else {f"blocks.{i}.attn.relative_position_bias_table"}
@@ -50,7 +51,8 @@ def timm_beit(shared=True, layer_scale=0.1):
 def test_every_checkpoint_encoder_has_timm_keys_only(method, tmp_path):
     mod = importlib.import_module(method)
     mod.train(mod.Args(data="synthetic", output_dir=str(tmp_path), model="nano", patch_size=4, img_size=16,
-                       epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, warmup_epochs=0, **TINY[method]))
+                       epochs=1, steps_per_epoch=1, batch_size=4, workers=0, knn=False, warmup_epochs=0,
+                       **TINY[method]))
     ckpt = C.load_checkpoint(str(tmp_path / "checkpoint.pth"), method)
     beit = method == "conmim"                                       # ConMIM's backbone is BEiT's
     assert set(ckpt["encoder"]) == (beit_keys(2) if beit else timm_keys(2))     # no mask token, no head
@@ -137,16 +139,10 @@ def test_encoder_loads_into_timm_named_models(size):
         torch.testing.assert_close(tm(x), enc(x)[:, 0], atol=1e-4, rtol=1e-4)
 
 
-def _old_format(sd):
-    """This project's key names before timm naming: Sequential MLP."""
-    return {k.replace(".mlp.fc1.", ".mlp.0.").replace(".mlp.fc2.", ".mlp.2."): v for k, v in sd.items()}
-
-
 def test_conmim_checkpoints_from_before_the_beit_backbone_still_load_for_evaluation(tmp_path, capsys):
     """ConMIM checkpoints written before its BEiT backbone (a plain ViT with learned absolute position
-    embeddings, in either key naming: Sequential MLP and encoder.mask_token before timm's names)
-    evaluate as the plain ViT they are, with a line saying they predate the fix; resuming one with
-    today's conmim.py is a one-line error (the backbones differ)."""
+    embeddings and the mask token in the encoder) evaluate as the plain ViT they are, with a line saying they
+    predate the fix; resuming one with today's conmim.py is a one-line error (the backbones differ)."""
     import conmim
     from test_conmim import tiny_args
     torch.manual_seed(0)
@@ -154,8 +150,8 @@ def test_conmim_checkpoints_from_before_the_beit_backbone_still_load_for_evaluat
     vit = {k: v for k, v in plain.config.items() if k != "init"} | {"mask_token": True}
     mask_token = torch.randn(1, 1, 64)
     old = {"method": "conmim", "vit": vit, "args": {"seed": 0}, "epoch": 1, "step": 1,
-           "encoder": _old_format(plain.state_dict()) | {"mask_token": mask_token},
-           "model": {"encoder." + k: v for k, v in _old_format(plain.state_dict()).items()} | {"encoder.mask_token": mask_token}}
+           "encoder": plain.state_dict() | {"mask_token": mask_token},
+           "model": {"encoder." + k: v for k, v in plain.state_dict().items()} | {"encoder.mask_token": mask_token}}
     torch.save(old, tmp_path / "old.pth")
     enc, _ = E.load_encoder(str(tmp_path / "old.pth"))
     assert "from before its BEiT backbone" in capsys.readouterr().out
@@ -279,9 +275,9 @@ def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_
         os.makedirs(tmp_path / "imgs" / f"c{i % 2}", exist_ok=True)
         S.synthetic_image(i)[0].save(tmp_path / "imgs" / f"c{i % 2}" / f"{i}.png")
     r = run_cli("can.py", "--data", str(tmp_path / "imgs"), "--model", "nano", "--patch-size", "4", "--img-size", "16",
-                "--batch-size", "4", "--epochs", "1", "--warmup-epochs", "0", "--decoder-dim", "16", "--decoder-depth", "1",
-                "--decoder-heads", "2", "--proj-hidden", "16", "--proj-dim", "8", "--workers", "0", "--knn", "--output-dir",
-                str(tmp_path / "out"), cwd=str(proj))
+                "--batch-size", "4", "--epochs", "1", "--warmup-epochs", "0", "--decoder-dim", "16",
+                "--decoder-depth", "1", "--decoder-heads", "2", "--proj-hidden", "16", "--proj-dim", "8",
+                "--workers", "0", "--knn", "--output-dir", str(tmp_path / "out"), cwd=str(proj))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "k-NN monitor skipped: it is eval_linear.py's" in r.stdout
     assert set(os.listdir(proj)) - {"__pycache__"} == copied

@@ -123,8 +123,10 @@ def _record(monkeypatch, mod):
     return events, steps, bn_modes
 
 
-@pytest.mark.parametrize("method,horizon", [(m, 0.0) for m in sorted(CASES)] + [(m, 0.5) for m in ("msn", "cmae", "conmim")])
-def test_loop_applies_the_official_schedules_and_updates_the_target_after_each_step(method, horizon, tmp_path, monkeypatch):
+@pytest.mark.parametrize("method,horizon", [(m, 0.0) for m in sorted(CASES)]
+                         + [(m, 0.5) for m in ("msn", "cmae", "conmim")])
+def test_loop_applies_the_official_schedules_and_updates_the_target_after_each_step(method, horizon, tmp_path,
+                                                                                    monkeypatch):
     """Each step's lr, weight decay and EMA momentum are the official schedules' (horizon 0.5: the short-run
     EMA rule, the first momentum lowered so that its horizon is half the run)."""
     mod, make, reference = CASES[method]
@@ -366,7 +368,8 @@ def test_each_loop_ends_step_k_with_its_global_step_and_the_epoch_reads_so_far(t
     mod, make, _ = CASES[method]
     seen, real = [], C.end_step
     monkeypatch.setattr(C, "end_step", lambda run, log, args, step, epoch, parts, save, dataset=None, reads=0, *a, **kw:
-                        (seen.append((step, epoch, reads)), real(run, log, args, step, epoch, parts, save, dataset, reads, *a, **kw))[1])
+                        (seen.append((step, epoch, reads)), real(run, log, args, step, epoch, parts, save, dataset,
+                                                                 reads, *a, **kw))[1])
     a = make(tmp_path, epochs=epochs(method, 2), steps_per_epoch=2, stop_step=3)
     mod.train(a)
     b = a.batch_size
@@ -383,8 +386,11 @@ def test_the_colour_augmentation_reaches_the_target_view_only(tmp_path, monkeypa
     from PIL import Image
     given = []
     monkeypatch.setattr(C, "color_augment", lambda **kw: (lambda im: Image.new("RGB", im.size)))
-    monkeypatch.setattr(GA, "color_augmenter", lambda compile=False: (lambda x, **kw: (
-        given.append(x), torch.zeros(x.shape, dtype=x.dtype, device=x.device))[1]))
+    def black_out(x, normalize=False, **kw):                          # uint8 in; normalised out, as the loops ask
+        given.append(x)
+        black = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        return C.normalize(black) if normalize else black
+    monkeypatch.setattr(GA, "color_augmenter", lambda compile=False: black_out)
     mod, make, _ = CASES[method]
     _, steps, _ = _record(monkeypatch, mod)
     mod.train(make(tmp_path, gpu_aug=gpu_aug, stop_step=1))
@@ -410,7 +416,8 @@ def test_the_reconstruction_picture_shows_the_last_batch_through_the_trained_mod
     a = make(tmp_path, epochs=epochs(method, 1), steps_per_epoch=1, warmup_epochs=0, **kw)
     _, steps, _ = _record(monkeypatch, mod)
     grids = []
-    monkeypatch.setattr(C, "save_image_grid", lambda path, rows, labels, step: grids.append((os.path.basename(path), list(rows))))
+    monkeypatch.setattr(C, "save_image_grid", lambda path, rows, labels, step, tb=None:
+                        grids.append((os.path.basename(path), list(rows))))
     mod.train(a)
     s, p = steps[-1], a.patch_size
     (name, rows), = grids

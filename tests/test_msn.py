@@ -12,7 +12,7 @@ import synthetic as S
 import eval_linear as E
 import msn
 from ddp import spawn
-from helpers import exact_resume, one_line_error, run_cli, torchrun
+from helpers import exact_resume, run_cli, torchrun
 
 def naive_msn_loss(anchor, target, prototypes, tau, tau_plus, lam, iters):
     """Equations written as loops, following the official code's steps literally:
@@ -163,7 +163,8 @@ def test_ddp_two_processes_equal_one_process_on_concatenated_batch():
 def test_end_to_end_checkpoint_and_resume(tmp_path, gpu_aug):
     """Uninterrupted 2-epoch run == run stopped after epoch 1 and restarted with the same flags
     (also with the colour augmentation drawn in the training loop, --gpu-aug)."""
-    args = lambda path, **kw: tiny_args(path, gpu_aug=gpu_aug, **kw)
+    def args(path, **kw):
+        return tiny_args(path, gpu_aug=gpu_aug, **kw)
     full, part1 = exact_resume(msn.train, args, tmp_path, "msn", ("model", "target", "encoder"))
     assert part1["epoch"] == 1 and part1["step"] == 2
     part = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), "msn")
@@ -181,7 +182,8 @@ def test_end_to_end_checkpoint_and_resume(tmp_path, gpu_aug):
 
 
 @pytest.mark.compiles
-@pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))), reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))),
+                    reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_run_equals_the_eager_run(tmp_path):
     """--compile through train() (online network and EMA target compiled, the EMA applied to the modules
     under the wrappers, the checkpoint taken from them) on CPU: the same losses, gradient norms and weights as
@@ -189,7 +191,8 @@ def test_compiled_run_equals_the_eager_run(tmp_path):
     import json
     msn.train(tiny_args(tmp_path / "compiled", compile=True))
     msn.train(tiny_args(tmp_path / "eager"))
-    logs = [[json.loads(r) for r in (tmp_path / d / "log.jsonl").read_text().splitlines()] for d in ("compiled", "eager")]
+    logs = [[json.loads(r) for r in (tmp_path / d / "log.jsonl").read_text().splitlines()]
+            for d in ("compiled", "eager")]
     assert len(logs[0]) == len(logs[1]) == 4
     for a, b in zip(*logs):
         for k in ("loss", "ce", "me_max", "grad_norm"):
@@ -222,7 +225,8 @@ def test_bad_input_errors(tmp_path):
     --max-unreadable."""
     from PIL import Image
     args = tiny_args
-    for kw, match in ((dict(data=str(tmp_path / "nope")), "no such directory"), (dict(data=None), "--data is required")):
+    for kw, match in ((dict(data=str(tmp_path / "nope")), "no such directory"), (dict(data=None), "--data is "
+                                                                                                  "required")):
         with pytest.raises(C.UserError, match=match):
             msn.train(args(tmp_path / "o0", **kw))
     os.makedirs(tmp_path / "empty" / "class_a")
@@ -233,7 +237,8 @@ def test_bad_input_errors(tmp_path):
     for i in range(4):
         Image.new("RGB", (32, 32)).save(bad / f"{i}.png")
     (bad / "broken.jpg").write_bytes(b"not a jpeg at all")
-    r = run_cli("msn.py", "--data", str(tmp_path / "bad"), *TINY, "--workers", "1", "--output-dir", str(tmp_path / "o1"))
+    r = run_cli("msn.py", "--data", str(tmp_path / "bad"), *TINY, "--workers", "1", "--output-dir",
+                str(tmp_path / "o1"))
     lines = r.stderr.strip().splitlines()                         # the bad file is named once, then one error line
     assert r.returncode == 2 and sum("broken.jpg" in ln for ln in lines) == 1, r.stderr
     assert lines[-1].startswith("error:") and "unreadable (> --max-unreadable 0.01)" in lines[-1], r.stderr

@@ -50,7 +50,8 @@ def coded_table(g, d):
     functions of both, so any transposition or flip is visible."""
     r, c = np.meshgrid(np.arange(g), np.arange(g), indexing="ij")
     feats = [r, c, r * c, np.sin(r + 2 * c), r ** 2 - c]
-    return np.stack([feats[i % len(feats)] * (1 + i // len(feats)) for i in range(d)], -1).reshape(g * g, d).astype(np.float64)
+    return np.stack([feats[i % len(feats)] * (1 + i // len(feats)) for i in range(d)], -1).reshape(g * g,
+                                                                                                   d).astype(np.float64)
 
 
 def interpolated(vit, table, gh, gw):
@@ -67,7 +68,8 @@ def interpolated(vit, table, gh, gw):
 
 
 @pytest.mark.parametrize("copy", COPIES)
-@pytest.mark.parametrize("g,gh,gw", [(2, 3, 4), (14, 30, 53), (4, 6, 3)], ids=["2x2->3x4", "davis-landscape", "portrait"])
+@pytest.mark.parametrize("g,gh,gw", [(2, 3, 4), (14, 30, 53), (4, 6, 3)],
+                         ids=["2x2->3x4", "davis-landscape", "portrait"])
 def test_pos_embed_interpolation_on_non_square_grids(copy, g, gh, gw):
     d = 10
     table = coded_table(g, d)

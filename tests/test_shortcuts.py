@@ -128,8 +128,10 @@ def _two_views(x, g):
         for i in range(B):
             s = float(torch.empty(1).uniform_(0.63, 1.0, generator=g))
             h = w = max(4, int(H * s))
-            top, left = (int(torch.randint(0, H - h + 1, (1,), generator=g)), int(torch.randint(0, W - w + 1, (1,), generator=g)))
-            v = F.interpolate(x[i:i + 1, :, top:top + h, left:left + w], size=(H, W), mode="bilinear", align_corners=False)
+            top, left = (int(torch.randint(0, H - h + 1, (1,), generator=g)), int(torch.randint(0, W - w + 1, (1,),
+                                                                                                generator=g)))
+            v = F.interpolate(x[i:i + 1, :, top:top + h, left:left + w], size=(H, W), mode="bilinear",
+                              align_corners=False)
             views.append(v.flip(-1) if torch.rand(1, generator=g) < 0.5 else v)
         out.append(torch.cat(views))
     return torch.stack(out)
@@ -190,7 +192,8 @@ def test_cmae_infonce_needs_the_right_positive():
     keep, restore, mask = cmae.random_masking(B, grid, a.mask_ratio, a.mask_unit)
     with torch.no_grad():
         u, v = model(x_s, keep, restore, pixels=False)[1], target(x_t)
-        own, other = cmae.cmae_contrastive_loss(u, v, a.tau).item(), cmae.cmae_contrastive_loss(u, v.roll(1, 0), a.tau).item()
+        own, other = cmae.cmae_contrastive_loss(u, v, a.tau).item(), cmae.cmae_contrastive_loss(u, v.roll(1, 0),
+                                                                                                a.tau).item()
     chance = 2 * a.tau * math.log(B)
     print(f"\ncmae infonce: own {own:.3f}, targets from other images {other:.3f}, chance {chance:.3f}")
     assert other > 0.95 * chance and own < other - 0.1 * chance, (own, other, chance)

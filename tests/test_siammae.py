@@ -102,9 +102,11 @@ def test_video_folders_nested_layout_skips_and_errors(tmp_path, capsys):
         os.makedirs(root / name)
         for t in range(n):
             Image.new("RGB", (20, 20), (10 * t, 0, 0)).save(root / name / f"{t:05d}.jpg")
-    os.makedirs(root / "broken")                                  # first frame: a PNG cut in half (it opens, verify fails)
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (20, 20, 3), np.uint8)).save(root / "broken" / "00000.png")
-    (root / "broken" / "00000.png").write_bytes((root / "broken" / "00000.png").read_bytes()[:600])   # then 2 that do not open
+    os.makedirs(root / "broken")                              # first frame: a PNG cut in half (it opens, verify fails)
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (20, 20, 3),
+                                                      np.uint8)).save(root / "broken" / "00000.png")
+    (root / "broken" / "00000.png").write_bytes((root / "broken" / "00000.png").read_bytes()[:600])   # then 2 that
+                                                                                                     # do not open
     for t in range(1, 3):
         (root / "broken" / f"{t:05d}.jpg").write_bytes(b"nope")
     os.makedirs(tmp_path / "elsewhere" / "fish")                   # a video folder that is a symlink
@@ -148,9 +150,11 @@ def test_an_unreadable_frame_is_replaced_by_its_nearest_and_its_video_counted(tm
     with pytest.raises(C.UserError, match="cannot read frame"):
         siammae.FrameFolder(ds.videos[1].paths).load(2)                     # outside training: an error
     every_pair_hits_one = [(1, t) for t in range(1, 5)] + [(2, t) for t in range(1, 6)]   # any gap 1-3
-    kw = dict(data=videos(tmp_path / "t", every_pair_hits_one), batch_size=4, epochs=4, steps_per_epoch=0, repeated_sampling=2, gap=(1, 3))
+    kw = dict(data=videos(tmp_path / "t", every_pair_hits_one), batch_size=4, epochs=4, steps_per_epoch=0,
+              repeated_sampling=2, gap=(1, 3))
     siammae.train(tiny_args(tmp_path / "ok", max_unreadable=0.5, **kw))    # 2 of 4 videos: runs on
-    with pytest.raises(C.UserError, match=r"2 of 4 videos read in this epoch were unreadable \(> --max-unreadable 0.25\)"):
+    with pytest.raises(C.UserError, match=r"2 of 4 videos read in this epoch were unreadable \(> --max-unreadable "
+                                          r"0.25\)"):
         siammae.train(tiny_args(tmp_path / "stop", max_unreadable=0.25, **kw))
     assert not (tmp_path / "stop" / "checkpoint.pth").exists()
 
@@ -208,7 +212,8 @@ def test_end_to_end_resume_png(tmp_path):
 
 
 def test_bad_input(tmp_path):
-    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "2", "--epochs", "2", "--warmup-epochs", "0",
+    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "2", "--epochs", "2",
+            "--warmup-epochs", "0",
             "--steps-per-epoch", "1", "--decoder-dim", "32", "--decoder-heads", "2"]
     one_line_error(run_cli("siammae.py", "--data", str(tmp_path / "nope"), *tiny), "no such directory")
     os.makedirs(tmp_path / "empty" / "v1")
@@ -249,8 +254,10 @@ def test_a_davis_root_trains_on_its_train_videos_only(tmp_path, edition):
     assert all(p.endswith(".jpg") for v in ds.videos for p in v.paths) and len(ds.videos[0]) == 3
     import eval_video                                   # its own parser of the same lists must agree
     assert sorted((v, len(f)) for v, f, _ in eval_video.davis_videos(str(root), "train")) == [("a", 3), ("c", 3)]
-    trained = [os.path.basename(os.path.dirname(v.paths[0])) for v in siammae.video_dataset(str(root), holdout=1).videos]
-    held = [v for v, _, _ in eval_video.davis_videos(str(root), "train", holdout=1)]   # --holdout 1: what the sweep scores
+    trained = [os.path.basename(os.path.dirname(v.paths[0])) for v in siammae.video_dataset(str(root),
+                                                                                            holdout=1).videos]
+    held = [v for v, _, _ in eval_video.davis_videos(str(root), "train",
+                                                     holdout=1)]   # --holdout 1: what the sweep scores
     assert len(held) == 1 and sorted(trained + held) == ["a", "c"]                    # never a video it trained on
     lst.write_text(lst.read_text().replace("a", "z"))
     with pytest.raises(C.UserError, match="lists z, which has no folder in"):
@@ -269,7 +276,8 @@ def test_the_decoder_learns_to_copy_f1_when_f2_is_f1():
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.05)
     losses, flats = [], []
     for _ in range(100):
-        f = torch.nn.functional.interpolate(torch.randn(32, 3, 2, 2), size=16, mode="bilinear") + 0.3 * torch.randn(32, 3, 16, 16)
+        f = torch.nn.functional.interpolate(torch.randn(32, 3, 2, 2), size=16,
+                                            mode="bilinear") + 0.3 * torch.randn(32, 3, 16, 16)
         ids_keep, ids_restore, mask = siammae.random_masking(32, 4, a.mask_ratio)
         opt.zero_grad()
         loss, _ = siammae.train_step(model, f, f, ids_keep, ids_restore, mask, a)
@@ -306,7 +314,8 @@ def test_the_f1_probe_measures_reading_f1_and_changes_nothing_in_training(tmp_pa
     on, off = (C.load_checkpoint(str(tmp_path / d / "checkpoint.pth"), "siammae") for d in ("on", "off"))
     assert all(torch.equal(v, off["model"][k]) for k, v in on["model"].items())
     logged = [json.loads(ln) for ln in open(tmp_path / "on" / "log.jsonl") if "f1_gap" in ln]
-    assert [r["step"] for r in logged] == [3, 4] and not any("f1_gap" in ln for ln in open(tmp_path / "off" / "log.jsonl"))
+    assert [r["step"] for r in logged] == [3,
+                                           4] and not any("f1_gap" in ln for ln in open(tmp_path / "off" / "log.jsonl"))
 
 
 def test_the_probe_script_equals_the_runs_logged_probe_and_keeps_its_held_out_videos_out(tmp_path):
@@ -320,7 +329,8 @@ def test_the_probe_script_equals_the_runs_logged_probe_and_keeps_its_held_out_vi
         os.makedirs(tmp_path / "videos" / f"v{v}")
         base = rng.integers(0, 255, (24, 24, 3))
         for t in range(8):
-            Image.fromarray(np.roll(base, t, axis=1).astype(np.uint8)).save(tmp_path / "videos" / f"v{v}" / f"{t:03d}.png")
+            Image.fromarray(np.roll(base, t,
+                                    axis=1).astype(np.uint8)).save(tmp_path / "videos" / f"v{v}" / f"{t:03d}.png")
     data = str(tmp_path / "videos")
     siammae.train(tiny_args(tmp_path / "run", data=data, holdout=2, epochs=2, steps_per_epoch=1, batch_size=3,
                             probe_every=100, device="cpu"))

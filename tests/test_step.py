@@ -51,8 +51,8 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None, sc
         bn_eval(model, target)
         xt, xr, xf = x(B, 3, 16, 16), x(1, B, 3, 16, 16), x(2, B, 3, 8, 8)
         ids = msn.random_masking(B, 4, 0.15).view(1, B, -1).to(device)
-        step = lambda net, r, micro, ddp: msn.train_step(net, target, xt[r], xr[:, r], xf[:, r], ids[:, r], a,  # noqa: E731
-                                                         micro, ddp=ddp, **ac)
+        def step(net, r, micro, ddp):
+            return msn.train_step(net, target, xt[r], xr[:, r], xf[:, r], ids[:, r], a, micro, ddp=ddp, **ac)
     elif method == "cmae":
         a = cmae_args("/tmp/unused", drop_path=drop_path, **(hp or {}))
         model = cmae.CMAE(a).to(device)
@@ -60,8 +60,8 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None, sc
         bn_eval(model, target)
         xs, xt = x(B, 3, 16, 16), x(B, 3, 16, 16)
         ids, rest, mask = (t.to(device) for t in cmae.random_masking(B, 4, 0.5, 2))
-        step = lambda net, r, micro, ddp: cmae.train_step(net, target, xs[r], xt[r], ids[r], rest[r], mask[r], a,  # noqa: E731
-                                                          micro, ddp=ddp, **ac)
+        def step(net, r, micro, ddp):
+            return cmae.train_step(net, target, xs[r], xt[r], ids[r], rest[r], mask[r], a, micro, ddp=ddp, **ac)
     elif method == "conmim":
         a = conmim_args("/tmp/unused", drop_path=drop_path, **(hp or {}))
         model = conmim.Net(a).to(device)
@@ -69,7 +69,8 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None, sc
         bn_eval(model, teacher)
         xw, xs = x(B, 3, 16, 16), x(B, 3, 16, 16)
         mask = conmim.random_masking(B, 4, 0.75, 2).to(device)
-        step = lambda net, r, micro, ddp: conmim.train_step(net, teacher, xw[r], xs[r], mask[r], a, micro, ddp=ddp, **ac)  # noqa: E731
+        def step(net, r, micro, ddp):
+            return conmim.train_step(net, teacher, xw[r], xs[r], mask[r], a, micro, ddp=ddp, **ac)
     elif method == "can":
         a = can_args("/tmp/unused", drop_path=drop_path, **(hp or {}))
         model = can.CAN(a).to(device)
@@ -77,15 +78,16 @@ def case(method, drop_path=0.0, grad_ckpt=False, device="cpu", autocast=None, sc
         xx, sigma = x(2, B, 3, 16, 16), (0.05 * torch.rand(2, B, generator=g)).to(device)
         noise = sigma.view(2, B, 1, 1, 1) * x(2, B, 3, 16, 16)
         ids, rest, mask = (t.view(2, B, -1).to(device) for t in can.random_masking(2 * B, 4, 0.5))
-        step = lambda net, r, micro, ddp: can.train_step(net, xx[:, r], sigma[:, r], noise[:, r], ids[:, r],  # noqa: E731
-                                                         rest[:, r], mask[:, r], a, micro, ddp=ddp, **ac)
+        def step(net, r, micro, ddp):
+            return can.train_step(net, xx[:, r], sigma[:, r], noise[:, r], ids[:, r], rest[:, r], mask[:, r], a, micro,
+                                  ddp=ddp, **ac)
     else:
         a = siammae_args(drop_path=drop_path, **(hp or {}))
         model = siammae.SiamMAE(a).to(device)
         f1, f2 = x(B, 3, 16, 16), x(B, 3, 16, 16)
         ids, rest, mask = (t.to(device) for t in siammae.random_masking(B, 4, 0.95))
-        step = lambda net, r, micro, ddp: siammae.train_step(net, f1[r], f2[r], ids[r], rest[r], mask[r], a,  # noqa: E731
-                                                             micro, ddp=ddp, **ac)
+        def step(net, r, micro, ddp):
+            return siammae.train_step(net, f1[r], f2[r], ids[r], rest[r], mask[r], a, micro, ddp=ddp, **ac)
     C.set_grad_checkpointing(model, grad_ckpt)
     return model, step
 
@@ -114,7 +116,8 @@ def test_k_micro_batches_equal_one_step(method):
     torch.testing.assert_close(loss2, loss1, rtol=1e-5, atol=1e-6)
     assert set(parts1) == set(parts2)
     for k in parts1:
-        torch.testing.assert_close(torch.as_tensor(parts2[k]).float(), torch.as_tensor(parts1[k]).float(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.as_tensor(parts2[k]).float(), torch.as_tensor(parts1[k]).float(), rtol=1e-5,
+                                   atol=1e-6)
     assert set(g1) == set(g2) and len(g1) > 0
     for n in g1:
         close(g2[n], g1[n], 1e-4, n)
@@ -198,13 +201,15 @@ def test_activation_checkpointing_runs_only_with_grad_ckpt_and_then_on_every_blo
     blocks (encoders and decoders) is checkpointed."""
     seen = []
     real = torch.utils.checkpoint.checkpoint
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda blk, *a, **kw: (seen.append(blk), real(blk, *a, **kw))[1])
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda blk, *a, **kw: (seen.append(blk), real(blk, *a,
+                                                                                                            **kw))[1])
     run(method, B)
     assert seen == []
     model, step = case(method, grad_ckpt=True)
     step(model, slice(None), B, None)
     blocks = {id(b) for m in model.modules() if hasattr(m, "grad_ckpt")
-              for lst in (getattr(m, "blocks", None), getattr(m, "decoder", None)) if isinstance(lst, nn.ModuleList) for b in lst}
+              for lst in (getattr(m, "blocks", None), getattr(m, "decoder", None))
+              if isinstance(lst, nn.ModuleList) for b in lst}
     assert blocks and {id(b) for b in seen} == blocks
 
 

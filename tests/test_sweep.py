@@ -23,7 +23,8 @@ def test_sweep_flags_scale_every_lr_of_the_recipe_and_shorten_the_run():
     assert epochs == 1 and flags[:2] == ["--epochs", "1"]
     got = dict(zip(flags[::2], map(float, flags[1::2])))
     assert got["--lr"] == pytest.approx(1e-3 * 256 / 1024 * 16)             # per-image lr x 16 (not x the preset's 4)
-    assert got["--start-lr"] == pytest.approx(2e-4 * 256 / 1024 * 16) and got["--min-lr"] == pytest.approx(1e-6 / 4 * 16)
+    assert got["--start-lr"] == pytest.approx(2e-4 * 256 / 1024 * 16)
+    assert got["--min-lr"] == pytest.approx(1e-6 / 4 * 16)
     flags, _ = L.sweep_flags(can.Args, "small", 1, 0.25)
     assert flags == ["--epochs", "2", "--blr", "0.00015"]                    # MAE-style: blr x factor
     flags, epochs = L.sweep_flags(siammae.Args, "davis", 4, 0.3)
@@ -46,7 +47,7 @@ def test_a_sweep_trains_without_the_held_out_images_and_scores_them(tmp_path, mo
     rows = L.main(["can", "--data", data, "--factors", "1", "4", "--fraction", "0.5", "--holdout", "5", "--out",
                    str(tmp_path / "sweep"), "--train-flags", tiny, "--eval-flags", "--workers 0 --k 3"])
     assert [r["factor"] for r in rows] == [1, 4] and all(0 <= r["score"] <= 100 for r in rows)
-    trains, evals = calls[0::2], calls[1::2]
+    trains = calls[0::2]
     assert all("--holdout" in c and c[c.index("--holdout") + 1] == "5" for c in calls)
     assert [c[c.index("--blr") + 1] for c in trains] == ["0.00015", "0.0006"]
     for c in trains:

@@ -18,7 +18,9 @@ MAE = ["cmae", "can", "siammae"]                   # MAE-style masking with ids_
 ALL = [msn, cmae, conmim, can, siammae]
 
 
-@pytest.mark.parametrize("method,grid,ratio,unit", [(m, *c) for m in MAE for c in [(8, 0.15, 1), (8, 0.75, 1), (14, 0.95, 1)]]
+@pytest.mark.parametrize("method,grid,ratio,unit", [(m, *c) for m in MAE for c in [(8, 0.15, 1), (8, 0.75, 1), (14,
+                                                                                                                0.95,
+                                                                                                                1)]]
                          + [("cmae", 8, 0.65, 2), ("cmae", 4, 0.5, 2)])     # block masking (--mask-unit): CMAE's only
 def test_mae_random_masking_invariants(method, grid, ratio, unit):
     mod = importlib.import_module(method)
@@ -60,7 +62,8 @@ def test_patchify_roundtrip(method, p, h):
     y = mod.patchify(x, p)
     assert y.shape == (2, (h // p) ** 2, p * p * 3)
     i, j = (h // p) - 1, 0                                        # row-major, (p, p, 3) inside a patch
-    assert torch.equal(y[1, i * (h // p) + j], x[1, :, i * p:(i + 1) * p, j * p:(j + 1) * p].permute(1, 2, 0).reshape(-1))
+    assert torch.equal(y[1, i * (h // p) + j], x[1, :, i * p:(i + 1) * p, j * p:(j + 1) * p].permute(1, 2,
+                                                                                                     0).reshape(-1))
     assert torch.equal(mod.unpatchify(y, p), x)
     n = mod.norm_pix(y * 3 + 1)
     assert torch.allclose(n.mean(-1), torch.zeros(2, (h // p) ** 2), atol=1e-5)

@@ -130,7 +130,8 @@ def test_cmae_views_reach_the_right_networks():
 def test_cmae_reconstruction_reads_masked_patches_of_the_source_view():
     a, model, target, xs, xt, ids, rest, mask = cmae_setup()
     px = cmae.norm_pix(cmae.patchify(xs, 4))
-    oracle = lambda out: torch.cat([out[:, :1], px], 1)                  # perfect predictions (B, 1+N, P)
+    def oracle(out):                                                     # perfect predictions (B, 1+N, P)
+        return torch.cat([out[:, :1], px], 1)
     h = replace_output(model.pixel_decoder, oracle)
     _, parts = cmae.train_step(model, target, xs, xt, ids, rest, mask, a)
     assert parts["l_r"] < 1e-10                                          # target = norm-pix of x_s itself
@@ -244,7 +245,8 @@ def test_can_reconstructs_the_clean_image_on_masked_and_the_noise_on_visible_pat
     m = mask.flatten(0, 1).bool()[..., None]
     oracle = torch.where(m, clean, npx)                                 # the ideal prediction of both heads
     for pert, rec, den in ((None, False, False), (~m, False, True), (m, True, False)):
-        h = replace_output(model.decoder_pred, lambda out: torch.cat([out[:, :1], oracle + (0 if pert is None else pert * 1.0)], 1))
+        h = replace_output(model.decoder_pred, lambda out: torch.cat([out[:, :1],
+                                                                      oracle + (0 if pert is None else pert * 1.0)], 1))
         _, parts = can.train_step(model, x, sigma, noise, ids, rest, mask, a)
         h.remove()
         assert (parts["rec"] > 0.5) == rec and (parts["denoise"] > 0.5) == den, (parts, rec, den)
@@ -267,7 +269,8 @@ def test_can_total_is_can_loss_with_the_two_views_paired():
     loss, _ = can.train_step(model, x, sigma, noise, ids, rest, mask, a)
     with torch.no_grad():
         pred, u = model((x + noise).flatten(0, 1), sigma.flatten(), ids.flatten(0, 1), rest.flatten(0, 1))
-        ref, _ = can.can_loss(u[:8], u[8:], pred, can.patchify(x.flatten(0, 1), 4), can.patchify(noise.flatten(0, 1), 4),
+        ref, _ = can.can_loss(u[:8], u[8:], pred, can.patchify(x.flatten(0, 1), 4), can.patchify(noise.flatten(0, 1),
+                                                                                                 4),
                               mask.flatten(0, 1), a.tau, a.weights)
     torch.testing.assert_close(loss, ref)
 
