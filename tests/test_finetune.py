@@ -15,7 +15,7 @@ import common as C
 import harness as H
 import eval_finetune as FT
 import eval_linear as E
-from helpers import exact_resume, one_line_error, run_cli, vit_checkpoint
+from helpers import ROOT, exact_resume, one_line_error, run_cli, vit_checkpoint
 
 DECAY = 0.65
 
@@ -445,3 +445,32 @@ def test_the_small_preset_takes_the_recipes_per_image_lr_and_its_warm_up_share(m
     share = 0.2 if method == "conmim" else 0.05
     assert a.batch_size == p["batch_size"] == 256 and a.warmup_epochs == pytest.approx(share * p["epochs"])
     assert (a.lr or a.blr * a.batch_size / 256) * a.lr_factor == pytest.approx(lr)
+
+
+def test_the_fine_tuning_probe_reports_what_fine_tuning_starts_from(tmp_path, monkeypatch):
+    """scripts/finetune_probe.py (docs/RESULTS.md quotes it): on a BEiT checkpoint the fine-tuning encoder holds the
+    checkpoint's weights exactly, its shared relative position table in every block; a block whose copy differs is
+    reported; the pooled features' cosine after fc_norm is a cosine; the --random-init row is the same ViT drawn."""
+    import importlib.util
+    data = cifar_like(tmp_path / "d")
+    vit = dict(img_size=16, patch_size=4, dim=32, depth=2, heads=2, pos_embed="none", rel_pos_bias="shared",
+               layer_scale=0.1, qkv_bias="qv", init="beit")
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "conmim", **vit)
+    c = C.load_checkpoint(ckpt)
+    c["encoder"]["rel_pos_bias.relative_position_bias_table"].normal_()          # a table to copy, not zeros
+    C.save_checkpoint(ckpt, c)
+    spec = importlib.util.spec_from_file_location("finetune_probe", os.path.join(ROOT, "scripts", "finetune_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    pre, init = probe.main([ckpt, "--data", data, "--images", "6"])
+    assert pre["loaded_exactly"] is True and "loaded_exactly" not in init and init["random_init"]
+    assert pre["gamma_mean"] == pytest.approx(0.1) and -1 <= pre["fc_norm_cosine"] <= 1
+    real = E.load_encoder
+
+    def one_block_off(*a, **kw):
+        enc, ck = real(*a, **kw)
+        with torch.no_grad():
+            enc.blocks[1].attn.relative_position_bias_table.add_(1.0)
+        return enc, ck
+    monkeypatch.setattr(E, "load_encoder", one_block_off)
+    assert probe.probe(ckpt, data, 6)["loaded_exactly"] is False
