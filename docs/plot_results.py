@@ -1,7 +1,7 @@
 """Draw the README's learning curves from the measured numbers in docs/results.json (matplotlib, a docs-only
 requirement: pip install -r docs/requirements.txt).
 
-  python docs/plot_results.py            # -> docs/cifar10_curves.png, docs/cifar10_gpu_curves.png, docs/davis_curve.png
+  python docs/plot_results.py   # -> docs/cifar10_curves.png, cifar10_gpu_curves.png, davis_curve.png, ...
 
 cifar10_curves.png: k-NN top-1 (%) on the 10,000 CIFAR-10 test images against the images seen in
 pre-training, one line per method (the encoder each paper evaluates; an open square: the online encoder
@@ -9,7 +9,9 @@ of an EMA method at the end; dotted: a method's earlier recipe), each method's o
 dashed line of its colour and raw pixels as a black line; cifar10_gpu_curves.png the same for the GPU tier
 (benchmarks/gpu_cifar.py). davis_curve.png: SiamMAE's J&F (%) on
 the 20 DAVIS-2016 val videos against the training step, with its initial encoder, raw pixels and the
-first mask copied as horizontal lines. docs/results.json holds every number and where it comes from.
+first mask copied as horizontal lines. cifar10_finetune.png: top-1 on CIFAR-10 test against the fine-tuning epoch,
+each method's pre-trained encoder and its initial encoder (eval_finetune.py --preset small). docs/results.json
+holds every number and where it comes from.
 """
 import json
 import os
@@ -77,11 +79,27 @@ def davis(res, out):
         finish(fig, ax, "training step", "J&F on DAVIS-2016 val (%)", res["title"], "center right", out)
 
 
+def finetune(res, out):
+    """Top-1 on CIFAR-10 test against the fine-tuning epoch: each method's pre-trained encoder (solid) and its own
+    initial encoder (dashed) through the same recipe, seed and labels; further seeds as fainter lines."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    for m, r in res["methods"].items():
+        for i, run in enumerate(r["seeds"]):
+            for key, style in (("pre", "o-"), ("init", "s--")):
+                x, y = zip(*run[key])
+                label = (f"{r['label']}" if key == "pre" else f"{r['label'].split(' (')[0]}: initial encoder") \
+                    + (f" (seed {run['seed']})" if len(r["seeds"]) > 1 else "")
+                ax.plot(x, y, style, color=COLOURS[m], alpha=1.0 if i == 0 else 0.45, ms=4, label=label)
+    finish(fig, ax, "fine-tuning epoch", "top-1 on CIFAR-10 test (%)", res["title"], "lower right", out)
+
+
 def main():
     res = json.load(open(os.path.join(HERE, "results.json")))
     cifar10(res["cifar10"], os.path.join(HERE, "cifar10_curves.png"), "center right")
     cifar10(res["cifar10_gpu"], os.path.join(HERE, "cifar10_gpu_curves.png"), "center right")
     davis(res["davis"], os.path.join(HERE, "davis_curve.png"))
+    if "cifar10_finetune" in res:
+        finetune(res["cifar10_finetune"], os.path.join(HERE, "cifar10_finetune.png"))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Each point is a set of flags added to `eval_finetune.py --preset small --holdout
 the same fixed draw as the pre-training sweeps, common.held_out); at each point the pre-trained checkpoint and the
 initial encoder (--init: the run's first checkpoint, e.g. its --stop-step 1 one; or "random": --random-init of
 --pre) are fine-tuned with the same flags and seed, on the training images minus those N, and scored on the N.
-Prints a table (best and last top-1 of each, the gap of the last) and writes <out>/sweep.json; rerunning reuses the
+With --holdout 0 the same pair is the final comparison on the data's val/ (else test/). Prints a table (best and
+last top-1 of each, the gap of the last) and writes <out>/sweep.json with each run's curve; rerunning reuses the
 finished runs (each one's final JSON line is read back from its log).
 """
 import argparse
@@ -18,6 +19,12 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def curve(run_dir):
+    """[[epoch + 1, top-1]] of a run's evaluations (its log.jsonl)."""
+    recs = [json.loads(ln) for ln in open(os.path.join(run_dir, "log.jsonl")) if '"val_top1"' in ln]
+    return [[r["epoch"] + 1, r["val_top1"]] for r in recs]
 
 
 def result(log):
@@ -36,8 +43,10 @@ def main(argv=None):
     p.add_argument("--init", required=True,
                    help="its initial encoder's checkpoint, or 'random' (--random-init of --pre)")
     p.add_argument("--data", required=True)
-    p.add_argument("--points", nargs="+", required=True, help='flag sets, e.g. "labels-per-class=100 epochs=64"')
-    p.add_argument("--holdout", type=int, default=5000)
+    p.add_argument("--points", nargs="+", default=[""], help='flag sets, e.g. "labels-per-class=100 epochs=3" '
+                   '(default: the preset as it is)')
+    p.add_argument("--holdout", type=int, default=5000, help="0: no held-out images, score the evaluated split "
+                   "(the data's val/, else test/): the final comparison, never a choice")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="default: runs/finetune-sweep/<name of --pre's folder>")
     a = p.parse_args(argv)
@@ -47,7 +56,7 @@ def main(argv=None):
     for point in a.points:
         flags = [f for kv in point.split() for f in (f"--{kv.split('=')[0]}", kv.split("=", 1)[1])]
         name = "_".join(kv.replace("=", "") for kv in point.split()) or "preset"
-        res = {}
+        res, curves = {}, {}
         for which in ("pre", "init"):
             ckpt = ["--ckpt", a.pre, "--random-init"] if which == "init" and a.init == "random" else \
                    ["--ckpt", a.pre if which == "pre" else a.init]
@@ -60,12 +69,14 @@ def main(argv=None):
                 with open(log, "a") as f:
                     if subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode:
                         raise SystemExit(f"error: the run failed; its output is in {log}")
-            res[which] = result(log)
+            res[which], curves[which] = result(log), curve(run_dir)
         rows.append({"point": point, **{f"{w}_{k}": res[w][k] for w in res for k in ("best_top1", "last_top1")},
-                     "gap_last": round(res["pre"]["last_top1"] - res["init"]["last_top1"], 2)})
+                     "gap_last": round(res["pre"]["last_top1"] - res["init"]["last_top1"], 2),
+                     "split": res["pre"]["split"], "pre_curve": curves["pre"], "init_curve": curves["init"]})
         with open(os.path.join(out, "sweep.json"), "w") as f:
             json.dump({"pre": a.pre, "init": a.init, "holdout": a.holdout, "seed": a.seed, "rows": rows}, f, indent=1)
-    print(f"\nheld-out top-1 (%, {a.holdout} training images), pre-trained vs initial encoder, seed {a.seed}:")
+    where = f"{a.holdout} held-out training images" if a.holdout else f"{rows[0]['split']}/"
+    print(f"\ntop-1 (%) on {where}, pre-trained vs initial encoder, seed {a.seed}:")
     print("| flags | pre best / last | init best / last | gap (last) |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['point']} | {r['pre_best_top1']} / {r['pre_last_top1']} | {r['init_best_top1']} / "

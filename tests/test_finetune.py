@@ -445,6 +445,8 @@ def test_the_small_preset_takes_the_recipes_per_image_lr_and_its_warm_up_share(m
     share = 0.2 if method == "conmim" else 0.05
     assert a.batch_size == p["batch_size"] == 256 and a.warmup_epochs == pytest.approx(share * p["epochs"])
     assert (a.lr or a.blr * a.batch_size / 256) * a.lr_factor == pytest.approx(lr)
+    assert a.layer_decay == (0.45 if method == "conmim" else 0.65)   # BEiT's chosen on held-out images, MAE's as is
+    assert (a.epochs, a.eval_every, a.labels_per_class) == (3, 1, 0)  # the measured choice (docs/RESULTS.md)
 
 
 def test_the_fine_tuning_probe_reports_what_fine_tuning_starts_from(tmp_path, monkeypatch):
