@@ -322,11 +322,12 @@ def finetune(args):
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     save = lambda s: C.save_run(run, "finetune", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
     where = E.eval_split(args.data, args.split, args.holdout)
+    why = ([f"{args.lr:g}"] if args.lr else [f"blr {args.blr:g}", f"{args.batch_size} / 256"]) \
+        + ([f"lr-factor {args.lr_factor:g}"] if args.lr_factor != 1 else [])      # what the printed lr is
     C.print0(f"fine-tuning {ckpt['method']} ({'random init' if args.random_init else args.ckpt}), recipe {recipe}: "
              f"{len(train)} images" + (f" ({args.labels_per_class} a class)" if args.labels_per_class else "") +
              f", {len(train.classes)} classes, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
-             + ("" if args.lr else f" (= blr {args.blr:g} x {args.batch_size} / 256)")
-             + (f" x {args.lr_factor:g}" if args.lr_factor != 1 else "") + f", layer decay {args.layer_decay}, "
+             + (f" (= {' x '.join(why)})" if len(why) > 1 else "") + f", layer decay {args.layer_decay}, "
              f"warm-up {args.warmup_epochs:g} epochs; evaluated on {where}/ ({len(val)} images)")
     vals = {}                                                        # epoch -> (top1, top5, val loss)
     if start and os.path.isfile(os.path.join(run.out, "log.jsonl")):     # resumed: the epochs already evaluated
