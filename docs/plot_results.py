@@ -20,6 +20,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLOURS = {"msn": "tab:blue", "cmae": "tab:orange", "conmim": "tab:green", "can": "tab:red", "siammae": "tab:purple"}
@@ -90,6 +91,7 @@ def finetune(res, out):
                 label = (f"{r['label']}" if key == "pre" else f"{r['label'].split(' (')[0]}: initial encoder") \
                     + (f" (seed {run['seed']})" if len(r["seeds"]) > 1 else "")
                 ax.plot(x, y, style, color=COLOURS[m], alpha=1.0 if i == 0 else 0.45, ms=4, label=label)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     finish(fig, ax, "fine-tuning epoch", "top-1 on CIFAR-10 test (%)", res["title"], "lower right", out)
 
 
