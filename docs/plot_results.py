@@ -92,7 +92,9 @@ def finetune(res, out):
                     + (f" (seed {run['seed']})" if len(r["seeds"]) > 1 else "")
                 ax.plot(x, y, style, color=COLOURS[m], alpha=1.0 if i == 0 else 0.45, ms=4, label=label)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    finish(fig, ax, "fine-tuning epoch", "top-1 on CIFAR-10 test (%)", res["title"], "lower right", out)
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi + 0.8 * (hi - lo))                            # room for the legend above the curves
+    finish(fig, ax, "fine-tuning epoch", "top-1 on CIFAR-10 test (%)", res["title"], "upper left", out)
 
 
 def main():
