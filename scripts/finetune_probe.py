@@ -43,10 +43,11 @@ def probe(ckpt, data, images=250, random_init=False, split=None):
     model = FT.Classifier(enc, len(val.classes)).eval()
     tokens = enc(C.normalize(x), norm=False)[:, 1:]                   # (B, N, D): what fine-tuning pools
     pooled = tokens.mean(1)
-    z = F.normalize(model.fc_norm(pooled), dim=-1)
+    feats = model.fc_norm(pooled)                                     # (B, D): what the head reads
+    z = F.normalize(feats, dim=-1)
     cos = z @ z.T
     off = ~torch.eye(len(z), dtype=torch.bool)
-    logits = model.head(model.fc_norm(pooled))
+    logits = model.head(feats)
     return out | {"token_norm": round(tokens.norm(dim=-1).mean().item(), 4),
                   "pooled_norm": round(pooled.norm(dim=-1).mean().item(), 4),
                   "pooled_std_over_images": round(pooled.std(0).mean().item(), 5),
@@ -61,7 +62,6 @@ def main(argv=None):
     p.add_argument("--split", default=None, help="the evaluated folder (default val/, else test/)")
     p.add_argument("--images", type=int, default=250)
     a = p.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
         rows = [probe(a.ckpt, a.data, a.images, r, a.split) for r in (False, True)]
     except C.UserError as e:

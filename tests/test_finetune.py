@@ -181,6 +181,12 @@ def test_bad_input_is_one_line(tmp_path, pretrained):
         FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", randaug_magnitude=31, output_dir=str(tmp_path / "o")))
     with pytest.raises(C.UserError, match="--warmup-lr must be >= 0, got -0.1"):          # trained with a negative lr
         FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", warmup_lr=-0.1, output_dir=str(tmp_path / "o")))
+    for bad, msg in ((dict(eval_every=0), "--eval-every must be positive"),           # ZeroDivisionError at epoch end
+                     (dict(lr_factor=0.0), "--lr-factor must be positive"),            # a run at lr 0
+                     (dict(labels_per_class=-1), "--labels-per-class must be >= 0"),
+                     (dict(holdout=-1), "--holdout must be >= 0")):
+        with pytest.raises(C.UserError, match=msg):
+            FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), **bad))
 
 
 def test_the_network_sees_the_mixed_images_and_the_loss_the_mixed_targets(tmp_path, pretrained, monkeypatch):
