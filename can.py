@@ -59,7 +59,7 @@ Where this file follows the paper rather than the official code, and other diffe
 """
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -72,41 +72,41 @@ import harness as H
 @dataclass
 class Args(H.RunArgs):
     """CAN pre-training (defaults: paper ViT-B/16 with MAE-style optimisation)."""
-    data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
-    output_dir: str = field(default=None, metadata={"help": "default runs/can"})
-    model: str = field(default="base", metadata={"help": "ViT size: nano|micro|tiny|small|base|large"})
-    patch_size: int = 16
-    img_size: int = 224
-    epochs: int = 800
-    batch_size: int = field(default=4096, metadata={"help": "GLOBAL batch of images (2 views each), all processes "
-                                                            "(paper 4096)"})
-    micro_batch: int = field(default=256, metadata={"help": "images per forward/backward per process (35 GB measured "
-                                                            "on an 80 GB H100, bf16; 0 = the whole per-process batch); "
-                                                            "the step stays exact"})
-    lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global batch / 256)"})
-    blr: float = 1.5e-4
-    min_lr: float = 0.0
-    warmup_epochs: float = 40
-    weight_decay: float = 0.05
-    betas: tuple = (0.9, 0.95)
-    mask_ratio: float = 0.5
+    data: str = H.arg(None, "image folder (uses DIR/train if present) or 'synthetic'", group="data")
+    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/can)",
+                            group="data")
+    model: str = H.arg("base", "ViT size: nano|micro|tiny|small|base|large", group="model")
+    patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
+    img_size: int = H.arg(224, "training image size (px)", group="data", positive=True)
+    epochs: int = H.arg(800, "training epochs (the schedules span them)", group="optimisation", positive=True)
+    batch_size: int = H.arg(4096, "GLOBAL batch of images (2 views each), all processes (paper 4096)",
+                            group="optimisation", positive=True)
+    micro_batch: int = H.arg(256, "images per forward/backward per process (35 GB measured on an 80 GB H100, bf16; 0 = "
+                             "the whole per-process batch); the step stays exact", group="optimisation", min=0)
+    lr: float = H.arg(None, "absolute lr (default blr * global batch / 256)", group="optimisation", positive=True)
+    blr: float = H.arg(1.5e-4, "base lr: lr = blr x global batch / 256", group="optimisation", positive=True)
+    min_lr: float = H.arg(0.0, "lr at the end of the cosine schedule", group="optimisation", min=0)
+    warmup_epochs: float = H.arg(40, "linear lr warm-up epochs", group="optimisation", min=0)
+    weight_decay: float = H.arg(0.05, "AdamW weight decay", group="optimisation", min=0)
+    betas: tuple = H.arg((0.9, 0.95), "AdamW betas", group="optimisation")
+    mask_ratio: float = H.arg(0.5, "share of patches masked", group="views and masking")
     sigma_max: float = H.arg(0.05, "noise level sigma ~ U[0, sigma_max]", positive=True)
-    decoder_dim: int = 512
-    decoder_depth: int = 8
-    decoder_heads: int = 16
-    proj_hidden: int = 4096
-    proj_dim: int = 256
-    tau: float = 0.1
-    weights: tuple = field(default=(0.03, 0.67, 0.3), metadata={"help": "InfoNCE, reconstruction, denoising"})
-    norm_pix: bool = field(default=False, metadata={"help": "per-patch normalised reconstruction targets (MAE)"})
-    crop_scale: tuple = (0.2, 1.0)
-    drop_path: float = 0.0
-    gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
-                          "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
-    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for "
-                                                      "synthetic)"})
+    decoder_dim: int = H.arg(512, "decoder width", group="model", positive=True)
+    decoder_depth: int = H.arg(8, "decoder blocks", group="model")
+    decoder_heads: int = H.arg(16, "decoder attention heads", group="model", positive=True)
+    proj_hidden: int = H.arg(4096, "projector hidden width", group="model", positive=True)
+    proj_dim: int = H.arg(256, "projector output width", group="model", positive=True)
+    tau: float = H.arg(0.1, "softmax temperature", positive=True)
+    weights: tuple = H.arg((0.03, 0.67, 0.3), "InfoNCE, reconstruction, denoising")
+    norm_pix: bool = H.arg(False, "per-patch normalised reconstruction targets (MAE)")
+    crop_scale: tuple = H.arg((0.2, 1.0), "RandomResizedCrop area range", group="data")
+    drop_path: float = H.arg(0.0, "stochastic depth rate of the last block", group="model", min=0)
+    gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with CUDA; --no-gpu-aug "
+                          "keeps it in the CPU workers)", group="views and masking")
+    knn: bool = H.arg(None, "k-NN of learned vs initial encoder at the end (default: on for synthetic)",
+                      group="run control")
 
-    # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr per image x
+    # Small recipes: the official recipe above scaled by recipes.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
     # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
     # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:

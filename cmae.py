@@ -52,7 +52,7 @@ Where this file follows the official code (ZhichengHuang/CMAE) rather than the p
 """
 import contextlib
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -65,44 +65,46 @@ import harness as H
 @dataclass
 class Args(H.RunArgs):
     """CMAE pre-training (defaults: official ViT-B/16 ImageNet recipe, 300 epochs)."""
-    data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
-    output_dir: str = field(default=None, metadata={"help": "default runs/cmae"})
-    model: str = field(default="base", metadata={"help": "ViT size: nano|micro|tiny|small|base|large"})
-    patch_size: int = 16
-    img_size: int = 224
+    data: str = H.arg(None, "image folder (uses DIR/train if present) or 'synthetic'", group="data")
+    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/cmae)",
+                            group="data")
+    model: str = H.arg("base", "ViT size: nano|micro|tiny|small|base|large", group="model")
+    patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
+    img_size: int = H.arg(224, "training image size (px)", group="data", positive=True)
     master_size: int = H.arg(256, "master crop; target shift is 0..master-img-1 px", group="views and masking",
                              positive=True)
-    epochs: int = 300
-    batch_size: int = field(default=4096, metadata={"help": "GLOBAL batch, all processes (official 256 x 16 GPUs)"})
-    micro_batch: int = field(default=512, metadata={"help": "images per forward/backward per process (34 GB measured "
-                                                            "on an 80 GB H100, bf16; 0 = the whole per-process batch); "
-                                                            "the step stays exact"})
-    lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global batch / 256)"})
-    blr: float = 1.5e-4
-    min_lr: float = 0.0
-    warmup_epochs: float = 40
-    weight_decay: float = 0.05
-    betas: tuple = (0.9, 0.95)
-    ema: float = field(default=0.996, metadata={"help": "EMA momentum (constant, per step)"})
-    ema_horizon: float = field(default=0.0, metadata={"help": "cap the EMA horizon 1/(1-m) at this fraction of the "
-                               "run's steps by lowering the first momentum (0: official; short-run presets: 0.02)"})
-    mask_ratio: float = 0.65
-    mask_unit: int = field(default=2, metadata={"help": "mask in unit x unit patch blocks (1 = per patch)"})
-    decoder_dim: int = 512
-    decoder_depth: int = 8
-    decoder_heads: int = 16
+    epochs: int = H.arg(300, "training epochs (the schedules span them)", group="optimisation", positive=True)
+    batch_size: int = H.arg(4096, "GLOBAL batch, all processes (official 256 x 16 GPUs)", group="optimisation",
+                            positive=True)
+    micro_batch: int = H.arg(512, "images per forward/backward per process (34 GB measured on an 80 GB H100, bf16; 0 = "
+                             "the whole per-process batch); the step stays exact", group="optimisation", min=0)
+    lr: float = H.arg(None, "absolute lr (default blr * global batch / 256)", group="optimisation", positive=True)
+    blr: float = H.arg(1.5e-4, "base lr: lr = blr x global batch / 256", group="optimisation", positive=True)
+    min_lr: float = H.arg(0.0, "lr at the end of the cosine schedule", group="optimisation", min=0)
+    warmup_epochs: float = H.arg(40, "linear lr warm-up epochs", group="optimisation", min=0)
+    weight_decay: float = H.arg(0.05, "AdamW weight decay", group="optimisation", min=0)
+    betas: tuple = H.arg((0.9, 0.95), "AdamW betas", group="optimisation")
+    ema: float = H.arg(0.996, "EMA momentum (constant, per step)", group="optimisation")
+    ema_horizon: float = H.arg(0.0, "cap the EMA horizon 1/(1-m) at this fraction of the run's steps by lowering the "
+                               "first momentum (0: official; short-run presets: 0.02)", group="optimisation", min=0)
+    mask_ratio: float = H.arg(0.65, "share of patches masked", group="views and masking")
+    mask_unit: int = H.arg(2, "mask in unit x unit patch blocks (1 = per patch)", group="views and masking",
+                           positive=True)
+    decoder_dim: int = H.arg(512, "decoder width", group="model", positive=True)
+    decoder_depth: int = H.arg(8, "decoder blocks", group="model")
+    decoder_heads: int = H.arg(16, "decoder attention heads", group="model", positive=True)
     feature_decoder_depth: int = H.arg(2, "feature decoder blocks", group="model", min=0)
-    proj_hidden: int = 1536
-    proj_dim: int = 256
-    tau: float = 0.07
+    proj_hidden: int = H.arg(1536, "projector hidden width", group="model", positive=True)
+    proj_dim: int = H.arg(256, "projector output width", group="model", positive=True)
+    tau: float = H.arg(0.07, "softmax temperature", positive=True)
     lambda_c: float = H.arg(1.0, "weight of the contrastive loss", min=0)
-    drop_path: float = 0.0
-    gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
-                          "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
-    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for "
-                                                      "synthetic)"})
+    drop_path: float = H.arg(0.0, "stochastic depth rate of the last block", group="model", min=0)
+    gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with CUDA; --no-gpu-aug "
+                          "keeps it in the CPU workers)", group="views and masking")
+    knn: bool = H.arg(None, "k-NN of learned vs initial encoder at the end (default: on for synthetic)",
+                      group="run control")
 
-    # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr per image x
+    # Small recipes: the official recipe above scaled by recipes.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
     # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
     # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
@@ -123,9 +125,10 @@ class Args(H.RunArgs):
                      steps_per_epoch=50)
 
     def preset_rules(cls, preset):
-        """harness.scale_recipe's rules, then CMAE's own: the master crop x img / 224, to a pixel (256 -> 37 px)."""
-        out = H.scale_recipe(cls, preset)
-        out.setdefault("master_size", round(cls.master_size * preset["img_size"] / H.OFFICIAL_IMG))
+        """recipes.scale_recipe's rules, then CMAE's own: the master crop x img / 224, to a pixel (256 -> 37 px)."""
+        import recipes                                               # (for a preset only)
+        out = recipes.scale_recipe(cls, preset)
+        out.setdefault("master_size", round(cls.master_size * preset["img_size"] / recipes.OFFICIAL_IMG))
         return out
 
     def check(self):
@@ -380,7 +383,7 @@ def ema_update(target, online, m):
 
 def ema_start(m, steps, horizon):
     """The first EMA momentum: m, lowered where its horizon 1 / (1 - m) exceeds `horizon` x steps (the short-run rule:
-    harness.scale_recipe; the same lines in each EMA method's file, pinned equal by tests/test_common.py)."""
+    recipes.scale_recipe; the same lines in each EMA method's file, pinned equal by tests/test_common.py)."""
     return min(m, 1 - 1 / max(1.0, horizon * steps)) if horizon else m
 
 

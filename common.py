@@ -1,11 +1,8 @@
-"""The training kit of the method files (`import common as C`): what a training loop calls, in the order it calls it.
-Starting, sizing and stopping a run is harness.py's, which imports this module; this one imports nothing of the
-repository but synthetic.py, for `--data synthetic` only. Nothing here makes a method that method: each method file
-defines its ViT, masking, EMA target, heads, loss and step. Top to bottom: which process this is and the collectives
-a loss over the global batch needs; checkpointed blocks, pictures, schedules, the optimiser step; micro-batches and
-the gradient cache; data (folders, the held-out split, views, augmentation, the epoch stream, the loader); after each
-step (end_step, unreadable images); checkpoints; the log (console, log.jsonl, TensorBoard).
-"""
+"""The training kit of the method files (`import common as C`), in the order a training loop calls it: the process
+and the collectives a loss over the global batch needs; checkpointed blocks, pictures, schedules, the optimiser step;
+micro-batches and the gradient cache; data; after each step; checkpoints; the log. harness.py starts, sizes and stops a
+run and imports this module; this one imports nothing of the repository but synthetic.py (for --data synthetic).
+Nothing here makes a method that method: each method file defines its ViT, masking, EMA target, heads, loss and step."""
 import contextlib
 import dataclasses
 import itertools
@@ -83,9 +80,7 @@ def all_reduce_sum_(x):
     return x
 
 
-# ----------------------------------------------------------------------------------------------
-# Activation checkpointing, pictures, schedules, the optimiser and its step
-# ----------------------------------------------------------------------------------------------
+# ---- Activation checkpointing, pictures, schedules, the optimiser and its step -----------------
 def run_blocks(blocks, x, checkpoint=False, *ctx):
     """x through each block (blk(x, *ctx)); checkpoint: activation checkpointing per block (RNG replayed)."""
     for blk in blocks:
@@ -106,7 +101,7 @@ def set_grad_checkpointing(model, on=True):
 
 def save_image_grid(path, rows, labels, step=None, tb=None):
     """rows: (B, 3, H, W) ImageNet-normalised tensors -> one PNG (rank 0), a labelled row each, tiles >= 64 px; also
-    to `tb` (the run's TensorBoard writer)."""
+    to `tb` (the run's tensorboard_log.Writer)."""
     if not is_main():
         return
     from PIL import ImageDraw
@@ -123,9 +118,8 @@ def save_image_grid(path, rows, labels, step=None, tb=None):
     for i, text in enumerate(labels):
         draw.text((6, i * tile + tile // 2 - 6), text, fill="black")
     canvas.save(path)
-    if tb is not None:                                               # flushed now: on disk when the run ends
-        tb.add_image(re.sub(r"_ep\d+.*", "", os.path.basename(path)), grid, step or 0)
-        tb.flush()
+    if tb is not None:
+        tb.image(path, grid, step)
 
 
 def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
@@ -173,9 +167,7 @@ def set_hparams(optimizer, lr, weight_decay=None):
             g["weight_decay"] = weight_decay
 
 
-# ----------------------------------------------------------------------------------------------
-# One optimiser step over a batch in micro-batches (exact gradient accumulation)
-# ----------------------------------------------------------------------------------------------
+# ---- One optimiser step over a batch in micro-batches (exact gradient accumulation) ------------
 def rng_state():
     """This process's [CPU, current CUDA] generator states (to replay a forward, or to checkpoint)."""
     return [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
@@ -200,15 +192,11 @@ def allreduce_grads(params):
         g.copy_(r)
 
 
-def micro_slices(n, micro):
-    """slice(0, micro), slice(micro, 2 micro), ... over n samples."""
-    return [slice(i, min(i + micro, n)) for i in range(0, n, micro)]
-
-
 def micro_batches(n, micro, ddp=None):
-    """The slices of n samples, micro at a time, for a loss that is a sum over samples (the caller back-propagates each
-    slice's share of the batch loss: the exact batch gradient). Under DDP the reducer waits for the last slice."""
-    slices = micro_slices(n, micro)
+    """slice(0, micro), slice(micro, 2 micro), ... over n samples, for a loss that is a sum over samples (the caller
+    back-propagates each slice's share of the batch loss: the exact batch gradient). Under DDP the reducer waits for
+    the last slice."""
+    slices = [slice(i, min(i + micro, n)) for i in range(0, n, micro)]
     if ddp is None or len(slices) == 1:
         yield from slices
         return
@@ -225,8 +213,7 @@ def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
     and its gradient G w.r.t. the embeddings are computed once; each micro-batch runs again from its RNG state and
     back-propagates local + <emb, G>: the one-pass gradient up to rounding (tests/test_step.py), BatchNorm statistics
     aside. scale: GradScaler.scale; ddp: bypassed, gradients averaged once. Returns the loss and parts, detached."""
-    scale = scale or (lambda t: t)
-    slices = micro_slices(n, micro)
+    scale, slices = scale or (lambda t: t), list(micro_batches(n, micro))
     sync = ddp.no_sync if ddp is not None else contextlib.nullcontext
     states, embs = [], []
     with torch.no_grad():
@@ -252,9 +239,7 @@ def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
     return total, {**parts, **cparts}
 
 
-# ----------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------
+# ---- Data --------------------------------------------------------------------------------------
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 
@@ -270,8 +255,7 @@ _MEAN_STD = {}                                           # device -> (mean, std)
 def normalize(x):
     """uint8 (or float in [0, 1]) (..., 3, H, W) on any device -> float, ImageNet mean/std."""
     if x.device not in _MEAN_STD:
-        _MEAN_STD[x.device] = tuple(torch.tensor(v, device=x.device).view(3, 1, 1) for v in (IMAGENET_MEAN,
-                                                                                             IMAGENET_STD))
+        _MEAN_STD[x.device] = [torch.tensor(v, device=x.device).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD)]
     mean, std = _MEAN_STD[x.device]
     return ((x.float() / 255 if x.dtype == torch.uint8 else x) - mean) / std
 
@@ -431,17 +415,12 @@ class EpochSampler(torch.utils.data.DistributedSampler):
             epoch, skip = epoch + 1, 0
 
 
-def seed_epoch(seed, epoch, rank):
-    """Reseed at every epoch start: masking/drop-path draws depend only on (seed, epoch, rank)."""
-    torch.manual_seed(int(np.random.SeedSequence([seed, epoch, rank, 7]).generate_state(1)[0]))
-
-
 def epoch_batches(run, loader, epoch, ipe, start_step, seed):
     """enumerate(batches of `epoch`) after those covered by a checkpoint at start_step. A fresh epoch reseeds; a resumed
     one keeps the checkpoint's RNG state. The time it blocks is added to run.data_wait."""
     first = min(ipe, max(0, start_step - epoch * ipe))
-    if first == 0:
-        seed_epoch(seed, epoch, run.rank)
+    if first == 0:                                  # a fresh epoch: masking / drop-path draws from (seed, epoch, rank)
+        torch.manual_seed(int(np.random.SeedSequence([seed, epoch, run.rank, 7]).generate_state(1)[0]))
     if getattr(loader, "run_next", None) != (epoch, first):         # new or resumed run: start the stream here
         loader.sampler.set_epoch(epoch)
         loader.sampler.skip, loader.sampler.ipe = first * loader.batch_size, ipe
@@ -487,9 +466,7 @@ def make_loader(dataset, batch_size, workers, seed, collate=None):
         worker_init_fn=ignore_stop_signals if workers > 0 else None)
 
 
-# ----------------------------------------------------------------------------------------------
-# After each step: the log line's watches, unreadable images
-# ----------------------------------------------------------------------------------------------
+# ---- After each step: the log line's watches, unreadable images --------------------------------
 def end_step(run, log, args, step, epoch, parts, save, dataset=None, reads=0, bad0=0, **scalars):
     """After each step: the non-finite watch, the unreadable count, the log line, a checkpoint when due. True: stop."""
     run.guard.update(step, parts, run.scaler)
@@ -519,9 +496,7 @@ def check_unreadable(dataset, reads, bad0, max_frac, final=False):
     return bad or None
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints
-# ----------------------------------------------------------------------------------------------
+# ---- Checkpoints -------------------------------------------------------------------------------
 def unwrap(model):
     """Strip DistributedDataParallel and torch.compile wrappers (for saving / EMA)."""
     model = getattr(model, "_orig_mod", model)
@@ -542,19 +517,18 @@ def save_checkpoint(path, state):
         raise UserError(f"cannot write checkpoint {path} ({type(e).__name__}: {e}); {kept}") from None
 
 
-def read_checkpoint_file(path):
+def load_checkpoint(path, method=None, ours=True):
+    """Load a checkpoint (tensors only) of this project's format (ours; of `method` if given), or any (ours=False);
+    clear errors for missing, unreadable, foreign and other-method files."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UserError(f"{path} is not a readable checkpoint ({type(e).__name__}); was it written "
                         "by one of these scripts, or is it a state dict?") from None
-
-
-def load_checkpoint(path, method=None):
-    """Load a checkpoint of the common format; clear errors for missing / foreign / other-method files."""
-    ckpt = read_checkpoint_file(path)
+    if not ours:
+        return ckpt
     if not isinstance(ckpt, dict) or "method" not in ckpt or "encoder" not in ckpt:
         raise UserError(f"{path} is not a checkpoint of this project (no 'method'/'encoder' keys)")
     if method and ckpt["method"] != method:
@@ -564,21 +538,13 @@ def load_checkpoint(path, method=None):
     return ckpt
 
 
-def rng_states():
-    """Every process's (CPU, CUDA) generator states, gathered on all ranks (collective)."""
-    mine = rng_state()
-    if world_size() == 1:
-        return [mine]
-    out = [None] * world_size()
-    dist.all_gather_object(out, mine)
-    return out
-
-
 def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=None):
     """The checkpoint format, written by rank 0 (every rank calls: the RNG states are gathered, so a mid-epoch
     checkpoint resumes exactly). `encoder`: the ViT the paper evaluates. Never writes non-finite weights."""
     run.guard.check()
-    rng = rng_states()
+    rng = [rng_state()] * world_size()
+    if world_size() > 1:
+        dist.all_gather_object(rng, rng_state())                 # every process's generator states
     if not is_main():
         return
     sd = unwrap(model).state_dict()
@@ -592,9 +558,7 @@ def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=N
     run.guard.saved = step
 
 
-# ----------------------------------------------------------------------------------------------
-# The log: a console line, log.jsonl, TensorBoard
-# ----------------------------------------------------------------------------------------------
+# ---- The log: a console line, log.jsonl, TensorBoard -------------------------------------------
 def _logged_step(line):
     """The step of a log.jsonl record (0 for records without one; inf for a line cut off by a kill)."""
     try:
@@ -609,29 +573,26 @@ class Logger:
 
     def __init__(self, run, total_steps, batch_size, every, start_step=0, stop=0):
         self.total, self.batch, self.every, self.guard, self.run = total_steps, batch_size, every, run.guard, run
-        self.stop = stop
-        self.path = os.path.join(run.out, "log.jsonl")
+        self.path, self.stop = os.path.join(run.out, "log.jsonl"), stop
         self.t, self.last, self.first = time.time(), start_step, start_step + 1
         run.data_wait = 0.0
         a = getattr(getattr(run, "control", None), "args", None)
-        stop_step = getattr(a, "stop_step", 0)
         ends = {"--epochs": (total_steps, getattr(a, "epochs", "?")),            # flag: (last step, its value)
                 "--stop-epoch": (stop or total_steps, getattr(a, "stop_epoch", 0)),
-                "--stop-step": (stop_step or total_steps, stop_step)}
+                "--stop-step": (getattr(a, "stop_step", 0) or total_steps, getattr(a, "stop_step", 0))}
         end = min(e for e, _ in ends.values())
         self.done = start_step >= end                                    # a finished or stopped run, rerun
         if self.done:
-            why = ", ".join(f"{k} "
-                            f"{v}" for k, (e, v) in ends.items() if e == end and (k == "--epochs" or e != total_steps))
+            why = ", ".join(f"{k} {v}" for k, (e, v) in ends.items()
+                            if e == end and (k == "--epochs" or e != total_steps))
             print0(f"the checkpoint is at step {start_step} and this run ends at step {end} ({why}): nothing to "
                    "train; raise --epochs / --stop-epoch / --stop-step to train on")
-        if start_step and is_main() and os.path.isfile(self.path):
-            lines = open(self.path).readlines()
-            keep = [ln for ln in lines if _logged_step(ln) <= start_step]
-            if len(keep) < len(lines):
-                with open(self.path + ".tmp", "w") as f:
-                    f.writelines(keep)
-                os.replace(self.path + ".tmp", self.path)
+        if start_step and is_main() and os.path.isfile(self.path):      # drop the records after the checkpoint
+            with open(self.path) as f:
+                keep = [ln for ln in f if _logged_step(ln) <= start_step]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(keep)
+            os.replace(self.path + ".tmp", self.path)
 
     def step(self, step, epoch, parts, force=False, **scalars):
         """parts: dict of 0-d tensors (loss terms), kept on device until logged."""
@@ -663,12 +624,8 @@ class Logger:
             self.append(rec)
 
     def append(self, rec):
-        tb = getattr(self.run, "tb", None)
-        if tb is not None:                                             # --tensorboard: every numeric scalar
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and k not in ("epoch", "step"):
-                    tb.add_scalar(k, v, rec.get("step", self.last))
-            tb.flush()
+        if getattr(self.run, "tb", None) is not None:                  # --tensorboard
+            self.run.tb.scalars(rec, rec.get("step", self.last))
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")

@@ -69,7 +69,7 @@ Where this file follows the official code (TencentARC/ConMIM) rather than the pa
 import contextlib
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -82,46 +82,46 @@ import harness as H
 @dataclass
 class Args(H.RunArgs):
     """ConMIM pre-training (defaults: official recipe, ViT-B/16)."""
-    data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
-    output_dir: str = field(default=None, metadata={"help": "default runs/conmim"})
-    model: str = field(default="base", metadata={"help": "ViT size: nano|micro|tiny|small|base|large"})
-    patch_size: int = 16
-    img_size: int = 224
-    epochs: int = 800
-    batch_size: int = field(default=2048, metadata={"help": "GLOBAL batch, all processes (official 2048)"})
-    micro_batch: int = field(default=512, metadata={"help": "images per forward/backward per process (40 GB measured "
-                                                            "on an 80 GB H100, bf16; 0 = the whole per-process batch); "
-                                                            "the step stays exact"})
-    lr: float = field(default=7.5e-4, metadata={"help": "absolute peak lr (not scaled with batch)"})
-    min_lr: float = 1e-5
-    warmup_epochs: float = 10
-    weight_decay: float = 0.05
-    betas: tuple = (0.9, 0.98)
-    clip_grad: float = 1.0
-    ema: tuple = field(default=(0.996, 1.0), metadata={"help": "teacher momentum start, end (cosine)"})
-    ema_horizon: float = field(default=0.0, metadata={"help": "cap the EMA horizon 1/(1-m) at this fraction of the "
-                               "run's steps by lowering the first momentum (0: official; short-run presets: 0.02)"})
-    mask_ratio: float = 0.75
-    mask_unit: int = field(default=2, metadata={"help": "mask in unit x unit patch blocks (1 = per patch)"})
-    proj_hidden: int = 4096
-    proj_dim: int = 256
-    tau: float = 0.1
+    data: str = H.arg(None, "image folder (uses DIR/train if present) or 'synthetic'", group="data")
+    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/conmim)",
+                            group="data")
+    model: str = H.arg("base", "ViT size: nano|micro|tiny|small|base|large", group="model")
+    patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
+    img_size: int = H.arg(224, "training image size (px)", group="data", positive=True)
+    epochs: int = H.arg(800, "training epochs (the schedules span them)", group="optimisation", positive=True)
+    batch_size: int = H.arg(2048, "GLOBAL batch, all processes (official 2048)", group="optimisation", positive=True)
+    micro_batch: int = H.arg(512, "images per forward/backward per process (40 GB measured on an 80 GB H100, bf16; 0 = "
+                             "the whole per-process batch); the step stays exact", group="optimisation", min=0)
+    lr: float = H.arg(7.5e-4, "absolute peak lr (not scaled with batch)", group="optimisation", positive=True)
+    min_lr: float = H.arg(1e-5, "lr at the end of the cosine schedule", group="optimisation", min=0)
+    warmup_epochs: float = H.arg(10, "linear lr warm-up epochs", group="optimisation", min=0)
+    weight_decay: float = H.arg(0.05, "AdamW weight decay", group="optimisation", min=0)
+    betas: tuple = H.arg((0.9, 0.98), "AdamW betas", group="optimisation")
+    clip_grad: float = H.arg(1.0, "max gradient norm (0 = off)", group="optimisation", min=0)
+    ema: tuple = H.arg((0.996, 1.0), "teacher momentum start, end (cosine)", group="optimisation")
+    ema_horizon: float = H.arg(0.0, "cap the EMA horizon 1/(1-m) at this fraction of the run's steps by lowering the "
+                               "first momentum (0: official; short-run presets: 0.02)", group="optimisation", min=0)
+    mask_ratio: float = H.arg(0.75, "share of patches masked", group="views and masking")
+    mask_unit: int = H.arg(2, "mask in unit x unit patch blocks (1 = per patch)", group="views and masking",
+                           positive=True)
+    proj_hidden: int = H.arg(4096, "projector hidden width", group="model", positive=True)
+    proj_dim: int = H.arg(256, "projector output width", group="model", positive=True)
+    tau: float = H.arg(0.1, "softmax temperature", positive=True)
     rel_pos_lr: float = H.arg(1.0, "the relative position bias table's lr as a multiple of the others' (official 1; "
                               "short-run presets 300: the symmetric start, docs/RESULTS.md)", group="optimisation",
                               positive=True)
-    crop_scale: tuple = (0.08, 1.0)
-    drop_path: float = field(default=0.0, metadata={"help": "student only (official pre-training: 0; 0.1 is "
-                                                            "fine-tuning's)"})
+    crop_scale: tuple = H.arg((0.08, 1.0), "RandomResizedCrop area range", group="data")
+    drop_path: float = H.arg(0.0, "student only (official pre-training: 0; 0.1 is fine-tuning's)", group="model", min=0)
     layer_scale: float = H.arg(None, "layer scale init of gamma_1 / gamma_2 (default: official 0.1, 1e-5 for --model "
                                "large)", group="model")
-    gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
-                          "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
-    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial teacher at the end (default: on for "
-                                                      "synthetic)"})
+    gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with CUDA; --no-gpu-aug "
+                          "keeps it in the CPU workers)", group="views and masking")
+    knn: bool = H.arg(None, "k-NN of learned vs initial teacher at the end (default: on for synthetic)",
+                      group="run control")
 
     # --data synthetic: batch 32 x 800 steps (k-NN 23.1% vs 16.7% at init) learned more than 64 x 400
     # (19.1%) in the same ~4.5 min; at EMA 0.996 the teacher would stay near its init in so few steps.
-    # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr per image x
+    # Small recipes: the official recipe above scaled by recipes.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
     # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
     # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
@@ -332,7 +332,7 @@ def ema_update(teacher, student, m):
 
 def ema_start(m, steps, horizon):
     """The first EMA momentum: m, lowered where its horizon 1 / (1 - m) exceeds `horizon` x steps (the short-run rule:
-    harness.scale_recipe; the same lines in each EMA method's file, pinned equal by tests/test_common.py)."""
+    recipes.scale_recipe; the same lines in each EMA method's file, pinned equal by tests/test_common.py)."""
     return min(m, 1 - 1 / max(1.0, horizon * steps)) if horizon else m
 
 
@@ -502,7 +502,7 @@ def train(args):
         return
     save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, teacher)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute; " +
-             (f"--preset {args.preset}: harness.scale_recipe's rules)" if args.preset
+             (f"--preset {args.preset}: recipes.scale_recipe's rules)" if args.preset
               else "for the official global batch 2048, not rescaled)") + f"; teacher momentum {m0:g} -> "
                                                                           f"{args.ema[1]:g}")
 

@@ -35,7 +35,7 @@ Output: one JSON line per gap and a summary line; --output FILE also writes them
 """
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -48,15 +48,15 @@ import harness as H
 @dataclass
 class Args:
     """Correspondence of a SiamMAE checkpoint against the synthetic clips' true motion."""
-    ckpt: str = field(default=None, metadata={"help": "siammae checkpoint.pth (trained with --data synthetic)"})
-    random_init: bool = field(default=False, metadata={"help": "the same model at its initialisation (run's seed)"})
-    gaps: tuple = field(default=(4, 8), metadata={"help": "frame gaps to measure, one or more (the synthetic config "
-                        "trains on 2..8)", "nargs": "+"})
-    videos: int = field(default=20, metadata={"help": "synthetic val clips"})
-    pairs: int = field(default=4, metadata={"help": "pairs per clip and gap (start frames drawn with --seed)"})
-    seed: int = 0
-    output: str = field(default=None, metadata={"help": "also write the JSON lines here"})
-    device: str = None
+    ckpt: str = H.arg(None, "siammae checkpoint.pth (trained with --data synthetic)", group="model")
+    random_init: bool = H.arg(False, "the same model at its initialisation (run's seed)", group="model")
+    gaps: tuple = H.arg((4, 8), "frame gaps to measure, one or more (the synthetic config trains on 2..8)",
+                        group="data", nargs="+")
+    videos: int = H.arg(20, "synthetic val clips", group="data")
+    pairs: int = H.arg(4, "pairs per clip and gap (start frames drawn with --seed)", group="data")
+    seed: int = H.arg(0, "random seed", group="run control", min=0)
+    output: str = H.arg(None, "also write the JSON lines here", group="run control")
+    device: str = H.arg(None, "cpu | cuda | cuda:N (default: cuda if available)", group="run control")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ resumed), and a final JSON line with best_top1, last_top1, last_top5 and last_va
 """
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -72,7 +72,7 @@ OFFICIAL_BATCH, OFFICIAL_EPOCHS = 1024, 100                # both recipes' (ViT-
 
 
 def identity_rules(cls, preset):
-    """harness.presets' hook: a fine-tuning preset's values are final; its lr and warm-up follow the
+    """recipes.presets' hook: a fine-tuning preset's values are final; its lr and warm-up follow the
     checkpoint's recipe at run time (finetune: per image, and the same share of the run)."""
     return dict(preset)
 
@@ -80,38 +80,40 @@ def identity_rules(cls, preset):
 @dataclass
 class Args(H.RunArgs):
     """End-to-end fine-tuning of a checkpoint's encoder with a linear head (official recipes)."""
-    ckpt: str = field(default=None, metadata={"help": "pre-trained checkpoint (any that eval_linear.py reads)"})
-    data: str = field(default=None, metadata={"help": "image folder with train/ and val/ class folders, or "
-                                                      "'synthetic'"})
-    output_dir: str = field(default=None, metadata={"help": "default runs/finetune"})
-    recipe: str = field(default=None, metadata={"help": "mae | beit (default: from the checkpoint's method)"})
-    random_init: bool = field(default=False, metadata={"help": "the same run from the ViT's initialisation"})
-    model: str = field(default=None, metadata={"help": "ViT size, checked (eval_linear.py)"})
-    patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's"})
-    img_size: int = field(default=None, metadata={"help": "default: the checkpoint's training size"})
-    epochs: int = 100
-    batch_size: int = field(default=1024, metadata={"help": "GLOBAL batch, all processes (official 1024)"})
-    micro_batch: int = field(default=256, metadata={"help": "images per forward/backward per process"})
-    lr: float = field(default=None, metadata={"help": "absolute peak lr (default: the recipe's)"})
-    blr: float = field(default=None, metadata={"help": "lr = blr x global batch / 256 when --lr is not given"})
-    warmup_lr: float = field(default=None, metadata={"help": "lr at the start of warm-up (both recipes: 0)"})
-    min_lr: float = 1e-6
-    warmup_epochs: int = None
-    layer_decay: float = field(default=None, metadata={"help": "layer-wise lr decay (default: the recipe's, 0.65)"})
-    weight_decay: float = 0.05
-    betas: tuple = (0.9, 0.999)
-    clip_grad: float = field(default=0.0, metadata={"help": "max grad norm (0 = off, as both recipes)"})
-    drop_path: float = 0.1
-    smoothing: float = 0.1
-    mixup: float = field(default=0.8, metadata={"help": "MixUp alpha (0 = off)"})
-    cutmix: float = field(default=1.0, metadata={"help": "CutMix alpha (0 = off)"})
-    reprob: float = field(default=0.25, metadata={"help": "random erasing probability"})
-    randaug_magnitude: int = field(default=9, metadata={"help": "RandAugment magnitude (2 ops; -1 = off)"})
-    crop_scale: tuple = (0.08, 1.0)
-    eval_batch: int = 256
+    ckpt: str = H.arg(None, "pre-trained checkpoint (any that eval_linear.py reads)", group="model")
+    data: str = H.arg(None, "image folder with train/ and val/ class folders, or 'synthetic'", group="data")
+    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/finetune)",
+                            group="data")
+    recipe: str = H.arg(None, "mae | beit (default: from the checkpoint's method)")
+    random_init: bool = H.arg(False, "the same run from the ViT's initialisation", group="model")
+    model: str = H.arg(None, "ViT size, checked (eval_linear.py)", group="model")
+    patch_size: int = H.arg(None, "checked against the checkpoint's", group="model", positive=True)
+    img_size: int = H.arg(None, "training image size (px) (default: the checkpoint's training size)", group="data",
+                          positive=True)
+    epochs: int = H.arg(100, "training epochs (the schedules span them)", group="optimisation", positive=True)
+    batch_size: int = H.arg(1024, "GLOBAL batch, all processes (official 1024)", group="optimisation", positive=True)
+    micro_batch: int = H.arg(256, "images per forward/backward per process", group="optimisation", min=0)
+    lr: float = H.arg(None, "absolute peak lr (default: the recipe's)", group="optimisation", positive=True)
+    blr: float = H.arg(None, "lr = blr x global batch / 256 when --lr is not given", group="optimisation",
+                       positive=True)
+    warmup_lr: float = H.arg(None, "lr at the start of warm-up (both recipes: 0)", group="optimisation", min=0)
+    min_lr: float = H.arg(1e-6, "lr at the end of the cosine schedule", group="optimisation", min=0)
+    warmup_epochs: int = H.arg(None, "linear lr warm-up epochs", group="optimisation", min=0)
+    layer_decay: float = H.arg(None, "layer-wise lr decay (default: the recipe's, 0.65)", group="optimisation")
+    weight_decay: float = H.arg(0.05, "AdamW weight decay", group="optimisation", min=0)
+    betas: tuple = H.arg((0.9, 0.999), "AdamW betas", group="optimisation")
+    clip_grad: float = H.arg(0.0, "max grad norm (0 = off, as both recipes)", group="optimisation", min=0)
+    drop_path: float = H.arg(0.1, "stochastic depth rate of the last block", group="model", min=0)
+    smoothing: float = H.arg(0.1, "label smoothing")
+    mixup: float = H.arg(0.8, "MixUp alpha (0 = off)")
+    cutmix: float = H.arg(1.0, "CutMix alpha (0 = off)")
+    reprob: float = H.arg(0.25, "random erasing probability")
+    randaug_magnitude: int = H.arg(9, "RandAugment magnitude (2 ops; -1 = off)")
+    crop_scale: tuple = H.arg((0.08, 1.0), "RandomResizedCrop area range", group="data")
+    eval_batch: int = H.arg(256, "images per evaluation batch")
     lr_factor: float = H.arg(1.0, "the recipe's lr times this (a preset's: chosen on held-out training images, never "
                                   "on the evaluated split)", positive=True)
-    split: str = field(default=None, metadata={"help": "the evaluated folder (default val/, else test/)"})
+    split: str = H.arg(None, "the evaluated folder (default val/, else test/)", group="data")
     eval_every: int = H.arg(1, "epochs between evaluations (the run's last epoch always)", positive=True)
     labels_per_class: int = H.arg(0, "fine-tune on this many labelled images of each class, a fixed draw (not --seed); "
                                      "0 = all", min=0)
@@ -129,7 +131,7 @@ class Args(H.RunArgs):
     # encoders, a gap as large as with 100 or 500 a class), lr_factor 1 (x4 lowered both); 3 epochs: the time.
     PRESETS = {"small": dict(batch_size=256, micro_batch=0, labels_per_class=0, epochs=3, eval_every=1,
                              lr_factor=1.0, workers=2, log_every=20)}
-    preset_rules = identity_rules                                    # harness.presets: no pre-training rules here
+    preset_rules = identity_rules                                    # recipes.presets: no pre-training rules here
 
 
 # ----------------------------------------------------------------------------------------------

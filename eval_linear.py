@@ -49,7 +49,7 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -64,42 +64,42 @@ DEFAULT_POOL = {"msn": "cls-prenorm", "cmae": "mean", "conmim": "mean", "can": "
 @dataclass
 class Args:
     """Frozen-feature evaluation (k-NN / linear / low-shot) of a checkpoint's encoder."""
-    ckpt: str = field(default=None, metadata={"help": "checkpoint.pth written by one of the method files, the "
-                      "official MSN file, an MAE-style ('model') file or a timm/DeiT ViT state dict"})
-    data: str = field(default=None, metadata={"help": "image folder with train/ and val/ (or test/), or 'synthetic'"})
-    split: str = field(default=None, metadata={"help": "the folder next to train/ that is evaluated (default: val/, "
-                       "else test/ where there is no val/, as in CIFAR-10's folders)"})
-    pixels: bool = field(default=False, metadata={"help": "the raw-pixel baseline instead of a checkpoint: the "
-                         "normalised image, flattened and centred by the train mean (needs --img-size)"})
-    mode: str = field(default="knn", metadata={"help": "knn | linear | lowshot | all"})
-    pool: str = field(default=None, metadata={"help": "cls | cls-prenorm | mean (default: per method)"})
-    img_size: int = field(default=None, metadata={"help": "default: the checkpoint's training size"})
-    model: str = field(default=None, metadata={"help": "ViT size (tiny|small|base|large): picks the "
-                       "heads of a foreign checkpoint of non-standard width; checked against any checkpoint"})
-    patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's patch size"})
-    random_init: bool = field(default=False, metadata={"help": "evaluate the same ViT at its default random "
-                              "initialisation (run's seed; may differ from the run's exact initial weights)"})
-    online: bool = field(default=False, metadata={"help": "evaluate the online network's encoder (the checkpoint's "
-                         "`model`) instead of the one the paper evaluates (MSN's EMA target, ConMIM's teacher)"})
-    holdout: int = field(default=0, metadata={"help": "evaluate the N train/ images that a --holdout N run kept out "
-                         "(the k-NN bank: the other train/ images): the lr sweep's validation, never test/"})
-    k: int = 20
-    temperature: float = 0.07
-    linear_epochs: int = 100
-    linear_lr: float = 0.1
-    linear_batch: int = 1024
-    shots: int = field(default=1, metadata={"help": "images per class for lowshot (ignored with --percent)"})
-    percent: float = field(default=0.0, metadata={"help": "use this %% of train images per class for lowshot"})
-    seeds: int = field(default=3, metadata={"help": "random subsets for lowshot"})
-    lambd: float = field(default=0.0025, metadata={"help": "L2 penalty of the logistic regression, divided by "
-                         "the number of training images (MSN protocol)"})
-    subset_file: str = field(default=None, metadata={"help": "lowshot: train only on the images listed here "
-                             "(one file name or relative path per line, as MSN's imagenet_subsets)"})
-    batch_size: int = 256
-    workers: int = field(default=min(8, os.cpu_count() or 1),
-                         metadata={"help": "DataLoader workers (default: min(8, CPUs))"})
-    device: str = None
-    cache: bool = field(default=True, metadata={"help": "cache features next to the checkpoint"})
+    ckpt: str = H.arg(None, "checkpoint.pth written by one of the method files, the official MSN file, an MAE-style "
+                      "('model') file or a timm/DeiT ViT state dict", group="model")
+    data: str = H.arg(None, "image folder with train/ and val/ (or test/), or 'synthetic'", group="data")
+    split: str = H.arg(None, "the folder next to train/ that is evaluated (default: val/, else test/ where there is no "
+                       "val/, as in CIFAR-10's folders)", group="data")
+    pixels: bool = H.arg(False, "the raw-pixel baseline instead of a checkpoint: the normalised image, flattened and "
+                         "centred by the train mean (needs --img-size)")
+    mode: str = H.arg("knn", "knn | linear | lowshot | all")
+    pool: str = H.arg(None, "cls | cls-prenorm | mean (default: per method)", group="model")
+    img_size: int = H.arg(None, "training image size (px) (default: the checkpoint's training size)", group="data",
+                          positive=True)
+    model: str = H.arg(None, "ViT size (tiny|small|base|large): picks the heads of a foreign checkpoint of "
+                       "non-standard width; checked against any checkpoint", group="model")
+    patch_size: int = H.arg(None, "checked against the checkpoint's patch size", group="model", positive=True)
+    random_init: bool = H.arg(False, "evaluate the same ViT at its default random initialisation (run's seed; may "
+                              "differ from the run's exact initial weights)", group="model")
+    online: bool = H.arg(False, "evaluate the online network's encoder (the checkpoint's `model`) instead of the one "
+                         "the paper evaluates (MSN's EMA target, ConMIM's teacher)")
+    holdout: int = H.arg(0, "evaluate the N train/ images that a --holdout N run kept out (the k-NN bank: the other "
+                         "train/ images): the lr sweep's validation, never test/", group="data", min=0)
+    k: int = H.arg(20, "neighbours of the k-NN")
+    temperature: float = H.arg(0.07, "softmax temperature")
+    linear_epochs: int = H.arg(100, "linear probe epochs")
+    linear_lr: float = H.arg(0.1, "linear probe peak lr")
+    linear_batch: int = H.arg(1024, "linear probe batch")
+    shots: int = H.arg(1, "images per class for lowshot (ignored with --percent)")
+    percent: float = H.arg(0.0, "use this %% of train images per class for lowshot")
+    seeds: int = H.arg(3, "random subsets for lowshot")
+    lambd: float = H.arg(0.0025, "L2 penalty of the logistic regression, divided by the number of training images (MSN "
+                         "protocol)")
+    subset_file: str = H.arg(None, "lowshot: train only on the images listed here (one file name or relative path per "
+                             "line, as MSN's imagenet_subsets)", group="data")
+    batch_size: int = H.arg(256, "images per batch", group="optimisation", positive=True)
+    workers: int = H.arg(min(8, os.cpu_count() or 1), "DataLoader workers (default: min(8, CPUs))", group="data", min=0)
+    device: str = H.arg(None, "cpu | cuda | cuda:N (default: cuda if available)", group="run control")
+    cache: bool = H.arg(True, "cache features next to the checkpoint", group="run control")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,7 +380,7 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
     with the run's seed (weights not loaded). per_block_rel_pos: a BEiT encoder's shared relative
     position bias becomes one table per block, each a copy (fine-tuning, as BEiT / ConMIM's
     run_class_finetuning). online: the online network's encoder (online_encoder). In eval mode."""
-    obj = C.read_checkpoint_file(path)
+    obj = C.load_checkpoint(path, ours=False)
     if online and not (isinstance(obj, dict) and "method" in obj and "model" in obj):
         raise C.UserError(f"--online: {path} is not a checkpoint of this project's training scripts (no `model`)")
     if isinstance(obj, dict) and "method" in obj and "encoder" in obj:

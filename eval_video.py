@@ -80,7 +80,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -102,36 +102,34 @@ POSE_TOPK, POSE_SIGMA, PCK_AT = 3, 0.5, (0.1, 0.2)         # CRW's process_pose 
 @dataclass
 class Args:
     """Label-propagation evaluation (DAVIS J&F, VIP mIoU, JHMDB PCK) of a checkpoint's encoder."""
-    ckpt: str = field(default=None, metadata={"help": "checkpoint.pth (siammae, or any image method)"})
-    data: str = field(default=None, metadata={"help": "DAVIS-2016 or -2017, VIP or JHMDB root (see --task), or "
-                                                      "'synthetic'"})
-    task: str = field(default="davis", metadata={"help": "davis (J&F) | vip (mIoU) | jhmdb (PCK@0.1/0.2)"})
-    split: str = field(default="val", metadata={"help": "davis: ImageSets/2017/<split>.txt (or 480p/ for 2016); vip: "
-                       "lists/<split>_videos.txt; jhmdb: split 1's test videos always"})
-    short_side: int = field(default=None, metadata={"help": "davis: resize frames so the short side is this (default "
-                            "480; 0 = native)"})
-    size: int = field(default=None, metadata={"help": "vip: long side (default 880, short side floored to a multiple "
-                      "of 64); jhmdb: square side (default 320); 0 = native"})
-    n_context: int = field(default=20, metadata={"help": "previous frames in the short-term memory (radius-limited)"})
-    topk: int = field(default=None, metadata={"help": "neighbours per patch (default 7; vip 10)"})
-    radius: float = 20.0
-    temperature: float = 0.7
-    model: str = field(default=None, metadata={"help": "ViT size (tiny|small|base|large): picks the "
-                       "heads of a foreign checkpoint of non-standard width; checked against any checkpoint"})
-    patch_size: int = field(default=None, metadata={"help": "checked against the checkpoint's patch size"})
-    random_init: bool = False
-    online: bool = field(default=False, metadata={"help": "evaluate the online network's encoder (the checkpoint's "
-                         "`model`) instead of the evaluated one (for SiamMAE they are the same)"})
-    holdout: int = field(default=0, metadata={"help": "davis: evaluate only the N videos of --split (train) that a "
-                         "siammae.py --holdout N run kept out (the lr sweep's validation)"})
-    pixels: bool = field(default=False, metadata={"help": "baseline, no checkpoint: each patch's normalised pixels "
-                         "(3 x p^2 numbers, p = --patch-size) as its feature, through the same propagation"})
-    copy_first: bool = field(default=False, metadata={"help": "baseline, no checkpoint: every frame's prediction is "
-                                                              "the first frame's labels (davis, vip) or joints "
-                                                              "(jhmdb), unmoved"})
-    output: str = field(default=None, metadata={"help": "write predictions here (davis, vip: palette PNGs; jhmdb: "
-                        "<video>.json keypoints)"})
-    device: str = None
+    ckpt: str = H.arg(None, "checkpoint.pth (siammae, or any image method)", group="model")
+    data: str = H.arg(None, "DAVIS-2016 or -2017, VIP or JHMDB root (see --task), or 'synthetic'", group="data")
+    task: str = H.arg("davis", "davis (J&F) | vip (mIoU) | jhmdb (PCK@0.1/0.2)")
+    split: str = H.arg("val", "davis: ImageSets/2017/<split>.txt (or 480p/ for 2016); vip: lists/<split>_videos.txt; "
+                       "jhmdb: split 1's test videos always", group="data")
+    short_side: int = H.arg(None, "davis: resize frames so the short side is this (default 480; 0 = native)",
+                            group="data")
+    size: int = H.arg(None, "vip: long side (default 880, short side floored to a multiple of 64); jhmdb: square side "
+                      "(default 320); 0 = native", group="data")
+    n_context: int = H.arg(20, "previous frames in the short-term memory (radius-limited)")
+    topk: int = H.arg(None, "neighbours per patch (default 7; vip 10)")
+    radius: float = H.arg(20.0, "short-term memory radius (patch cells)")
+    temperature: float = H.arg(0.7, "softmax temperature")
+    model: str = H.arg(None, "ViT size (tiny|small|base|large): picks the heads of a foreign checkpoint of "
+                       "non-standard width; checked against any checkpoint", group="model")
+    patch_size: int = H.arg(None, "checked against the checkpoint's patch size", group="model", positive=True)
+    random_init: bool = H.arg(False, "evaluate the same ViT at its initialisation", group="model")
+    online: bool = H.arg(False, "evaluate the online network's encoder (the checkpoint's `model`) instead of the "
+                         "evaluated one (for SiamMAE they are the same)")
+    holdout: int = H.arg(0, "davis: evaluate only the N videos of --split (train) that a siammae.py --holdout N run "
+                         "kept out (the lr sweep's validation)", group="data", min=0)
+    pixels: bool = H.arg(False, "baseline, no checkpoint: each patch's normalised pixels (3 x p^2 numbers, p = "
+                         "--patch-size) as its feature, through the same propagation")
+    copy_first: bool = H.arg(False, "baseline, no checkpoint: every frame's prediction is the first frame's labels "
+                             "(davis, vip) or joints (jhmdb), unmoved")
+    output: str = H.arg(None, "write predictions here (davis, vip: palette PNGs; jhmdb: <video>.json keypoints)",
+                        group="run control")
+    device: str = H.arg(None, "cpu | cuda | cuda:N (default: cuda if available)", group="run control")
 
 
 def resolved(a):

@@ -1,6 +1,7 @@
-"""The run harness of the method files (`import harness as H`): launching, the command line and the small recipes,
-starting a run (setup, resume, validation, the batch plan) and stopping it (the non-finite guard, preemption, checkpoint
-timing). It imports common.py, the training kit, never the reverse. Nothing here is one method's: a method's flags
+"""The run harness of the method files (`import harness as H`): launching, the command line, starting a run (setup,
+resume, validation, the batch plan) and stopping it (the non-finite guard, preemption, checkpoint timing). It imports
+common.py, the training kit, never the reverse, and optional modules where present: recipes.py (the presets),
+tensorboard_log.py (--tensorboard), slurm.py (srun without torchrun). Nothing here is one method's: a method's flags
 (help, group, range, checks) and its preset rules live in its own file."""
 import argparse
 import contextlib
@@ -22,66 +23,46 @@ import common as C
 from common import UserError, print0, is_main
 
 
-# ----------------------------------------------------------------------------------------------
-# Launching: the device, torchrun or an srun step, the process group
-# ----------------------------------------------------------------------------------------------
+# ---- Launching: the device, torchrun or an srun step, the process group ------------------------
 def resolve_device(name=None):
     """--device: None (cuda if available, else cpu), cpu, cuda or cuda:N; else a one-line error."""
-    name = name or ("cuda" if torch.cuda.is_available() else "cpu")
+    name, n = name or ("cuda" if torch.cuda.is_available() else "cpu"), torch.cuda.device_count()
     if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
         raise UserError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
-    if name.startswith("cuda"):
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise UserError(f"--device {name}: no CUDA GPU is available here (torch {torch.__version__}); "
-                            "use --device cpu")
-        if ":" in name and int(name.split(":")[1]) >= n:
-            raise UserError(f"--device {name}: this host has {n} GPU(s) (cuda:0..cuda:{n - 1})")
+    if name.startswith("cuda") and n == 0:
+        raise UserError(f"--device {name}: no CUDA GPU is available here (torch {torch.__version__}); use --device cpu")
+    if name.startswith("cuda:") and int(name[5:]) >= n:
+        raise UserError(f"--device {name}: this host has {n} GPU(s) (cuda:0..cuda:{n - 1})")
     return torch.device(name)
 
 
-def srun_env(env=None):
-    """torchrun's variables for a task of an srun step of several tasks (one per GPU, no torchrun): rank, world and
-    local rank from SLURM's, MASTER_ADDR as exported (scripts/train.sbatch), MASTER_PORT from the job id or exported."""
-    env = os.environ if env is None else env
-    count = lambda k: int(re.match(r"\d*", env.get(k, "")).group() or 0)    # noqa: E731  SLURM writes "8(x2)"
-    world = count("SLURM_STEP_NUM_TASKS") or count("SLURM_NTASKS")
-    if "WORLD_SIZE" in env or not ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env) or world < 2:
-        return {}
-    if "MASTER_ADDR" not in env:
-        raise UserError("an srun step of several tasks needs MASTER_ADDR, rank 0's host: export MASTER_ADDR=$(scontrol "
-                        "show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1), as scripts/train.sbatch does")
-    out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(world), "LOCAL_RANK": env["SLURM_LOCALID"],
-           "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + count("SLURM_JOB_ID") % 20000)}
-    per_node = count("SLURM_STEP_TASKS_PER_NODE") or count("SLURM_NTASKS_PER_NODE")
-    return out | ({"LOCAL_WORLD_SIZE": str(per_node)} if per_node else {})
-
-
 def init_distributed(device):
-    """One process group from torchrun's or an srun step's variables (nccl on CUDA, gloo): (rank, world, device)"""
-    device = str(resolve_device(device))
-    derived = srun_env() if not dist.is_initialized() else {}
-    os.environ.update(derived)                                   # env:// rendezvous as under torchrun
-    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+    """One process group from torchrun's variables, or from an srun step's (slurm.py maps them); nccl on CUDA, else
+    gloo. Returns (rank, world, device)."""
+    device, env = str(resolve_device(device)), os.environ
+    srun = not dist.is_initialized() and "WORLD_SIZE" not in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
+    if srun and importlib.util.find_spec("slurm") is None:
+        raise UserError("an srun step without torchrun needs slurm.py next to this file (or torchrun to start it)")
+    derived = importlib.import_module("slurm").srun_env() if srun else {}
+    env.update(derived)                                          # env:// rendezvous as under torchrun
+    if int(env.get("WORLD_SIZE", 1)) == 1:
         return 0, 1, torch.device(device)
     if device.startswith("cuda"):
-        local, n = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
-        if int(os.environ.get("LOCAL_WORLD_SIZE", local + 1)) > n and not (derived and n == 1):
-            raise UserError(f"{os.environ.get('LOCAL_WORLD_SIZE')} processes on this node but {n} GPU(s): one process "
+        local, n = int(env["LOCAL_RANK"]), torch.cuda.device_count()
+        if int(env.get("LOCAL_WORLD_SIZE", local + 1)) > n and not (derived and n == 1):
+            raise UserError(f"{env.get('LOCAL_WORLD_SIZE')} processes on this node but {n} GPU(s): one process "
                             f"per GPU (--nproc_per_node / --ntasks-per-node {n}), or --device cpu")
         device = "cuda:0" if n == 1 else f"cuda:{local}"       # srun --gpus-per-task binds one GPU per task
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     print0(f"launcher: {'srun' if derived else 'torchrun'}, {dist.get_world_size()} processes, rank 0 at "
-           f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}; devices by local rank, data "
-           "and seeds by global rank, rank 0 writes")
+           f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}; devices by local rank, data and seeds by "
+           "global rank, rank 0 writes")
     return dist.get_rank(), dist.get_world_size(), torch.device(device)
 
 
-# ----------------------------------------------------------------------------------------------
-# The command line and the small recipes
-# ----------------------------------------------------------------------------------------------
+# ---- The command line --------------------------------------------------------------------------
 def arg(default, help, **meta):
     """A dataclass field with its --help text and, for parse_args / validate, e.g. group="model", positive=True."""
     return dataclasses.field(default=default, metadata={"help": help, **meta})
@@ -90,124 +71,54 @@ def arg(default, help, **meta):
 @dataclasses.dataclass
 class RunArgs:
     """Run plumbing shared by every method's Args (its hyper-parameters live in the method file)."""
-    workers: int = arg(min(10, len(os.sched_getaffinity(0)) if hasattr(os,
-                                                                       "sched_getaffinity") else os.cpu_count() or 1),
-                       "DataLoader workers per process (here: min(10, the CPUs this process may use))")
-    seed: int = arg(0, "random seed (weights, data order, augmentation)")
-    resume: bool = arg(True, "continue from <output-dir>/checkpoint.pth when it exists (a rerun resumes; one with "
-                       "other model / objective / data / recipe flags is refused): --no-resume starts over")
-    precision: str = arg(None, "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)")
-    compile: bool = arg(None, "torch.compile the networks (default: on with CUDA, off on CPU)")
-    log_every: int = arg(50, "steps between log lines")
-    device: str = arg(None, "cpu | cuda | cuda:N (default: cuda if available)")
-    micro_batch: int = arg(0, "samples per forward/backward per process (0: the whole per-process batch); exact")
-    grad_ckpt: bool = arg(False, "activation checkpointing of every transformer block: less memory, ~1/3 more compute")
-    steps_per_epoch: int = arg(0, "cap steps per epoch (0 = full epoch)")
-    stop_epoch: int = arg(0, "exit after this epoch (schedules still span --epochs)")
-    stop_step: int = arg(0, "write a checkpoint and exit after this global step")
-    save_every: int = arg(0, "also write the checkpoint every N steps (0 = per epoch only)")
-    save_every_minutes: float = arg(30.0, "also write it when this many minutes passed since the last one (0 = off)")
+    workers: int = arg(min(10, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
+                       "DataLoader workers per process (here: min(10, this process's CPUs))", group="data", min=0)
+    seed: int = arg(0, "random seed (weights, data order, augmentation)", group="run control", min=0)
+    resume: bool = arg(True, "continue from <output-dir>/checkpoint.pth if present (a rerun resumes; one with other "
+                       "model / data / recipe flags is refused); --no-resume starts over", group="run control")
+    precision: str = arg(None, "bf16|fp16|fp32 (default bf16 on CUDA, fp32 on CPU)", group="run control")
+    compile: bool = arg(None, "torch.compile the networks (default: on with CUDA, off on CPU)", group="run control")
+    log_every: int = arg(50, "steps between log lines", group="run control", positive=True)
+    device: str = arg(None, "cpu | cuda | cuda:N (default: cuda if available)", group="run control")
+    micro_batch: int = arg(0, "samples per forward/backward per process (0: the whole per-process batch); exact",
+                           group="optimisation", min=0)
+    grad_ckpt: bool = arg(False, "activation checkpointing of every transformer block: less memory, ~1/3 more compute",
+                          group="optimisation")
+    steps_per_epoch: int = arg(0, "cap steps per epoch (0 = full epoch)", group="run control", min=0)
+    stop_epoch: int = arg(0, "exit after this epoch (schedules still span --epochs)", group="run control", min=0)
+    stop_step: int = arg(0, "write a checkpoint and exit after this global step", group="run control", min=0)
+    save_every: int = arg(0, "also write the checkpoint every N steps (0 = per epoch only)", group="run control", min=0)
+    save_every_minutes: float = arg(30.0, "also write it when this many minutes passed since the last one (0 = off)",
+                                    group="run control", min=0)
     max_unreadable: float = arg(0.01, "stop if more than this fraction of the images (SiamMAE: videos) read in an "
-                                "epoch is unreadable (they are skipped otherwise)")
-    preset: str = arg(None, "a named small recipe (e.g. small: 32-px images such as CIFAR-10 on a CPU), derived from "
-                            "the official one by stated rules; flags given explicitly win (the values: end of --help)")
+                                "epoch is unreadable (they are skipped otherwise)", group="data")
+    preset: str = arg(None, "a small recipe by name (e.g. small: 32-px CIFAR-10 on a CPU), derived from the official "
+                      "one by recipes.py's rules; flags given win (the values: end of --help)", group="optimisation")
     tensorboard: bool = arg(False, "also write every logged scalar and the pictures to <output-dir>/tensorboard "
-                            "(needs the tensorboard package)")
-    holdout: int = arg(0, "keep this many training images (SiamMAE: videos) out of training, a fixed draw: the "
-                       "validation split that eval_linear.py / eval_video.py --holdout N score (scripts/lr_sweep.py)")
+                            "(needs the tensorboard package)", group="run control")
+    holdout: int = arg(0, "keep this many training images (SiamMAE: videos) out of training, a fixed draw that "
+                       "eval_linear.py / eval_video.py --holdout N score (scripts/lr_sweep.py)", group="data", min=0)
 
 
-HELP = {  # the help of flags that several scripts share, where a script's field gives none
-    "batch_size": "images per batch", "betas": "AdamW betas", "blr": "base lr: lr = blr x global batch / 256",
-    "clip_grad": "max gradient norm (0 = off)", "crop_scale": "RandomResizedCrop area range",
-    "decoder_depth": "decoder blocks", "decoder_dim": "decoder width", "decoder_heads": "decoder attention heads",
-    "drop_path": "stochastic depth rate of the last block", "epochs": "training epochs (the schedules span them)",
-    "img_size": "training image size (px)", "mask_ratio": "share of patches masked", "tau": "softmax temperature",
-    "patch_size": "ViT patch size (px)", "min_lr": "lr at the end of the cosine schedule",
-    "proj_dim": "projector output width", "proj_hidden": "projector hidden width",
-    "warmup_epochs": "linear lr warm-up epochs",
-    "weight_decay": "AdamW weight decay", "output_dir": "where checkpoint.pth, log.jsonl, args.json and pictures go",
-    "device": "cpu | cuda | cuda:N (default: cuda if available)", "seed": "random seed",
-    "ckpt": "checkpoint to evaluate", "random_init": "evaluate the same ViT at its initialisation",  # the evaluations'
-    "eval_batch": "images per evaluation batch", "k": "neighbours of the k-NN", "layer_decay": "layer-wise lr decay",
-    "linear_batch": "linear probe batch", "linear_epochs": "linear probe epochs", "linear_lr": "linear probe peak lr",
-    "radius": "short-term memory radius (patch cells)", "smoothing": "label smoothing",
-    "temperature": "softmax temperature", "topk": "neighbours voting per patch",
-}
-GROUPS = {  # --help sections of the shared flags, in order; a script's own field may name its group (arg(group=))
-    "data": {"data", "output_dir", "img_size", "crop_scale", "workers", "max_unreadable", "holdout", "split",
-             "short_side", "size", "subset_file", "videos", "pairs", "gaps"},
-    "model": {"model", "patch_size", "drop_path", "decoder_dim", "decoder_depth", "decoder_heads", "proj_hidden",
-              "proj_dim", "ckpt", "random_init", "pool"},
-    "optimisation": {"preset", "epochs", "batch_size", "micro_batch", "grad_ckpt", "lr", "blr", "min_lr", "warmup_lr",
-                     "warmup_epochs", "weight_decay", "betas", "clip_grad", "ema", "ema_horizon", "layer_decay"},
-    "views and masking": {"mask_ratio", "mask_unit", "gpu_aug"},
-    "run control": {"output", "seed", "resume", "precision", "compile", "log_every", "device", "steps_per_epoch", "knn",
-                    "stop_epoch", "stop_step", "save_every", "save_every_minutes", "cache", "tensorboard"},
-}
-OFFICIAL_IMG = 224                  # the image size every official recipe here trains at
-SHORT_EMA = 0.02                    # a short run's EMA horizon 1/(1 - m): at most this fraction of its steps
-
-
-def scale_recipe(cls, preset):
-    """A small recipe: the official one (cls's defaults) at the preset's batch, length and image size; a value the
-    preset sets wins (its others are the budget's); docs/RESULTS.md gives the reasons. A method's own rules (view
-    geometry, counts tied to the batch) are its `preset_rules`, which calls this. Returns the preset completed:
-      - lr per image: lr and end lr x batch / official batch (blr recipes keep blr), x the preset's `lr_factor`
-        (default 1), which scripts/lr_sweep.py chooses on held-out training images;
-      - warm-up the same share of the run; weight-decay schedules as official;
-      - EMA horizon 1/(1 - m) at most SHORT_EMA of the run (ema_horizon; the official momentum where shorter);
-      - masking blocks (mask_unit) x img_size / 224, in whole patches; crop scales (area fractions) unchanged."""
-    d = {f.name: f.default for f in dataclasses.fields(cls)}
-    out = dict(preset)
-    factor, ratio = out.pop("lr_factor", 1.0), preset["batch_size"] / d["batch_size"]
-    if d.get("lr") is not None:                                   # an absolute lr for the official batch
-        for k in ("lr", "min_lr"):
-            if d.get(k):
-                out.setdefault(k, float(f"{d[k] * ratio * factor:.4g}"))
-    elif d.get("blr"):
-        out.setdefault("blr", float(f"{d['blr'] * factor:.4g}"))
-    out.setdefault("warmup_epochs", float(f"{d['warmup_epochs'] * preset['epochs'] / d['epochs']:.4g}"))
-    if "ema_horizon" in d:
-        out.setdefault("ema_horizon", SHORT_EMA)
-    if "mask_unit" in d:                                          # official 2 x 16 px blocks: 32 px
-        p = preset.get("patch_size", d["patch_size"])
-        px = d["mask_unit"] * d["patch_size"] * preset["img_size"] / OFFICIAL_IMG          # the block's side in px
-        out.setdefault("mask_unit", max(1, round(px / p)))
-    return out
-
-
-def presets(cls, given=None):
-    """{name: derived values} of cls's small recipes, 'synthetic' among them, by cls.preset_rules (default
-    scale_recipe); `given` flags enter the rules (--epochs)."""
-    named = {**({"synthetic": cls.SYNTHETIC} if hasattr(cls, "SYNTHETIC") else {}), **getattr(cls, "PRESETS", {})}
-    rules = getattr(cls, "preset_rules", scale_recipe)
-    return {k: rules(cls, {**v, **(given or {})}) if hasattr(cls, "PRESETS") else v for k, v in named.items()}
+GROUPS = ("data", "model", "optimisation", None, "views and masking", "run control")   # --help's; None: a script's
 
 
 def parse_args(cls, argv=None):
     """`cls` (a dataclass) from the command line, `--field-name value` per field; `--preset NAME` (`--data synthetic`
     implies `--preset synthetic`) fills the fields not given. --help: the flags in groups, each with its help and
-    default, and every preset's values."""
-    named = presets(cls)
-    def show(d):
-        return ", ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
-                         for k, v in d.items())
-    epilog = " | ".join(("--data synthetic: a CPU-sized config replaces these defaults for every flag not given: "
-                         if k == "synthetic" else f"--preset {k}: ") + show(v) for k, v in named.items()) or None
-    p = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().split("\n")[0], epilog=epilog)
+    default, and every preset's values (recipes.py's, where it was copied along)."""
+    recipes = importlib.import_module("recipes") if importlib.util.find_spec("recipes") else None
+    p = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().split("\n")[0],
+                                epilog=recipes.describe(cls) if recipes else None)
     own = "evaluation" if not issubclass(cls, RunArgs) else "the method's own"
-    names = list(GROUPS)
-    groups = {g: p.add_argument_group(g) for g in names[:3] + [own] + names[3:]}
+    groups = {g or own: p.add_argument_group(g or own) for g in GROUPS}
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in ("data", "ckpt")):   # --data / --ckpt first
-        g = f.metadata.get("group") or next((g for g, members in GROUPS.items() if f.name in members), own)
-        group = groups.setdefault(g, p.add_argument_group(g))
+        group = groups[f.metadata.get("group") or own]
         default = f.default if f.default is not dataclasses.MISSING else None
-        shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
-        text = f.metadata.get("help") or HELP.get(f.name, f.name.replace("_", " "))
-        if text.startswith("default") and f.name in HELP:                            # "default runs/msn": say what
-            text = f"{HELP[f.name]} ({text})"
-        text = text if "default" in text else f"{text} (default: {shown})"                     # said once
+        shown = "required" if default is None and f.name in ("data", "ckpt") else \
+            f"default: {' '.join(map(str, default)) if isinstance(default, tuple) else default}"
+        text = f.metadata.get("help") or f.name.replace("_", " ")
+        text = text if "default" in text else f"{text} ({shown})"                               # said once
         flag, kw = "--" + f.name.replace("_", "-"), dict(default=argparse.SUPPRESS, help=text.replace("%", "%%"))
         if f.type in (bool, "bool"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
@@ -215,22 +126,16 @@ def parse_args(cls, argv=None):
             group.add_argument(flag, type=type(f.default[0]), nargs=f.metadata.get("nargs", len(f.default)), **kw)
         else:
             group.add_argument(flag, type={"int": int, "float": float, "str": str}.get(f.type, f.type), **kw)
-    for a in p._actions:
-        if a.dest in ("data", "ckpt"):
-            a.help = a.help.replace("(default: None)", "(required)")
     given = vars(p.parse_args(argv))
-    synthetic = given.get("data", getattr(cls, "data", None)) == "synthetic" and "synthetic" in named
+    synthetic = given.get("data", getattr(cls, "data", None)) == "synthetic" and hasattr(cls, "SYNTHETIC")
     preset = given.get("preset") or ("synthetic" if synthetic else None)
-    if preset:
-        if preset not in named:
-            p.error(f"--preset {preset}: this script has {', '.join(named) if named else 'no presets'}")
-        given = {**presets(cls, given)[preset], **given, "preset": preset}
+    if preset and not recipes:
+        p.error("the presets (--preset, --data synthetic) need recipes.py next to this file")
+    given = recipes.apply(cls, given, preset, p.error) if preset else given
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
 
 
-# ----------------------------------------------------------------------------------------------
-# Starting a run: main, setup, resume, validation, the batch plan
-# ----------------------------------------------------------------------------------------------
+# ---- Starting a run: main, setup, resume, validation, the batch plan ---------------------------
 def main(train, cls):
     """`python script.py ...`: parse, train, and turn UserError into a one-line message. Preemption signals are caught
     for training runs (RunArgs), not when train() is called from other code."""
@@ -251,7 +156,7 @@ def main(train, cls):
         print(f"error: {msg.removeprefix('common.UserError: ').removeprefix('UserError: ')}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("error: interrupted by a second Ctrl-C: stopped at once, the last checkpoint written is kept",
+        print("error: interrupted by a second Ctrl-C: stopped at once; the last checkpoint written is kept",
               file=sys.stderr)
         sys.exit(130)
     finally:
@@ -262,8 +167,7 @@ def main(train, cls):
 
 def setup(args, method):
     """Distributed init, seed, device, precision, output dir (set in args). Returns the run: rank, world, device,
-    precision, autocast, scaler, out, ckpt, guard, control, and its state: tb (the TensorBoard writer or None),
-    data_wait (seconds waited for batches since the last log line)."""
+    precision, autocast, scaler, out, ckpt, guard, control; its state: tb (TensorBoard writer or None), data_wait."""
     validate(args)
     rank, world, device = init_distributed(args.device)
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
@@ -275,10 +179,10 @@ def setup(args, method):
     if args.data != "synthetic" and not os.path.isdir(args.data):                   # before any plan is printed
         raise UserError(f"--data {args.data}: no such directory (give an image folder or 'synthetic')")
     if getattr(args, "knn", None) and args.data != "synthetic" and importlib.util.find_spec("eval_linear"):
-        ev = next((s for s in ("val", "test") if os.path.isdir(os.path.join(args.data, s))), None)   # as eval_linear's
-        def names(s):
-            return {e.name for e in os.scandir(os.path.join(args.data, s)) if e.is_dir()} if s else set()
-        extra = sorted(names(ev) - names("train" if os.path.isdir(os.path.join(args.data, "train")) else None))
+        classes = {s: {e.name for e in os.scandir(os.path.join(args.data, s)) if e.is_dir()}    # as eval_linear reads
+                   for s in ("train", "val", "test") if os.path.isdir(os.path.join(args.data, s))}
+        ev = next((s for s in ("val", "test") if s in classes), None)
+        extra = sorted(classes.get(ev, set()) - classes.get("train", set()))
         if not ev or extra:                          # the k-NN monitor reads them after training: refused before it
             raise UserError(f"--knn: --data {args.data} has no val/ (or test/) next to train/ (the k-NN's queries): "
                             "add one or leave out --knn" if not ev
@@ -301,13 +205,10 @@ def setup(args, method):
         print(json.dumps(dataclasses.asdict(args)))
         with open(os.path.join(out, "args.json"), "w") as f:                      # the run's flags, readable
             json.dump(dataclasses.asdict(args), f, indent=1)
-        if getattr(args, "tensorboard", False):                                     # the package is needed only then
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard), or leave the "
-                                "flag out") from None
-            tb = SummaryWriter(os.path.join(out, "tensorboard"))
+        if getattr(args, "tensorboard", False):                          # tensorboard_log.py: for this flag only
+            if importlib.util.find_spec("tensorboard_log") is None:
+                raise UserError("--tensorboard needs tensorboard_log.py next to this file, or leave the flag out")
+            tb = importlib.import_module("tensorboard_log").Writer(out)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
@@ -390,17 +291,9 @@ def check_writable(out, what):
         raise UserError(f"{what} {out} is not a writable directory ({e.strerror or type(e).__name__})") from None
 
 
-# the shared fields' ranges; a script's own fields give theirs: arg(positive=True), arg(min=0)
-POSITIVE = {"epochs", "batch_size", "img_size", "patch_size", "proj_hidden", "proj_dim", "decoder_dim",
-            "decoder_heads", "mask_unit", "log_every", "tau", "lr", "blr"}
-NON_NEGATIVE = {"seed", "warmup_lr", "steps_per_epoch", "stop_epoch", "stop_step", "save_every", "workers",
-                "save_every_minutes", "micro_batch", "warmup_epochs", "min_lr", "weight_decay", "clip_grad",
-                "drop_path", "holdout", "ema_horizon"}
-
-
 def validate(args):
-    """One-line errors for flags out of range, before anything starts: the shared fields by name, a script's own by
-    their metadata (arg(positive=True), arg(min=...)) and its Args.check()."""
+    """One-line errors for flags out of range, before anything starts: each field's by its metadata (arg(positive=True),
+    arg(min=...)), the shared vocabulary's rules below, and the script's Args.check()."""
     d = dataclasses.asdict(args)
     bad = lambda msg: UserError(f"--{msg}")                                    # noqa: E731
     meta = {f.name: f.metadata for f in dataclasses.fields(args)}
@@ -410,9 +303,9 @@ def validate(args):
             continue
         if any(isinstance(x, float) and not math.isfinite(x) for x in (v if isinstance(v, tuple) else (v,))):
             raise bad(f"{flag} must be a finite number, got {v}")
-        if (k in POSITIVE or meta[k].get("positive")) and v <= 0:
+        if meta[k].get("positive") and v <= 0:
             raise bad(f"{flag} must be positive, got {v}")
-        low = 0 if k in NON_NEGATIVE else meta[k].get("min")
+        low = meta[k].get("min")
         if low is not None and v < low:
             raise bad(f"{flag} must be >= {low}{meta[k].get('why', '')}, got {v}")
         if k in ("mask_ratio", "drop_path", "max_unreadable") and not 0 <= v < 1:
@@ -456,9 +349,7 @@ def check_mask_ratio(ratio, count_masked, n, need_masked=True, need_kept=True):
 def batch_plan(args, run, recipe, weakens, unit="images", batchnorm=None):
     """(per-process batch, micro-batch) from the GLOBAL --batch-size, printed, with a warning saying what it weakens
     below the recipe's batch. batchnorm: the modules whose BatchNorm needs >= 2 images a forward (unless SyncBN)."""
-    B, W = args.batch_size, run.world
-    if B <= 0 or args.micro_batch < 0:
-        raise UserError(f"--batch-size must be positive and --micro-batch >= 0, got {B} and {args.micro_batch}")
+    B, W = args.batch_size, run.world                             # validate() saw B > 0, --micro-batch >= 0
     if B % W:
         raise UserError(f"--batch-size {B} is the GLOBAL batch: it must be divisible by the {W} processes")
     per = B // W
@@ -475,9 +366,7 @@ def batch_plan(args, run, recipe, weakens, unit="images", batchnorm=None):
     return per, micro
 
 
-# ----------------------------------------------------------------------------------------------
-# Stopping a run: the non-finite guard, preemption signals, checkpoint timing
-# ----------------------------------------------------------------------------------------------
+# ---- Stopping a run: the non-finite guard, preemption signals, checkpoint timing ---------------
 class Guard:
     """Device-side watch for a non-finite loss or gradient norm (bf16 / fp32), or a run of `max_skipped` skipped fp16
     steps; no host sync in the step: check() syncs at log steps and before every checkpoint."""
@@ -496,8 +385,7 @@ class Guard:
             self.skipped = torch.where(scale < prev, self.skipped + 1, 0)
             self.scale = scale
             return
-        vals = torch.stack([torch.as_tensor(v,
-                                            device=self.bad_step.device).float().reshape(()) for v in parts.values()])
+        vals = torch.stack([torch.as_tensor(v, device=self.skipped.device).float().reshape(()) for v in parts.values()])
         first = ~torch.isfinite(vals).all() & (self.bad_step < 0)
         self.bad_step = torch.where(first, step, self.bad_step)
         self.parts = vals if self.parts is None else torch.where(first, vals, self.parts)
@@ -511,15 +399,13 @@ class Guard:
             raise UserError(f"non-finite loss or gradient at step {int(self.bad_step)} ({parts}): stopped; {kept}. "
                             "Lower --lr, check the data, or try --precision fp32")
         if self.fp16 and int(self.skipped) >= self.max_skipped:
-            raise UserError(f"{int(self.skipped)} fp16 steps in a row skipped for non-finite gradients: "
-                            f"stopped; {kept}")
+            raise UserError(f"{int(self.skipped)} fp16 steps in a row skipped (non-finite gradients): stopped; {kept}")
 
 
 class Control:
-    """When to write a mid-epoch checkpoint and when to stop: a stop asked for (a preemption signal, a time cap:
-    stop(reason) sets `signal`), --save-every, --save-every-minutes, --stop-step; with several processes agreed by one
-    all_reduce every `sync_every` steps (signals reach ranks apart; saving is collective). `trained`: the final
-    checkpoint once written. The newest Control is the one the signal handler tells (Control.current)."""
+    """When to write a mid-epoch checkpoint and when to stop (stop(reason): a signal, a time cap; --save-every,
+    --save-every-minutes, --stop-step), agreed by all processes in one all_reduce every `sync_every` steps (signals
+    reach ranks apart; saving is collective). `trained`: the final checkpoint once written. Control.current: newest."""
     current = None
 
     def __init__(self, args, device, sync_every=10):
@@ -552,10 +438,9 @@ class Control:
 
 
 def catch_preemption():
-    """SIGTERM / SIGUSR1 / SIGINT -> Control.current.stop: the loop finishes its step, writes a checkpoint and exits 0.
-    The DataLoader workers ignore them (clusters signal the whole process group). A second Ctrl-C more than a second
-    after the first stops at once (not under torchrun, whose agent forwards its own copy to every rank); so does a
-    signal before the run or after its final checkpoint."""
+    """SIGTERM / SIGUSR1 / SIGINT -> Control.current.stop: the loop finishes its step, writes a checkpoint and exits 0
+    (the DataLoader workers ignore them: clusters signal the process group). A signal before the run or after its final
+    checkpoint stops at once, as does a second Ctrl-C a second after the first (not under torchrun, which forwards)."""
     import atexit
     import signal
 
@@ -590,9 +475,8 @@ def stop_workers_at_exit():
 
 
 def knn_wanted(args, run):
-    """Whether this process runs the end-of-run k-NN (eval_linear.knn_report, which the method file imports): --knn, by
-    default with --data synthetic, rank 0, where eval_linear.py is next to this file. Called after the final
-    checkpoint: from here on a stop signal ends the program at once (exit 0)."""
+    """Whether this process runs the end-of-run k-NN (eval_linear.knn_report): --knn (default: with --data synthetic),
+    rank 0, eval_linear.py next to this file. Called after the final checkpoint: a stop signal now exits at once (0)."""
     run.control.trained = run.ckpt
     if not (args.knn if args.knn is not None else args.data == "synthetic") or not is_main():
         return False

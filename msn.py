@@ -71,7 +71,7 @@ differs from both, and why:
 import contextlib
 import copy
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -84,39 +84,40 @@ import harness as H
 @dataclass
 class Args(H.RunArgs):
     """MSN pre-training (defaults: official ViT-S/16 ImageNet recipe)."""
-    data: str = field(default=None, metadata={"help": "image folder (uses DIR/train if present) or 'synthetic'"})
-    output_dir: str = field(default=None, metadata={"help": "default runs/msn"})
-    model: str = field(default="small", metadata={"help": "ViT size: nano|micro|tiny|small|base|large"})
-    patch_size: int = 16
-    img_size: int = field(default=224, metadata={"help": "target / random anchor view size"})
-    epochs: int = 800
-    batch_size: int = field(default=1024, metadata={"help": "GLOBAL batch, all processes (official 64 x 16 GPUs)"})
-    micro_batch: int = field(default=512, metadata={"help": "images per forward/backward per process (46 GB measured "
-                                                            "on an 80 GB H100, bf16; 0 = the whole per-process batch); "
-                                                            "the step stays exact"})
-    lr: float = field(default=1e-3, metadata={"help": "peak lr (not scaled with batch size)"})
+    data: str = H.arg(None, "image folder (uses DIR/train if present) or 'synthetic'", group="data")
+    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/msn)",
+                            group="data")
+    model: str = H.arg("small", "ViT size: nano|micro|tiny|small|base|large", group="model")
+    patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
+    img_size: int = H.arg(224, "target / random anchor view size", group="data", positive=True)
+    epochs: int = H.arg(800, "training epochs (the schedules span them)", group="optimisation", positive=True)
+    batch_size: int = H.arg(1024, "GLOBAL batch, all processes (official 64 x 16 GPUs)", group="optimisation",
+                            positive=True)
+    micro_batch: int = H.arg(512, "images per forward/backward per process (46 GB measured on an 80 GB H100, bf16; 0 = "
+                             "the whole per-process batch); the step stays exact", group="optimisation", min=0)
+    lr: float = H.arg(1e-3, "peak lr (not scaled with batch size)", group="optimisation", positive=True)
     start_lr: float = H.arg(2e-4, "lr at the start of warm-up", group="optimisation", min=0)
-    min_lr: float = 1e-6
-    warmup_epochs: float = 15
-    weight_decay: float = field(default=0.04, metadata={"help": "start of the cosine wd schedule"})
+    min_lr: float = H.arg(1e-6, "lr at the end of the cosine schedule", group="optimisation", min=0)
+    warmup_epochs: float = H.arg(15, "linear lr warm-up epochs", group="optimisation", min=0)
+    weight_decay: float = H.arg(0.04, "start of the cosine wd schedule", group="optimisation", min=0)
     final_weight_decay: float = H.arg(0.4, "weight decay at the end (cosine)", group="optimisation", min=0)
-    betas: tuple = (0.9, 0.999)
-    clip_grad: float = field(default=3.0, metadata={"help": "max grad norm of encoder+head (0 = off)"})
-    ema: tuple = field(default=(0.996, 1.0), metadata={"help": "EMA momentum start, end (linear)"})
-    ema_horizon: float = field(default=0.0, metadata={"help": "cap the EMA horizon 1/(1-m) at this fraction of the "
-                               "run's steps by lowering the first momentum (0: official; short-run presets: 0.02)"})
+    betas: tuple = H.arg((0.9, 0.999), "AdamW betas", group="optimisation")
+    clip_grad: float = H.arg(3.0, "max grad norm of encoder+head (0 = off)", group="optimisation", min=0)
+    ema: tuple = H.arg((0.996, 1.0), "EMA momentum start, end (linear)", group="optimisation")
+    ema_horizon: float = H.arg(0.0, "cap the EMA horizon 1/(1-m) at this fraction of the run's steps by lowering the "
+                               "first momentum (0: official; short-run presets: 0.02)", group="optimisation", min=0)
     ipe_scale: float = H.arg(1.25, "schedules span ipe_scale x the steps run", group="optimisation", min=1,
                              why=" (the schedules span ipe-scale x the run: below 1 they would end before it)")
-    drop_path: float = 0.0
+    drop_path: float = H.arg(0.0, "stochastic depth rate of the last block", group="model", min=0)
     # views and masking
     rand_views: int = H.arg(1, "masked anchor views at img-size", group="views and masking", positive=True)
     focal_views: int = H.arg(10, "focal views per image", group="views and masking", min=0)
     focal_size: int = H.arg(96, "focal view size (px)", group="views and masking", positive=True)
     rand_scale: tuple = H.arg((0.3, 1.0), "crop area range of the random anchor views", group="views and masking")
     focal_scale: tuple = H.arg((0.05, 0.3), "crop area range of the focal views", group="views and masking")
-    mask_ratio: float = field(default=0.15, metadata={"help": "patch drop ratio of the random anchors"})
-    gpu_aug: bool = field(default=None, metadata={"help": "photometric augmentation batched on the device (default: "
-                          "on with CUDA; --no-gpu-aug keeps it in the CPU workers)"})
+    mask_ratio: float = H.arg(0.15, "patch drop ratio of the random anchors", group="views and masking")
+    gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with CUDA; --no-gpu-aug "
+                          "keeps it in the CPU workers)", group="views and masking")
     gpu_decode: bool = H.arg(False, "decode JPEGs, crop and flip on the device (gpu_decode.py; needs --gpu-aug): the "
                              "workers only read files, for hosts whose CPUs cannot feed the GPU",
                              group="views and masking")
@@ -125,15 +126,15 @@ class Args(H.RunArgs):
     head_dim: int = H.arg(256, "projection output width", group="model", positive=True)
     num_prototypes: int = H.arg(1024, "prototypes K", group="model", min=2,
                                 why=" (a softmax over one prototype is constant: nothing to learn)")
-    tau: float = 0.1
+    tau: float = H.arg(0.1, "softmax temperature", positive=True)
     tau_plus: float = H.arg(0.025, "target temperature (0.1 x sharpen 0.25)", positive=True)
     me_max_weight: float = H.arg(1.0, "weight of the ME-MAX regulariser", min=0)
     sinkhorn_iters: int = H.arg(3, "Sinkhorn-Knopp iterations", min=0)
     # run plumbing
-    knn: bool = field(default=None, metadata={"help": "k-NN of learned vs initial encoder at the end (default: on for "
-                                                      "synthetic)"})
+    knn: bool = H.arg(None, "k-NN of learned vs initial encoder at the end (default: on for synthetic)",
+                      group="run control")
 
-    # Small recipes: the official recipe above scaled by harness.scale_recipe's short-run rules (lr per image x
+    # Small recipes: the official recipe above scaled by recipes.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
     # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
     # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
@@ -151,14 +152,15 @@ class Args(H.RunArgs):
                      head_hidden=256, head_dim=64, num_prototypes=64, workers=2, log_every=20, steps_per_epoch=40)
 
     def preset_rules(cls, preset):
-        """harness.scale_recipe's rules, then MSN's own: the warm-up's start lr scaled as the lr, the prototypes in
+        """recipes.scale_recipe's rules, then MSN's own: the warm-up's start lr scaled as the lr, the prototypes in
         their official ratio to the batch (1,024 at 1,024: Sinkhorn gives every prototype the same share of a batch's
         target mass), the focal crop x img / 224 (a multiple of the patch)."""
-        d, out = {f.name: f.default for f in fields(cls)}, H.scale_recipe(cls, preset)
+        import recipes                                               # (for a preset only)
+        d, out = {f.name: f.default for f in fields(cls)}, recipes.scale_recipe(cls, preset)
         p, lr_ratio = preset.get("patch_size", d["patch_size"]), preset.get("lr_factor", 1.0) * preset["batch_size"]
         out.setdefault("start_lr", float(f"{d['start_lr'] * lr_ratio / d['batch_size']:.4g}"))
         out.setdefault("num_prototypes", max(2, round(d["num_prototypes"] * preset["batch_size"] / d["batch_size"])))
-        out.setdefault("focal_size", max(p, round(d["focal_size"] * preset["img_size"] / H.OFFICIAL_IMG / p) * p))
+        out.setdefault("focal_size", max(p, round(d["focal_size"] * preset["img_size"] / recipes.OFFICIAL_IMG / p) * p))
         return out
 
     def check(self):
@@ -308,7 +310,7 @@ def ema_update(target, online, m):
 
 def ema_start(m, steps, horizon):
     """The first EMA momentum: m, lowered where its horizon 1 / (1 - m) exceeds `horizon` x steps (the short-run rule:
-    harness.scale_recipe; the same lines in each EMA method's file, pinned equal by tests/test_common.py)."""
+    recipes.scale_recipe; the same lines in each EMA method's file, pinned equal by tests/test_common.py)."""
     return min(m, 1 - 1 / max(1.0, horizon * steps)) if horizon else m
 
 
@@ -519,7 +521,7 @@ def train(args):
     save = lambda s: C.save_run(run, "msn", args, s // ipe, s, target.encoder, model, opt, target)  # noqa: E731
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps ({args.epochs} epochs; schedules span "
              f"{sched}), {1 + R + args.focal_views} views/image; lr {args.start_lr:g} -> {args.lr:g} -> "
-             f"{args.min_lr:g} (absolute; " + (f"--preset {args.preset}: harness.scale_recipe's rules)" if args.preset
+             f"{args.min_lr:g} (absolute; " + (f"--preset {args.preset}: recipes.scale_recipe's rules)" if args.preset
                                                else "not scaled with the batch, as official); EMA momentum "
              f"{m0:g} -> {args.ema[1]:g}"))
 

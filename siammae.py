@@ -37,7 +37,7 @@ decay as MAE's (xavier-uniform Linear and patch embedding; no decay on biases an
 import contextlib
 import os
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -51,47 +51,47 @@ import harness as H
 @dataclass
 class Args(H.RunArgs):
     """SiamMAE pre-training on frame pairs (defaults: ViT-S/16, paper ablation recipe)."""
-    data: str = field(default=None, metadata={"help": "directory of frame folders, or 'synthetic'"})
-    output_dir: str = field(default=None, metadata={"help": "default runs/siammae"})
-    model: str = field(default="small", metadata={"help": "ViT size: nano|micro|tiny|small|base|large"})
-    patch_size: int = 16
-    img_size: int = 224
-    epochs: int = field(default=400, metadata={"help": "effective epochs = passes over the videos x repeated-sampling"})
-    batch_size: int = H.arg(1024, "GLOBAL videos a step (x repeated-sampling pairs: 1024 x 2 = the paper's 2048)")
-    micro_batch: int = field(default=512, metadata={"help": "videos per forward/backward per process (about 50 GB "
-                             "on an 80 GB H100, bf16; 0 = the whole per-process batch); the step stays exact"})
+    data: str = H.arg(None, "directory of frame folders, or 'synthetic'", group="data")
+    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/siammae)",
+                            group="data")
+    model: str = H.arg("small", "ViT size: nano|micro|tiny|small|base|large", group="model")
+    patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
+    img_size: int = H.arg(224, "training image size (px)", group="data", positive=True)
+    epochs: int = H.arg(400, "effective epochs: passes over the videos x R", group="optimisation", positive=True)
+    batch_size: int = H.arg(1024, "GLOBAL videos a step (x repeated-sampling pairs: 1024 x 2 = the paper's 2048)",
+                            group="optimisation", positive=True)
+    micro_batch: int = H.arg(512, "videos per forward/backward per process (about 50 GB on an 80 GB H100, bf16; 0 = "
+                             "the whole per-process batch); the step stays exact", group="optimisation", min=0)
     repeated_sampling: int = H.arg(2, "pairs drawn per video visit (R)", group="optimisation", positive=True)
-    lr: float = field(default=None, metadata={"help": "absolute lr (default blr * global videos per step / 256)"})
-    blr: float = 1.5e-4
-    min_lr: float = 0.0
-    warmup_epochs: float = field(default=40, metadata={"help": "effective epochs, like --epochs"})
-    weight_decay: float = 0.05
-    betas: tuple = (0.9, 0.95)
-    mask_ratio: float = 0.95
+    lr: float = H.arg(None, "absolute lr (default blr * global videos / 256)", group="optimisation", positive=True)
+    blr: float = H.arg(1.5e-4, "base lr: lr = blr x global batch / 256", group="optimisation", positive=True)
+    min_lr: float = H.arg(0.0, "lr at the end of the cosine schedule", group="optimisation", min=0)
+    warmup_epochs: float = H.arg(40, "effective epochs, like --epochs", group="optimisation", min=0)
+    weight_decay: float = H.arg(0.05, "AdamW weight decay", group="optimisation", min=0)
+    betas: tuple = H.arg((0.9, 0.95), "AdamW betas", group="optimisation")
+    mask_ratio: float = H.arg(0.95, "share of patches masked", group="views and masking")
     gap: tuple = H.arg((4, 48), "frame gap range (clipped to the video length)", group="views and masking")
-    crop_scale: tuple = (0.5, 1.0)
+    crop_scale: tuple = H.arg((0.5, 1.0), "RandomResizedCrop area range", group="data")
     decoder: str = H.arg("cross-self", "cross-self | cross | joint", group="model")
-    decoder_dim: int = 256
-    decoder_depth: int = 4
-    decoder_heads: int = 8
-    drop_path: float = 0.0
+    decoder_dim: int = H.arg(256, "decoder width", group="model", positive=True)
+    decoder_depth: int = H.arg(4, "decoder blocks", group="model")
+    decoder_heads: int = H.arg(8, "decoder attention heads", group="model", positive=True)
+    drop_path: float = H.arg(0.0, "stochastic depth rate of the last block", group="model", min=0)
     init: str = H.arg("xavier", "xavier (MAE's, default) | trunc (trunc-normal 0.02, DeiT)", group="model")
-    probe_every: int = H.arg(200, "steps between f1 probes (how much the decoder reads f1: f1_probe; 0 = off), and one "
-                             "at the end", group="run control", min=0)
+    probe_every: int = H.arg(200, "steps between f1 probes (how much the decoder reads f1; 0 = off), and at the end",
+                             group="run control", min=0)
 
-    # Small recipes (harness.scale_recipe's rules, the lr_factor swept on held-out train videos, the rest the budget's
+    # Small recipes (recipes.scale_recipe's rules, the lr_factor swept on held-out train videos, the rest the budget's
     # or the data's; docs/RESULTS.md). `--preset davis`: DAVIS-2016's 30 train videos, 2 CPU cores, ~20 min: lr 1e-3
     # (x213: at x1 the decoder never reads f1), gaps 8..48 (the median motion above one patch). --data synthetic:
     # the clips' native 64 px (what eval_video scores), nano, ~5 min.
     PRESETS = {"davis": dict(lr_factor=213.33, model="nano", patch_size=4, img_size=64, epochs=2000, batch_size=8,
-                             decoder_dim=64,
-                             decoder_depth=2, decoder_heads=4, gap=(8, 48), workers=2, log_every=20)}
+                             decoder_dim=64, decoder_depth=2, decoder_heads=4, gap=(8, 48), workers=2, log_every=20)}
     SYNTHETIC = dict(model="nano", patch_size=4, img_size=64, epochs=16, batch_size=32, decoder_dim=64,
                      decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2, log_every=20)
     RUN_ONLY = {"probe_every"}                                       # a resumed run may change it (harness.resume_run)
 
-    def check(self):
-        """validate()'s rules for SiamMAE's own flags."""
+    def check(self):                                                 # harness.validate's rules for SiamMAE's own flags
         if not 1 <= self.gap[0] <= self.gap[1]:
             raise C.UserError(f"--gap must be 1 <= min <= max frames (0 pairs a frame with itself), got {self.gap}")
         R, passes = self.repeated_sampling, self.epochs // self.repeated_sampling

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
 import harness as H  # noqa: E402
+import recipes  # noqa: E402
 import gpu_aug as GA  # noqa: E402
 
 
@@ -214,7 +215,7 @@ def main():
     print("| method | img/s (pairs/s siammae) | step ms | peak mem GB | TFLOP/step | MFU |")
     print("|---|---|---|---|---|---|")
     for m in methods:
-        if a.preset and a.preset not in H.presets(importlib.import_module(m).Args):
+        if a.preset and a.preset not in recipes.presets(importlib.import_module(m).Args):
             print(f"| {m} | no --preset {a.preset} | | | | |")
             continue
         torch.manual_seed(0)

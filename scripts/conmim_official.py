@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common as C  # noqa: E402
 import conmim  # noqa: E402
-import harness as H  # noqa: E402
+import recipes  # noqa: E402
 
 
 def timm_stand_ins():
@@ -140,7 +140,7 @@ def main(argv=None):
         print(f"skipped: the official ConMIM code is not at {args.official!r}: git clone "
               "https://github.com/TencentARC/ConMIM DIR, then --official DIR (or CONMIM_OFFICIAL=DIR)")
         return None
-    preset = H.presets(conmim.Args, {"batch_size": args.batch_size})["small"]
+    preset = recipes.presets(conmim.Args, {"batch_size": args.batch_size})["small"]
     preset.pop("rel_pos_lr", None)                   # the official optimiser has one lr for every group
     a = conmim.Args(data="synthetic", **{**preset, "gpu_aug": False})
     lr = a.lr * args.lr_factor

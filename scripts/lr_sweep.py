@@ -4,7 +4,7 @@
   python scripts/lr_sweep.py siammae --data /data/DAVIS --preset davis --holdout 6 --eval-flags "--short-side 96"
 
 For each factor f of --factors: one run of the method's preset with every lr of its schedule x f
-(harness.scale_recipe's `lr_factor`; f = 1 is the official per-image lr) for --fraction of the preset's
+(recipes.scale_recipe's `lr_factor`; f = 1 is the official per-image lr) for --fraction of the preset's
 epochs (the schedules span that shorter run), trained on the training set minus --holdout N items
 (a fixed draw, common.held_out), then scored on those N: the evaluated encoder's weighted k-NN top-1
 against the other training images (eval_linear.py --holdout N), or for SiamMAE the DAVIS J&F of the N
@@ -22,7 +22,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import harness as H  # noqa: E402
+import recipes  # noqa: E402
 
 LR_KEYS = ("lr", "start_lr", "min_lr", "blr")
 
@@ -33,7 +33,7 @@ def sweep_flags(cls, preset, factor, fraction):
     raw = {**getattr(cls, "PRESETS", {})}[preset]
     unit = raw.get("repeated_sampling", getattr(cls, "repeated_sampling", 1))
     epochs = max(unit, round(raw["epochs"] * fraction / unit) * unit)
-    derived = getattr(cls, "preset_rules", H.scale_recipe)(cls, {**raw, "epochs": epochs, "lr_factor": factor})
+    derived = getattr(cls, "preset_rules", recipes.scale_recipe)(cls, {**raw, "epochs": epochs, "lr_factor": factor})
     flags = ["--epochs", str(epochs)]
     for k in LR_KEYS:
         if derived.get(k) is not None:

@@ -11,8 +11,8 @@ import common as C
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cli(*args, cwd=ROOT, timeout=300):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+def run_cli(*args, cwd=ROOT, timeout=300, env=None):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
 
 
 def free_port():

@@ -12,6 +12,7 @@ import torch
 
 import common as C
 import harness as H
+import recipes
 import msn
 import synthetic as S
 from ddp import spawn
@@ -278,12 +279,12 @@ def test_to_uint8_gives_three_channels_for_any_pil_mode():
 # ---------------------------------------------------------------------------------------------
 # Run plumbing, one rule at a time (each broken on purpose once: every test below failed then)
 # ---------------------------------------------------------------------------------------------
-def test_normalize_and_micro_slices():
+def test_normalize_and_micro_batches():
     x = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
     mean, std = torch.tensor(C.IMAGENET_MEAN).view(3, 1, 1), torch.tensor(C.IMAGENET_STD).view(3, 1, 1)
     torch.testing.assert_close(C.normalize(x), (x.float() / 255 - mean) / std)
     torch.testing.assert_close(C.normalize(x.float() / 255), (x.float() / 255 - mean) / std)
-    assert C.micro_slices(10, 4) == [slice(0, 4), slice(4, 8), slice(8, 10)]     # the tail is a slice too
+    assert list(C.micro_batches(10, 4)) == [slice(0, 4), slice(4, 8), slice(8, 10)]     # the tail is a slice too
 
 
 def test_unreadable_images_stop_the_run_above_max_unreadable(monkeypatch):
@@ -543,7 +544,7 @@ def test_small_recipes_follow_the_stated_rules_from_the_official_defaults(method
     import importlib
     M = importlib.import_module(method)
     d = {f.name: f.default for f in dataclasses.fields(M.Args)}
-    for name, p in H.presets(M.Args).items():
+    for name, p in recipes.presets(M.Args).items():
         raw = {**M.Args.PRESETS, "synthetic": M.Args.SYNTHETIC}[name]
         k, f = p["batch_size"] / d["batch_size"], raw.get("lr_factor", 1.0)
         assert "lr_factor" not in p                                          # a rule's input, not a flag
@@ -555,7 +556,7 @@ def test_small_recipes_follow_the_stated_rules_from_the_official_defaults(method
         if d.get("start_lr"):
             assert p["start_lr"] == pytest.approx(d["start_lr"] * k * f, rel=1e-3)
         assert p["warmup_epochs"] == pytest.approx(d["warmup_epochs"] * p["epochs"] / d["epochs"], rel=1e-3)
-        assert p.get("ema_horizon") == (H.SHORT_EMA if "ema" in d else None)
+        assert p.get("ema_horizon") == (recipes.SHORT_EMA if "ema" in d else None)
         if "num_prototypes" in d and "num_prototypes" not in raw:
             assert p["num_prototypes"] == d["num_prototypes"] * k                # 1024 at 1024 -> 256 at 256
         for g in ("ema", "weight_decay", "final_weight_decay", "mask_ratio", "tau"):
@@ -573,7 +574,7 @@ def test_small_recipes_follow_the_stated_rules_from_the_official_defaults(method
     for name in M.Args.PRESETS:
         args = H.parse_args(M.Args, ["--data", "x", "--preset", name, "--batch-size", "7", "--warmup-epochs", "0"])
         assert args.batch_size == 7 and args.warmup_epochs == 0
-        p = H.presets(M.Args)[name]
+        p = recipes.presets(M.Args)[name]
         args = H.parse_args(M.Args, ["--data", "x", "--preset", name, "--epochs", str(2 * p["epochs"])])
         assert args.warmup_epochs == pytest.approx(2 * p["warmup_epochs"], rel=1e-3)   # the same share of the run
         if d.get("lr") is not None:                                             # --batch-size enters the lr rule

@@ -10,7 +10,7 @@ import torch
 
 import common as C
 import conmim
-import harness as H
+import recipes
 from ddp import spawn
 from helpers import ROOT, exact_resume, one_line_error, run_cli
 
@@ -162,7 +162,7 @@ def test_masked_symmetry_reads_the_masked_positions_of_each_image():
 def test_the_short_run_presets_give_the_bias_table_300_times_the_lr():
     """The rule for the symmetric start (docs/RESULTS.md): the presets' table lr x 300, in a group of its own that
     keeps the official weight decay; the full recipe keeps one lr (official), with no extra group."""
-    named = H.presets(conmim.Args)
+    named = recipes.presets(conmim.Args)
     assert named["small"]["rel_pos_lr"] == named["gpu"]["rel_pos_lr"] == 300 and conmim.Args().rel_pos_lr == 1
     assert "rel_pos_lr" not in named["synthetic"]
     model = conmim.Net(tiny_args("/tmp/unused"))

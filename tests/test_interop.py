@@ -263,7 +263,9 @@ def top_level_imports(path):
 def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_path):
     """Copy-paste use: can.py and the modules it imports (common.py, harness.py: found from its imports, not
     listed here) alone in a new project (no synthetic.py, no other file) train on an image folder and write a
-    checkpoint; the end-of-run k-NN report, which is eval_linear.py's, is skipped with a line saying so."""
+    checkpoint; the end-of-run k-NN report, which is eval_linear.py's, is skipped with a line saying so. Started by
+    srun without torchrun, it asks for slurm.py (the optional module that maps SLURM's variables) in one line; given a
+    preset, for recipes.py (the small recipes); given --tensorboard, for tensorboard_log.py."""
     import shutil
     proj = tmp_path / "proj"
     proj.mkdir()
@@ -282,3 +284,14 @@ def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_
     assert "k-NN monitor skipped: it is eval_linear.py's" in r.stdout
     assert set(os.listdir(proj)) - {"__pycache__"} == copied
     assert C.load_checkpoint(str(tmp_path / "out" / "checkpoint.pth"), "can")["step"] == 2
+    srun = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    r = run_cli("can.py", "--data", str(tmp_path / "imgs"), "--output-dir", str(tmp_path / "srun"), cwd=str(proj),
+                env={**srun, "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"})
+    assert r.returncode == 2 and r.stderr.strip() == ("error: an srun step without torchrun needs slurm.py next to "
+                                                      "this file (or torchrun to start it)"), r.stderr[-2000:]
+    r = run_cli("can.py", "--data", str(tmp_path / "imgs"), "--preset", "small", cwd=str(proj))
+    assert r.returncode == 2 and "(--preset, --data synthetic) need recipes.py next to this file" in r.stderr
+    r = run_cli("can.py", "--data", str(tmp_path / "imgs"), "--tensorboard", "--output-dir", str(tmp_path / "tb"),
+                cwd=str(proj))
+    assert r.returncode == 2 and r.stderr.strip() == ("error: --tensorboard needs tensorboard_log.py next to this "
+                                                      "file, or leave the flag out"), r.stderr[-2000:]

@@ -1,8 +1,10 @@
 """The house's floors: common.py (the training kit) imports nothing of the repository but synthetic.py (for --data
-synthetic); harness.py (the run harness) imports common.py and nothing above it; neither imports a method file, an
-evaluation script or an optional helper (gpu_aug.py, gpu_decode.py are imported by the files that use them, for
-their flag); the evaluation scripts import no method file except eval_correspondence (SiamMAE's decoder is what it
-measures); and neither shared module names a method's own flag."""
+synthetic); harness.py (the run harness) imports common.py and, where present, optional modules: recipes.py (the
+presets; it imports nothing of the repository), and for a flag or an environment tensorboard_log.py (--tensorboard)
+and slurm.py (an srun step without torchrun), which import only common.py; nothing above them; neither imports a
+method file, an evaluation script or another optional helper (gpu_aug.py, gpu_decode.py are imported by the files
+that use them, for their flag); the evaluation scripts import no method file except eval_correspondence (SiamMAE's
+decoder is what it measures); and neither shared module names a method's own flag."""
 import ast
 import os
 
@@ -34,10 +36,13 @@ def test_common_imports_nothing_above_it():
 def test_the_harness_imports_only_common_below_it():
     """One way: method files -> harness -> common, never back (no circle, no arrow up)."""
     assert "common" in imported("harness.py") and not imported("harness.py") & HIGHER, imported("harness.py") & HIGHER
+    repo = HIGHER | {"harness", "common", "synthetic", "recipes", "slurm", "tensorboard_log"}
+    assert imported("slurm.py") & repo == imported("tensorboard_log.py") & repo == {"common"}
+    assert not imported("recipes.py") & repo
 
 
-@pytest.mark.parametrize("path", ["gpu_aug.py", "gpu_decode.py", "synthetic.py", "eval_linear.py",
-                                  "eval_finetune.py", "eval_video.py"])
+@pytest.mark.parametrize("path", ["gpu_aug.py", "gpu_decode.py", "synthetic.py", "slurm.py", "recipes.py",
+                                  "tensorboard_log.py", "eval_linear.py", "eval_finetune.py", "eval_video.py"])
 def test_helpers_and_evaluations_import_no_method_file(path):
     assert not imported(path) & {"msn", "cmae", "conmim", "can", "siammae"}
 

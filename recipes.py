@@ -1,0 +1,58 @@
+"""The small recipes (`--preset NAME`, and `--data synthetic`'s): each derived from a method's official recipe (its
+Args defaults) by the stated short-run rules of scale_recipe; a method adds its own in `Args.preset_rules`. harness.py
+imports this module only for --preset, --data synthetic or --help: a method file copied without it trains its official
+recipe as before. It imports nothing of the repository."""
+import dataclasses
+
+OFFICIAL_IMG = 224                  # the image size every official recipe here trains at
+SHORT_EMA = 0.02                    # a short run's EMA horizon 1/(1 - m): at most this fraction of its steps
+
+
+def scale_recipe(cls, preset):
+    """A small recipe: the official one (cls's defaults) at the preset's batch, length and image size, completed by
+    these rules (a value the preset sets wins; a method's own rules are its `preset_rules`, which calls this; reasons in
+    docs/RESULTS.md): lr per image (lr and end lr x batch / official batch; blr kept) x the preset's lr_factor (chosen
+    by scripts/lr_sweep.py on held-out images); warm-up the same share of the run; weight-decay schedules as official;
+    EMA horizon 1/(1 - m) at most SHORT_EMA of the run; masking blocks x img_size / 224; crop scales unchanged."""
+    d = {f.name: f.default for f in dataclasses.fields(cls)}
+    out = dict(preset)
+    factor, ratio = out.pop("lr_factor", 1.0), preset["batch_size"] / d["batch_size"]
+    if d.get("lr") is not None:                                   # an absolute lr for the official batch
+        for k in ("lr", "min_lr"):
+            if d.get(k):
+                out.setdefault(k, float(f"{d[k] * ratio * factor:.4g}"))
+    elif d.get("blr"):
+        out.setdefault("blr", float(f"{d['blr'] * factor:.4g}"))
+    out.setdefault("warmup_epochs", float(f"{d['warmup_epochs'] * preset['epochs'] / d['epochs']:.4g}"))
+    if "ema_horizon" in d:
+        out.setdefault("ema_horizon", SHORT_EMA)
+    if "mask_unit" in d:                                          # official 2 x 16 px blocks: 32 px
+        p = preset.get("patch_size", d["patch_size"])
+        px = d["mask_unit"] * d["patch_size"] * preset["img_size"] / OFFICIAL_IMG          # the block's side in px
+        out.setdefault("mask_unit", max(1, round(px / p)))
+    return out
+
+
+def presets(cls, given=None):
+    """{name: derived values} of cls's small recipes, 'synthetic' among them, by cls.preset_rules (default
+    scale_recipe); `given` flags enter the rules (--epochs)."""
+    named = {**({"synthetic": cls.SYNTHETIC} if hasattr(cls, "SYNTHETIC") else {}), **getattr(cls, "PRESETS", {})}
+    rules = getattr(cls, "preset_rules", scale_recipe)
+    return {k: rules(cls, {**v, **(given or {})}) if hasattr(cls, "PRESETS") else v for k, v in named.items()}
+
+
+def apply(cls, given, name, error):
+    """The flags `given` completed by preset `name`'s values (flags given win); error(message) for an unknown name."""
+    named = presets(cls, given)
+    if name not in named:
+        error(f"--preset {name}: this script has {', '.join(named) or 'no presets'}")
+    return {**named[name], **given, "preset": name}
+
+
+def describe(cls):
+    """--help's closing lines: every preset's values."""
+    def show(d):
+        return ", ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
+                         for k, v in d.items())
+    return " | ".join(("--data synthetic: a CPU-sized config replaces these defaults for every flag not given: "
+                       if k == "synthetic" else f"--preset {k}: ") + show(v) for k, v in presets(cls).items()) or None
