@@ -482,3 +482,50 @@ def test_the_fine_tuning_probe_reports_what_fine_tuning_starts_from(tmp_path, mo
         return enc, ck
     monkeypatch.setattr(E, "load_encoder", one_block_off)
     assert probe.probe(ckpt, data, 6)["loaded_exactly"] is False
+
+
+def test_the_finetune_sweep_pairs_the_runs_reports_their_curves_and_reuses_finished_runs(tmp_path, monkeypatch, capsys):
+    """scripts/finetune_sweep.py (its --holdout 0 pairs are RESULTS' fine-tuning table): the pre-trained checkpoint and
+    its initial encoder (here --init random: --random-init of --pre) fine-tuned with the same flags; sweep.json holds
+    each run's best and last top-1 as the run reported them, the curve its log.jsonl recorded, the gap of the last and
+    the split scored (test/ where there is no val/); a rerun reads the finished runs back instead of training again;
+    --holdout N reaches eval_finetune.py, and a failed run stops the sweep with one line naming its log."""
+    import importlib.util
+    import subprocess
+    data, ckpt = cifar_like(tmp_path / "d"), vit_checkpoint(tmp_path / "c.pth", "cmae")
+    spec = importlib.util.spec_from_file_location("finetune_sweep", os.path.join(ROOT, "scripts", "finetune_sweep.py"))
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    argv = ["--pre", ckpt, "--init", "random", "--data", data, "--holdout", "0", "--out", str(tmp_path / "out"),
+            "--points", "epochs=2 batch-size=6 workers=0 device=cpu"]
+    sweep.main(argv)
+    commands = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("$ eval_finetune.py")]
+    assert len(commands) == 2 and "--random-init" not in commands[0] and "--random-init" in commands[1]
+    assert all("--preset small --holdout 0" in c and "--epochs 2 --batch-size 6" in c for c in commands)
+    doc = json.load(open(tmp_path / "out" / "sweep.json"))
+    (row,) = doc["rows"]
+    assert doc["holdout"] == 0 and row["split"] == "test"
+    for w in ("pre", "init"):
+        run = tmp_path / "out" / f"epochs2_batch-size6_workers0_devicecpu_{w}"
+        logged = [json.loads(ln) for ln in open(run / "log.jsonl") if "val_top1" in ln]
+        assert row[f"{w}_curve"] == [[r["epoch"] + 1, r["val_top1"]] for r in logged] and len(logged) == 2
+        assert row[f"{w}_last_top1"] == round(logged[-1]["val_top1"], 2)                  # the run's report: 2 digits
+        assert row[f"{w}_best_top1"] == round(max(r["val_top1"] for r in logged), 2)
+    assert row["gap_last"] == round(row["pre_last_top1"] - row["init_last_top1"], 2)
+
+    def no_run(cmd, **kw):
+        raise AssertionError(f"ran again: {cmd}")
+    monkeypatch.setattr(sweep.subprocess, "run", no_run)
+    log = tmp_path / "out" / "epochs2_batch-size6_workers0_devicecpu_pre.log"
+    lines = log.read_text().splitlines()
+    i = max(k for k, ln in enumerate(lines) if ln.startswith("{") and "best_top1" in ln)
+    lines[i] = json.dumps({**json.loads(lines[i]), "best_top1": 99.0})  # a best above the last: the gap is the last's
+    log.write_text("\n".join(lines) + "\n")
+    sweep.main(argv)                                                   # both finished: read back, not trained
+    assert json.load(open(tmp_path / "out" / "sweep.json"))["rows"] == [{**row, "pre_best_top1": 99.0}]
+    ran = []
+    monkeypatch.setattr(sweep.subprocess, "run", lambda cmd, **kw: (ran.append(cmd), subprocess.CompletedProcess(cmd,
+                                                                                                                 1))[1])
+    with pytest.raises(SystemExit, match="error: the run failed; its output is in .*held.*_pre.log"):
+        sweep.main([*argv[:6], "--holdout", "6", "--out", str(tmp_path / "held"), *argv[10:]])
+    assert len(ran) == 1 and ran[0][ran[0].index("--holdout") + 1] == "6"
