@@ -23,6 +23,13 @@ import common as C
 from common import UserError, print0, is_main
 
 
+def optional(name):
+    """The optional module name.py beside this file, else None: not copied along (a namesake elsewhere on the path,
+    such as a project's slurm/ folder, is not it)."""
+    spec, beside = importlib.util.find_spec(name), os.path.join(os.path.dirname(os.path.realpath(__file__)), name)
+    return importlib.import_module(name) if spec and os.path.realpath(spec.origin or "") == beside + ".py" else None
+
+
 # ---- Launching: the device, torchrun or an srun step, the process group ------------------------
 def resolve_device(name=None):
     """--device: None (cuda if available, else cpu), cpu, cuda or cuda:N; else a one-line error."""
@@ -41,9 +48,9 @@ def init_distributed(device):
     gloo. Returns (rank, world, device)."""
     device, env = str(resolve_device(device)), os.environ
     srun = not dist.is_initialized() and "WORLD_SIZE" not in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
-    if srun and importlib.util.find_spec("slurm") is None:
+    if srun and optional("slurm") is None:
         raise UserError("an srun step without torchrun needs slurm.py next to this file (or torchrun to start it)")
-    derived = importlib.import_module("slurm").srun_env() if srun else {}
+    derived = optional("slurm").srun_env() if srun else {}
     env.update(derived)                                          # env:// rendezvous as under torchrun
     if int(env.get("WORLD_SIZE", 1)) == 1:
         return 0, 1, torch.device(device)
@@ -107,7 +114,7 @@ def parse_args(cls, argv=None):
     """`cls` (a dataclass) from the command line, `--field-name value` per field; `--preset NAME` (`--data synthetic`
     implies `--preset synthetic`) fills the fields not given. --help: the flags in groups, each with its help and
     default, and every preset's values (recipes.py's, where it was copied along)."""
-    recipes = importlib.import_module("recipes") if importlib.util.find_spec("recipes") else None
+    recipes = optional("recipes")
     p = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().split("\n")[0],
                                 epilog=recipes.describe(cls) if recipes else None)
     own = "evaluation" if not issubclass(cls, RunArgs) else "the method's own"
@@ -206,9 +213,9 @@ def setup(args, method):
         with open(os.path.join(out, "args.json"), "w") as f:                      # the run's flags, readable
             json.dump(dataclasses.asdict(args), f, indent=1)
         if getattr(args, "tensorboard", False):                          # tensorboard_log.py: for this flag only
-            if importlib.util.find_spec("tensorboard_log") is None:
+            if optional("tensorboard_log") is None:
                 raise UserError("--tensorboard needs tensorboard_log.py next to this file, or leave the flag out")
-            tb = importlib.import_module("tensorboard_log").Writer(out)
+            tb = optional("tensorboard_log").Writer(out)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,

@@ -265,7 +265,8 @@ def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_
     listed here) alone in a new project (no synthetic.py, no other file) train on an image folder and write a
     checkpoint; the end-of-run k-NN report, which is eval_linear.py's, is skipped with a line saying so. Started by
     srun without torchrun, it asks for slurm.py (the optional module that maps SLURM's variables) in one line; given a
-    preset, for recipes.py (the small recipes); given --tensorboard, for tensorboard_log.py."""
+    preset, for recipes.py (the small recipes); given --tensorboard, for tensorboard_log.py; a project's folder of
+    the same name is not taken for one of them."""
     import shutil
     proj = tmp_path / "proj"
     proj.mkdir()
@@ -284,6 +285,8 @@ def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_
     assert "k-NN monitor skipped: it is eval_linear.py's" in r.stdout
     assert set(os.listdir(proj)) - {"__pycache__"} == copied
     assert C.load_checkpoint(str(tmp_path / "out" / "checkpoint.pth"), "can")["step"] == 2
+    for namesake in ("slurm", "recipes", "tensorboard_log"):          # a project's folders of those names are not them
+        (proj / namesake).mkdir()
     srun = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     r = run_cli("can.py", "--data", str(tmp_path / "imgs"), "--output-dir", str(tmp_path / "srun"), cwd=str(proj),
                 env={**srun, "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"})
