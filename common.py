@@ -577,9 +577,10 @@ class Logger:
         self.t, self.last, self.first = time.time(), start_step, start_step + 1
         run.data_wait = 0.0
         a = getattr(getattr(run, "control", None), "args", None)
+        stop_step = getattr(a, "stop_step", 0)
         ends = {"--epochs": (total_steps, getattr(a, "epochs", "?")),            # flag: (last step, its value)
                 "--stop-epoch": (stop or total_steps, getattr(a, "stop_epoch", 0)),
-                "--stop-step": (getattr(a, "stop_step", 0) or total_steps, getattr(a, "stop_step", 0))}
+                "--stop-step": (stop_step or total_steps, stop_step)}
         end = min(e for e, _ in ends.values())
         self.done = start_step >= end                                    # a finished or stopped run, rerun
         if self.done:

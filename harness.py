@@ -23,11 +23,14 @@ import common as C
 from common import UserError, print0, is_main
 
 
-def optional(name):
-    """The optional module name.py beside this file, else None: not copied along (a namesake elsewhere on the path,
-    such as a project's slurm/ folder, is not it)."""
+def optional(name, missing=None):
+    """The optional module name.py beside this file; where it was not copied along (a namesake elsewhere on the path,
+    such as a project's slurm/ folder, is not it): None, or the one-line error `missing` when given."""
     spec, beside = importlib.util.find_spec(name), os.path.join(os.path.dirname(os.path.realpath(__file__)), name)
-    return importlib.import_module(name) if spec and os.path.realpath(spec.origin or "") == beside + ".py" else None
+    if spec and os.path.realpath(spec.origin or "") == beside + ".py":
+        return importlib.import_module(name)
+    if missing:
+        raise UserError(missing)
 
 
 # ---- Launching: the device, torchrun or an srun step, the process group ------------------------
@@ -48,9 +51,8 @@ def init_distributed(device):
     gloo. Returns (rank, world, device)."""
     device, env = str(resolve_device(device)), os.environ
     srun = not dist.is_initialized() and "WORLD_SIZE" not in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
-    if srun and optional("slurm") is None:
-        raise UserError("an srun step without torchrun needs slurm.py next to this file (or torchrun to start it)")
-    derived = optional("slurm").srun_env() if srun else {}
+    derived = optional("slurm", "an srun step without torchrun needs slurm.py next to this file (or torchrun to start "
+                       "it)").srun_env() if srun else {}
     env.update(derived)                                          # env:// rendezvous as under torchrun
     if int(env.get("WORLD_SIZE", 1)) == 1:
         return 0, 1, torch.device(device)
@@ -213,9 +215,8 @@ def setup(args, method):
         with open(os.path.join(out, "args.json"), "w") as f:                      # the run's flags, readable
             json.dump(dataclasses.asdict(args), f, indent=1)
         if getattr(args, "tensorboard", False):                          # tensorboard_log.py: for this flag only
-            if optional("tensorboard_log") is None:
-                raise UserError("--tensorboard needs tensorboard_log.py next to this file, or leave the flag out")
-            tb = optional("tensorboard_log").Writer(out)
+            tb = optional("tensorboard_log", "--tensorboard needs tensorboard_log.py next to this file, or leave the "
+                          "flag out").Writer(out)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,

@@ -79,3 +79,21 @@ def test_the_shared_modules_name_no_field_that_only_one_method_has():
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
                 named |= {node.value, node.value.lstrip("-").replace("-", "_")}
         assert not named & own, (path, sorted(named & own))
+
+
+def test_a_flag_that_several_scripts_declare_has_one_group_and_range_in_all():
+    """No central table holds the shared flags' --help group and range: each script writes them beside its own copy
+    of the field (arg(group=, positive=, min=)), so the copies must agree: a name every script that declares it
+    gives the same group, positivity and lower bound (RunArgs' fields are one copy, inherited)."""
+    import collections
+    import dataclasses
+    import importlib
+    seen = collections.defaultdict(dict)
+    for m in ("msn", "cmae", "conmim", "can", "siammae", "eval_finetune", "eval_linear", "eval_video",
+              "eval_correspondence"):
+        for f in dataclasses.fields(importlib.import_module(m).Args):
+            seen[f.name][m] = tuple(f.metadata.get(k) for k in ("group", "positive", "min"))
+    shared = {k: v for k, v in seen.items() if len(v) > 1}
+    assert {"batch_size", "patch_size", "weight_decay", "mask_ratio", "ckpt"} <= set(shared)
+    for name, copies in shared.items():
+        assert len(set(copies.values())) == 1, (name, copies)
