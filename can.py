@@ -462,9 +462,8 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = H.setup(args, "can")
-    if args.gpu_aug:                                                 # colour ops batched on the device
-        from gpu_aug import color_augmenter
-        color_augment = color_augmenter(args.compile or run.device.type == "cuda")   # compiled on CUDA
+    if args.gpu_aug:                                         # colour ops batched on the device, compiled on CUDA
+        color_augment = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
     dev = run.device
     grid = args.img_size // args.patch_size
     H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio)[2].sum(), grid * grid)
@@ -481,7 +480,7 @@ def train(args):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
-    start = H.resume_run(run, "can", args, model, opt)                # global step
+    start = H.resume_run(run, "can", args, model, opt, data={"train": dataset})   # global step
     net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     if log.done:                                                    # a finished or stopped run, rerun

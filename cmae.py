@@ -126,7 +126,7 @@ class Args(H.RunArgs):
 
     def preset_rules(cls, preset):
         """recipes.scale_recipe's rules, then CMAE's own: the master crop x img / 224, to a pixel (256 -> 37 px)."""
-        import recipes                                               # (for a preset only)
+        recipes = C.optional("recipes")                              # (for a preset only: present)
         out = recipes.scale_recipe(cls, preset)
         out.setdefault("master_size", round(cls.master_size * preset["img_size"] / recipes.OFFICIAL_IMG))
         return out
@@ -501,9 +501,8 @@ def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=N
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = H.setup(args, "cmae")
-    if args.gpu_aug:                                                 # colour ops batched on the device
-        from gpu_aug import color_augmenter
-        color_augment = color_augmenter(args.compile or run.device.type == "cuda")   # compiled on CUDA
+    if args.gpu_aug:                                         # colour ops batched on the device, compiled on CUDA
+        color_augment = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
     dev = run.device
     grid = args.img_size // args.patch_size
     H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit)[2].sum(),
@@ -524,7 +523,7 @@ def train(args):
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev, no_decay_rule(model))
-    start = H.resume_run(run, "cmae", args, model, opt, target)       # global step
+    start = H.resume_run(run, "cmae", args, model, opt, target, data={"train": dataset})   # global step
     online, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     target_fwd = torch.compile(target) if args.compile else target
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)

@@ -5,6 +5,8 @@ run and imports this module; this one imports nothing of the repository but synt
 Nothing here makes a method that method: each method file defines its ViT, masking, EMA target, heads, loss and step."""
 import contextlib
 import dataclasses
+import hashlib
+import importlib.util
 import itertools
 import json
 import math
@@ -23,6 +25,32 @@ from PIL import Image
 
 class UserError(Exception):
     """Bad input (data dir, checkpoint, flags): printed as one line by harness.main, no traceback."""
+
+
+_OPTIONAL = {}
+
+
+def sibling(name):
+    """The path of name.py beside this file (an optional sibling's, present or not)."""
+    return os.path.join(os.path.dirname(os.path.realpath(__file__)), f"{name}.py")
+
+
+def optional(name, missing=None):
+    """The optional sibling name.py (recipes, synthetic, gpu_aug, gpu_decode, eval_linear: each for a flag), read from
+    the file beside this one and from nowhere else (a namesake on the path, such as a project's recipes/ package, is
+    not it). Where it was not copied along: None, or the one-line error `missing` when given."""
+    path = sibling(name)
+    mod = sys.modules.get(name)
+    if mod is not None and os.path.realpath(getattr(mod, "__file__", None) or "") == path:
+        return mod                                               # imported already (e.g. `import gpu_aug`)
+    if name not in _OPTIONAL and os.path.isfile(path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        _OPTIONAL[name] = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(name, _OPTIONAL[name])              # unless a namesake holds the name
+        spec.loader.exec_module(_OPTIONAL[name])
+    if name not in _OPTIONAL and missing:
+        raise UserError(missing)
+    return _OPTIONAL.get(name)
 
 
 def world_size():
@@ -260,10 +288,19 @@ def normalize(x):
     return ((x.float() / 255 if x.dtype == torch.uint8 else x) - mean) / std
 
 
+def to_rgb(img):
+    """A PIL image as 8-bit RGB. 16-bit greyscale (PNG / TIFF: mode I;16, or I from a PNG) is scaled to 8 bits, where
+    Pillow's convert would clip it (white); other 32-bit integer and float images are refused (ValueError)."""
+    if img.mode.startswith("I;16") or (img.mode == "I" and img.format == "PNG"):
+        img = Image.fromarray((np.asarray(img).astype(np.uint32) >> 8).astype(np.uint8))
+    elif img.mode in ("I", "F"):
+        raise ValueError(f"{img.mode} (32-bit) pixels: save the image with 8 or 16 bits per channel")
+    return img.convert("RGB")                                        # a loaded copy: the file may close
+
+
 def to_uint8(img):
     """PIL image -> uint8 tensor (3, H, W): workers ship uint8, 4x less than float."""
-    if img.mode != "RGB":
-        img = img.convert("RGB")
+    img = img if img.mode == "RGB" else to_rgb(img)
     return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
 
 
@@ -331,9 +368,15 @@ class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
                 break
         if not self.samples:
             raise UserError(f"--data {root}: no images found ({'/'.join(IMG_EXTS)}) in it or its sub-folders")
-        self.classes, self.skip = classes or ["all"], skip_unreadable
+        self.root, self.classes, self.skip, self.held = root, classes or ["all"], skip_unreadable, []
         self.count_unreadable_of(len(self.samples))
         self.reader = read_rgb                          # gpu_decode.encoded() swaps in its reader
+
+    def fingerprint(self):
+        """What a resumed run must find again (harness.resume_run): the counts, the files (and held-out ones)."""
+        held = {"held_out": digest(self.held, self.root)} if self.held else {}
+        return {"images": len(self), "classes": len(self.classes),
+                "files": digest([p for p, _ in self.samples], self.root), **held}
 
     def __len__(self):
         return len(self.samples)
@@ -353,7 +396,7 @@ class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
 
 def read_rgb(path):
     with Image.open(path) as img:
-        return img.convert("RGB")
+        return to_rgb(img)
 
 
 def image_dataset(data, split="train", skip_unreadable=False, holdout=0):
@@ -362,15 +405,26 @@ def image_dataset(data, split="train", skip_unreadable=False, holdout=0):
     if data == "synthetic":
         if holdout:
             raise UserError("--holdout: the synthetic data has its own val split; leave --holdout out")
-        from synthetic import SyntheticImages           # only for --data synthetic
-        return SyntheticImages(split)
+        return optional("synthetic", "--data synthetic needs synthetic.py next to this file").SyntheticImages(split)
     sub = "train" if split == "holdout" else split
     root = os.path.join(data, sub) if os.path.isdir(os.path.join(data, sub)) else (data if sub == "train" else None)
     ds = ImageFiles(root, skip_unreadable) if root else None
     if ds is not None and sub == "train" and holdout:
+        ds.held = [p for p, _ in held_out(ds.samples, holdout, True)]
         ds.samples = held_out(ds.samples, holdout, split == "holdout")
         ds.count_unreadable_of(len(ds.samples))
     return ds
+
+
+def digest(paths, root):
+    """A short hash of a list of files by their paths relative to root: a folder moved whole keeps it; a file added,
+    removed, renamed or moved to another class changes it."""
+    return hashlib.sha1("\n".join(os.path.relpath(p, root) for p in paths).encode()).hexdigest()[:16]
+
+
+def fingerprint(dataset):
+    """The dataset's fingerprint() (image and video folders), else its size (the synthetic sets)."""
+    return dataset.fingerprint() if hasattr(dataset, "fingerprint") else {"items": len(dataset)}
 
 
 def held_out(items, n, held=False):
@@ -554,7 +608,7 @@ def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=N
         "method": method, "args": dataclasses.asdict(args), "epoch": epoch, "step": step,
         "vit": unwrap(encoder).config, "encoder": unwrap(encoder).state_dict(), "model": sd,
         "target": target.state_dict() if target else None, "optimizer": optimizer.state_dict(),
-        "scaler": run.scaler.state_dict(), "rng": rng})
+        "scaler": run.scaler.state_dict(), "rng": rng, "dataset": getattr(run, "data", None)})
     run.guard.saved = step
 
 
@@ -565,6 +619,19 @@ def _logged_step(line):
         return json.loads(line).get("step", 0)
     except ValueError:
         return math.inf
+
+
+def keep_aside(path):
+    """Rename path to its name and modification time (log.20261128-153000.jsonl), never over another file."""
+    base, ext = os.path.splitext(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
+    moved = f"{base}.{stamp}{ext}"
+    for i in itertools.count(1):
+        if not os.path.exists(moved):
+            break
+        moved = f"{base}.{stamp}-{i}{ext}"
+    os.replace(path, moved)
+    return moved
 
 
 class Logger:
@@ -594,6 +661,10 @@ class Logger:
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(keep)
             os.replace(self.path + ".tmp", self.path)
+        elif is_main():                                 # a run from step 0 starts a fresh log; an earlier one is kept
+            for old in (self.path, os.path.join(run.out, "tensorboard")):
+                if os.path.exists(old):
+                    print(f"{old} is an earlier run's (this one starts at step 0): moved to {keep_aside(old)}")
 
     def step(self, step, epoch, parts, force=False, **scalars):
         """parts: dict of 0-d tensors (loss terms), kept on device until logged."""

@@ -475,9 +475,8 @@ def train_step(student, teacher, x_weak, x_strong, mask, a, micro=None, autocast
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = H.setup(args, "conmim")
-    if args.gpu_aug:                                                 # colour ops batched on the device
-        from gpu_aug import color_augmenter
-        color_augment = color_augmenter(args.compile or run.device.type == "cuda")   # compiled on CUDA
+    if args.gpu_aug:                                         # colour ops batched on the device, compiled on CUDA
+        color_augment = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
     dev = run.device
     grid = args.img_size // args.patch_size
     H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit).sum(),
@@ -494,7 +493,7 @@ def train(args):
     teacher = make_teacher(model)
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = make_optimizer(model, args, dev)
-    start = H.resume_run(run, "conmim", args, model, opt, teacher)    # global step
+    start = H.resume_run(run, "conmim", args, model, opt, teacher, data={"train": dataset})   # global step
     student, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     teacher_fwd = torch.compile(teacher) if args.compile else teacher
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)

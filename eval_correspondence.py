@@ -52,8 +52,8 @@ class Args:
     random_init: bool = H.arg(False, "the same model at its initialisation (run's seed)", group="model")
     gaps: tuple = H.arg((4, 8), "frame gaps to measure, one or more (the synthetic config trains on 2..8)",
                         group="data", nargs="+")
-    videos: int = H.arg(20, "synthetic val clips", group="data")
-    pairs: int = H.arg(4, "pairs per clip and gap (start frames drawn with --seed)", group="data")
+    videos: int = H.arg(20, "synthetic val clips", group="data", positive=True)
+    pairs: int = H.arg(4, "pairs per clip and gap (start frames drawn with --seed)", group="data", positive=True)
     seed: int = H.arg(0, "random seed", group="run control", min=0)
     output: str = H.arg(None, "also write the JSON lines here", group="run control")
     device: str = H.arg(None, "cpu | cuda | cuda:N (default: cuda if available)", group="run control")
@@ -206,6 +206,7 @@ def measure(model, a, gap, videos=20, pairs=4, seed=0, device="cpu"):
 
 
 def evaluate(a):
+    H.validate(a)                                                    # ranges, finite numbers: one line each
     if not a.ckpt:
         raise C.UserError("--ckpt is required (a siammae checkpoint.pth)")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -298,6 +298,8 @@ def finetune(args):
     size = E.check_size(enc, args.img_size or ckpt["vit"]["img_size"])
     if size % enc.patch_size:
         raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size {enc.patch_size}")
+    if not args.holdout:                                             # the folder evaluated, as resolved (a rerun
+        args.split = E.eval_split(args.data, args.split)             # naming the default --split val is the same)
     run = H.setup(args, "finetune")
     per, micro = H.batch_plan(args, run, 1024, "the recipe's lr and its batch statistics (MixUp per process batch) "
                               "were tuned at 1024")
@@ -305,6 +307,7 @@ def finetune(args):
     if len(val.classes) != len(train.classes):                          # the same count = the same classes
         raise C.UserError(f"--data {args.data}: val/ must have the same classes as train/ for top-1 (train "
                           f"{len(train.classes)}, val {len(val.classes)})")
+    E.check_readable(val, args.workers)                             # an unreadable val/ image: now, not after an epoch
     if args.labels_per_class:
         labelled(train, args.labels_per_class)
     loader = C.make_loader(C.Views(train, train_transform(args, size), args.seed), per, args.workers, args.seed)
@@ -316,7 +319,7 @@ def finetune(args):
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = torch.optim.AdamW(param_groups(model, args.weight_decay, args.layer_decay), lr=lr, betas=args.betas,
                             fused=run.device.type == "cuda")
-    start = H.resume_run(run, "finetune", args, model, opt)
+    start = H.resume_run(run, "finetune", args, model, opt, data={"train": train, "val": val})
     net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     mix = Mix(args, len(train.classes))
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
@@ -335,9 +338,10 @@ def finetune(args):
             if "val_top1" in rec and rec["epoch"] < start // ipe:
                 vals[rec["epoch"]] = rec["val_top1"], rec["val_top5"], rec.get("val_loss")
 
-    def evaluate_epoch(epoch):
+    def evaluate_epoch(epoch):                                       # its step: a resume drops it with those after
         top1, top5, vloss = vals[epoch] = evaluate(model, val, size, args, run)
-        log.write({"epoch": epoch, "val_top1": round(top1, 3), "val_top5": round(top5, 3), "val_loss": round(vloss, 4)})
+        log.write({"epoch": epoch, "step": (epoch + 1) * ipe, "val_top1": round(top1, 3), "val_top5": round(top5, 3),
+                   "val_loss": round(vloss, 4)})
     last = (args.stop_epoch or args.epochs) - 1                      # this invocation's last epoch: always evaluated
     due = lambda e: (e + 1) % args.eval_every == 0 or e == last      # noqa: E731
     ended = start // ipe - 1                                         # the checkpoint's last whole epoch
@@ -374,7 +378,7 @@ def finetune(args):
            "train_images": len(train),
            "best_top1": round(best, 2), "last_top1": round(top1, 2), "last_top5": round(top5, 2),
            "last_val_loss": None if vloss is None else round(vloss, 4)}
-    log.write(res)
+    log.write({"step": start if log.done else (args.stop_epoch or args.epochs) * ipe, **res})
     return res
 
 

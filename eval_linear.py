@@ -58,7 +58,8 @@ import torch.nn.functional as F
 import common as C
 import harness as H
 
-DEFAULT_POOL = {"msn": "cls-prenorm", "cmae": "mean", "conmim": "mean", "can": "mean", "siammae": "mean"}
+DEFAULT_POOL = {"msn": "cls-prenorm", "cmae": "mean", "conmim": "mean", "can": "mean", "siammae": "mean",
+                "finetune": "mean"}                              # eval_finetune's head reads the mean patch token
 
 
 @dataclass
@@ -84,16 +85,16 @@ class Args:
                          "the paper evaluates (MSN's EMA target, ConMIM's teacher)")
     holdout: int = H.arg(0, "evaluate the N train/ images that a --holdout N run kept out (the k-NN bank: the other "
                          "train/ images): the lr sweep's validation, never test/", group="data", min=0)
-    k: int = H.arg(20, "neighbours of the k-NN")
-    temperature: float = H.arg(0.07, "softmax temperature")
-    linear_epochs: int = H.arg(100, "linear probe epochs")
-    linear_lr: float = H.arg(0.1, "linear probe peak lr")
-    linear_batch: int = H.arg(1024, "linear probe batch")
-    shots: int = H.arg(1, "images per class for lowshot (ignored with --percent)")
-    percent: float = H.arg(0.0, "use this %% of train images per class for lowshot")
-    seeds: int = H.arg(3, "random subsets for lowshot")
+    k: int = H.arg(20, "neighbours of the k-NN", positive=True)
+    temperature: float = H.arg(0.07, "softmax temperature", positive=True)
+    linear_epochs: int = H.arg(100, "linear probe epochs", positive=True)
+    linear_lr: float = H.arg(0.1, "linear probe peak lr", positive=True)
+    linear_batch: int = H.arg(1024, "linear probe batch", positive=True)
+    shots: int = H.arg(1, "images per class for lowshot (ignored with --percent)", positive=True)
+    percent: float = H.arg(0.0, "use this %% of train images per class for lowshot", min=0)
+    seeds: int = H.arg(3, "random subsets for lowshot", positive=True)
     lambd: float = H.arg(0.0025, "L2 penalty of the logistic regression, divided by the number of training images (MSN "
-                         "protocol)")
+                         "protocol)", min=0)
     subset_file: str = H.arg(None, "lowshot: train only on the images listed here (one file name or relative path per "
                              "line, as MSN's imagenet_subsets)", group="data")
     batch_size: int = H.arg(256, "images per batch", group="optimisation", positive=True)
@@ -408,6 +409,10 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
     torch.manual_seed(ckpt["args"].get("seed", 0))
     enc = ViT(**vit, drop_path=drop_path)
     if not random_init:
+        bad = next((k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+        if bad:                                                      # it would score 0 on every metric
+            raise C.UserError(f"{path}: the encoder's {bad} holds NaN or infinite values (a corrupted file, or a "
+                              "diverged run's weights)")
         try:
             enc.load_state_dict(sd)
         except RuntimeError as e:
@@ -471,13 +476,17 @@ def eval_transform(img_size, synthetic=False):
 
 @torch.no_grad()
 def knn_predict(train_f, train_y, test_f, num_classes, k=20, T=0.07, chunk=1024):
-    """Cosine similarity top-k, votes weighted by exp(sim / T); returns (n_test, C) class scores."""
+    """Cosine similarity top-k, votes weighted by exp(sim / T); returns (n_test, C) class scores, each query's up to
+    the factor exp(its largest sim / T) (subtracted before exp: at T 0.01 exp(1 / T) overflows float32), and -inf for
+    a class that got no vote."""
     out = []
     for i in range(0, len(test_f), chunk):
         sim = test_f[i:i + chunk] @ train_f.T                        # (b, n_train)
-        s, idx = sim.topk(min(k, train_f.shape[0]), dim=1)
-        votes = F.one_hot(train_y[idx], num_classes).float() * (s / T).exp().unsqueeze(-1)
-        out.append(votes.sum(1))
+        s, idx = sim.topk(min(k, train_f.shape[0]), dim=1)           # sorted: s[:, :1] is each query's largest
+        weight = ((s - s[:, :1]) / T).exp()                          # (b, k), in (0, 1]
+        onehot = F.one_hot(train_y[idx], num_classes).float()        # (b, k, C)
+        votes = (onehot * weight.unsqueeze(-1)).sum(1)
+        out.append(votes.masked_fill(onehot.sum(1) == 0, float("-inf")))
     return torch.cat(out)
 
 
@@ -494,7 +503,19 @@ def extract_features(encoder, loader, device, features, autocast=contextlib.null
                 feats.append(features(encoder, C.normalize(x.to(device, non_blocking=True))).float().cpu())
             labels.append(y)
             progress.step()
-    return torch.cat(feats), torch.cat(labels)
+    feats = torch.cat(feats)
+    if not torch.isfinite(feats).all():
+        rows = (~torch.isfinite(feats)).any(1).sum()
+        raise C.UserError(f"the encoder gave NaN or infinite features for {rows} of {len(feats)} images (its weights "
+                          "are finite: an overflow, e.g. of bf16 activations; try --device cpu)")
+    return feats, torch.cat(labels)
+
+
+def check_readable(ds, workers=0, batch_size=256):
+    """Read every image of ds once (a DataLoader of `workers`): an unreadable one is its one-line error now, at the
+    start (of fine-tuning, of a run's k-NN monitor), not when an evaluation after an epoch of training reaches it."""
+    for _ in torch.utils.data.DataLoader(C.Views(ds, lambda img: 0), batch_size, num_workers=workers):
+        pass
 
 
 def val_to_train(train, val):
@@ -600,7 +621,6 @@ def topk(scores, y, k):
 
 def knn(train_f, train_y, val_f, val_y, num_classes, k=20, T=0.07):
     s = knn_predict(F.normalize(train_f, dim=1), train_y, F.normalize(val_f, dim=1), num_classes, k, T)
-    s = s.masked_fill(s <= 0, float("-inf"))                       # classes without a vote
     return {"knn_top1": topk(s, val_y, 1), "knn_top5": topk(s, val_y, 5)}
 
 
@@ -716,6 +736,7 @@ def lowshot(train_f, train_y, val_f, val_y, num_classes, shots=1, percent=0.0, s
 
 
 def evaluate(a):
+    H.validate(a)                                                    # ranges, finite numbers: one line each
     if a.pixels and (a.ckpt or a.random_init or not a.img_size):
         raise C.UserError("--pixels evaluates the images themselves: give --img-size, and no --ckpt / --random-init")
     if not a.ckpt and not a.pixels:
@@ -724,15 +745,10 @@ def evaluate(a):
         raise C.UserError("--data is required: an image folder with train/ and val/, or 'synthetic'")
     if a.mode not in ("knn", "linear", "lowshot", "all"):
         raise C.UserError(f"--mode must be knn, linear, lowshot or all, got {a.mode!r}")
-    for k in ("k", "temperature", "linear_epochs", "linear_lr", "linear_batch", "shots", "seeds", "batch_size"):
-        if not getattr(a, k) > 0:
-            raise C.UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(a, k)}")
-    if not (0 <= a.percent <= 100 and a.lambd >= 0 and a.workers >= 0):        # NaN fails each
-        raise C.UserError("--percent must be in [0, 100], --lambd and --workers >= 0")
+    if a.percent > 100:
+        raise C.UserError(f"--percent must be in [0, 100], got {a.percent}")
     if a.online and (a.random_init or a.pixels):
         raise C.UserError("--online reads a checkpoint's trained online network: not with --random-init or --pixels")
-    if a.holdout < 0:
-        raise C.UserError(f"--holdout must be >= 0, got {a.holdout}")
     device = H.resolve_device(a.device)
     enc, ckpt = (Pixels(), {"method": "pixels", "vit": {"img_size": a.img_size}}) if a.pixels else \
         load_encoder(a.ckpt, a.random_init, a.model, a.patch_size, online=a.online)

@@ -108,13 +108,13 @@ class Args:
     split: str = H.arg("val", "davis: ImageSets/2017/<split>.txt (or 480p/ for 2016); vip: lists/<split>_videos.txt; "
                        "jhmdb: split 1's test videos always", group="data")
     short_side: int = H.arg(None, "davis: resize frames so the short side is this (default 480; 0 = native)",
-                            group="data")
+                            group="data", min=0)
     size: int = H.arg(None, "vip: long side (default 880, short side floored to a multiple of 64); jhmdb: square side "
-                      "(default 320); 0 = native", group="data")
-    n_context: int = H.arg(20, "previous frames in the short-term memory (radius-limited)")
-    topk: int = H.arg(None, "neighbours per patch (default 7; vip 10)")
-    radius: float = H.arg(20.0, "short-term memory radius (patch cells)")
-    temperature: float = H.arg(0.7, "softmax temperature")
+                      "(default 320); 0 = native", group="data", min=0)
+    n_context: int = H.arg(20, "previous frames in the short-term memory (radius-limited)", min=0)
+    topk: int = H.arg(None, "neighbours per patch (default 7; vip 10)", positive=True)
+    radius: float = H.arg(20.0, "short-term memory radius (patch cells)", positive=True)
+    temperature: float = H.arg(0.7, "softmax temperature", positive=True)
     model: str = H.arg(None, "ViT size (tiny|small|base|large): picks the heads of a foreign checkpoint of "
                        "non-standard width; checked against any checkpoint", group="model")
     patch_size: int = H.arg(None, "checked against the checkpoint's patch size", group="model", positive=True)
@@ -320,7 +320,11 @@ def _read(path, convert=None, size=False):
     height) from the header; unreadable -> one line naming it."""
     try:
         with Image.open(path) as im:
-            return im.size if size else im.convert(convert) if convert else np.array(im)
+            if size:
+                return im.size
+            if convert == "RGB":
+                return C.to_rgb(im)                                 # 16-bit greyscale scaled, not clipped
+            return im.convert(convert) if convert else np.array(im)
     except Exception as e:
         raise C.UserError(f"cannot read {path} ({type(e).__name__}: {e})") from None
 
@@ -649,6 +653,7 @@ def write_labels(folder, pred):
 
 
 def evaluate(a):
+    H.validate(a)                                                    # ranges, finite numbers: one line each
     baseline = a.pixels or a.copy_first
     if not (a.ckpt or baseline) or not a.data:
         raise C.UserError("--ckpt (or a baseline: --pixels, --copy-first) and --data are required (a DAVIS-2016/2017, "
@@ -665,11 +670,6 @@ def evaluate(a):
     if a.task != "davis" and a.short_side is not None:
         raise C.UserError(f"--short-side is for --task davis: --task {a.task} frames are set by --size")
     a = resolved(a)
-    for k in ("topk", "radius", "temperature"):
-        if not getattr(a, k) > 0:
-            raise C.UserError(f"--{k} must be positive, got {getattr(a, k)}")
-    if a.n_context < 0 or (a.short_side or 0) < 0 or (a.size or 0) < 0:
-        raise C.UserError("--n-context, --short-side and --size must be >= 0")
     device = H.resolve_device(a.device)
     if a.output:
         H.check_writable(a.output, "--output")

@@ -50,7 +50,7 @@ def read_encoded(path):
     img = Image.open(io.BytesIO(data))
     if img.format == "JPEG" and img.mode in ("RGB", "L") and data.rstrip(b"\0").endswith(b"\xff\xd9"):
         return data, img
-    return img.convert("RGB")
+    return C.to_rgb(img)
 
 
 def encoded(dataset):

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import gc
 import glob
-import importlib.util
 import json
 import math
 import os
@@ -21,16 +20,6 @@ import torch.distributed as dist
 
 import common as C
 from common import UserError, print0, is_main
-
-
-def optional(name, missing=None):
-    """The optional module name.py beside this file; where it was not copied along (a namesake elsewhere on the path,
-    such as a project's slurm/ folder, is not it): None, or the one-line error `missing` when given."""
-    spec, beside = importlib.util.find_spec(name), os.path.join(os.path.dirname(os.path.realpath(__file__)), name)
-    if spec and os.path.realpath(spec.origin or "") == beside + ".py":
-        return importlib.import_module(name)
-    if missing:
-        raise UserError(missing)
 
 
 # ---- Launching: the device, torchrun or an srun step, the process group ------------------------
@@ -51,8 +40,8 @@ def init_distributed(device):
     gloo. Returns (rank, world, device)."""
     device, env = str(resolve_device(device)), os.environ
     srun = not dist.is_initialized() and "WORLD_SIZE" not in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
-    derived = optional("slurm", "an srun step without torchrun needs slurm.py next to this file (or torchrun to start "
-                       "it)").srun_env() if srun else {}
+    derived = C.optional("slurm", "an srun step without torchrun needs slurm.py next to this file (or torchrun to "
+                         "start it)").srun_env() if srun else {}
     env.update(derived)                                          # env:// rendezvous as under torchrun
     if int(env.get("WORLD_SIZE", 1)) == 1:
         return 0, 1, torch.device(device)
@@ -116,7 +105,7 @@ def parse_args(cls, argv=None):
     """`cls` (a dataclass) from the command line, `--field-name value` per field; `--preset NAME` (`--data synthetic`
     implies `--preset synthetic`) fills the fields not given. --help: the flags in groups, each with its help and
     default, and every preset's values (recipes.py's, where it was copied along)."""
-    recipes = optional("recipes")
+    recipes = C.optional("recipes")
     p = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().split("\n")[0],
                                 epilog=recipes.describe(cls) if recipes else None)
     own = "evaluation" if not issubclass(cls, RunArgs) else "the method's own"
@@ -148,6 +137,7 @@ def parse_args(cls, argv=None):
 def main(train, cls):
     """`python script.py ...`: parse, train, and turn UserError into a one-line message. Preemption signals are caught
     for training runs (RunArgs), not when train() is called from other code."""
+    Control.current = None
     if issubclass(cls, RunArgs):
         catch_preemption()
     t0 = time.time()
@@ -164,9 +154,12 @@ def main(train, cls):
         msg = str(e).strip().splitlines()[-1]          # DataLoader workers wrap the message
         print(f"error: {msg.removeprefix('common.UserError: ').removeprefix('UserError: ')}", file=sys.stderr)
         sys.exit(2)
+    except Preempted as e:                          # a stop signal before the run began: nothing to write
+        print(f"stopped by {e} before training began: nothing written; rerun the same command to start", flush=True)
     except KeyboardInterrupt:
-        print("error: interrupted by a second Ctrl-C: stopped at once; the last checkpoint written is kept",
-              file=sys.stderr)
+        ctl = Control.current                      # a second Ctrl-C in a run, or Ctrl-C in an evaluation
+        how = f"by a second Ctrl-C: stopped at once; {ctl.guard.kept()}" if ctl else "(Ctrl-C)"
+        print(f"error: interrupted {how}", file=sys.stderr)
         sys.exit(130)
     finally:
         if dist.is_initialized():
@@ -187,7 +180,7 @@ def setup(args, method):
         raise UserError("--data is required: an image folder (ImageFolder layout) or 'synthetic'")
     if args.data != "synthetic" and not os.path.isdir(args.data):                   # before any plan is printed
         raise UserError(f"--data {args.data}: no such directory (give an image folder or 'synthetic')")
-    if getattr(args, "knn", None) and args.data != "synthetic" and importlib.util.find_spec("eval_linear"):
+    if getattr(args, "knn", None) and args.data != "synthetic" and os.path.isfile(C.sibling("eval_linear")):
         classes = {s: {e.name for e in os.scandir(os.path.join(args.data, s)) if e.is_dir()}    # as eval_linear reads
                    for s in ("train", "val", "test") if os.path.isdir(os.path.join(args.data, s))}
         ev = next((s for s in ("val", "test") if s in classes), None)
@@ -202,10 +195,12 @@ def setup(args, method):
     out = args.output_dir = args.output_dir or os.path.join("runs", method)
     device_defaults(args, device)
     ckpt, tb = os.path.join(out, "checkpoint.pth"), None
+    lock = None
     if is_main():
         check_writable(out, "--output-dir")
-        for tmp in glob.glob(glob.escape(ckpt) + ".tmp.*"):         # a run killed while writing (SIGKILL, node loss)
-            os.remove(tmp)
+        lock = lock_output_dir(out)                                 # held until this process ends
+        for tmp in glob.glob(glob.escape(ckpt) + ".tmp.*"):         # its writer is gone (it held the lock): a run
+            os.remove(tmp)                                          # killed while saving (SIGKILL, node loss)
             print(f"removed {tmp}: the unfinished checkpoint write of a run killed while saving")
         aug = (f", colour augmentation {'batched on ' + device.type if args.gpu_aug else 'in the workers'}"
                if hasattr(args, "gpu_aug") else "")
@@ -215,13 +210,38 @@ def setup(args, method):
         with open(os.path.join(out, "args.json"), "w") as f:                      # the run's flags, readable
             json.dump(dataclasses.asdict(args), f, indent=1)
         if getattr(args, "tensorboard", False):                          # tensorboard_log.py: for this flag only
-            tb = optional("tensorboard_log", "--tensorboard needs tensorboard_log.py next to this file, or leave the "
+            tb = C.optional("tensorboard_log", "--tensorboard needs tensorboard_log.py next to this file, or leave the "
                           "flag out").Writer(out)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
+    guard = Guard(device, precision, ckpt)
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
-                              ckpt=ckpt, guard=Guard(device, precision, ckpt), control=Control(args, device), tb=tb,
-                              data_wait=0.0)
+                              ckpt=ckpt, guard=guard, control=Control(args, device, guard), tb=tb, data_wait=0.0,
+                              lock=lock, data={})
+
+
+def lock_output_dir(out):
+    """Hold <out>/.lock for the whole run: a second run in the same --output-dir is refused in one line (the two would
+    write one log, one checkpoint and one args.json). A POSIX record lock (fcntl.lockf: local disks and NFS), released
+    when the process ends, however it ends. Returns the open file (keep it), or None where there is no fcntl."""
+    try:
+        import fcntl
+        import socket
+    except ImportError:                                             # not POSIX: no lock
+        return None
+    f = open(os.path.join(out, ".lock"), "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise UserError(f"--output-dir {out} is in use by another run ({holder}): wait for it to end, or use another "
+                        "--output-dir") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    f.flush()
+    return f
 
 
 # run control: a resumed run may change these (a script may add its own: cls.RUN_ONLY)
@@ -231,9 +251,12 @@ RUN_ONLY = {"workers", "resume", "compile", "log_every", "device", "micro_batch"
 SCHEDULE = {"epochs", "steps_per_epoch"}              # may change on resume, with a line (the schedules follow)
 
 
-def resume_run(run, method, args, model, optimizer, target=None):
+def resume_run(run, method, args, model, optimizer, target=None, data=None):
     """Continue from <output-dir>/checkpoint.pth when it exists and --resume, this rank's RNG state included; returns
-    the global step to start from (0 for a new run)."""
+    the global step to start from (0 for a new run). data: {split: dataset} the run reads; their fingerprints go into
+    every checkpoint, and a rerun whose data changed (images added, removed, moved; another --holdout draw: the steps
+    per epoch, the schedules and the held-out images would shift under it) is refused like a changed flag."""
+    run.data = {k: C.fingerprint(d) for k, d in (data or {}).items()}
     if not (args.resume and os.path.isfile(run.ckpt)):
         return 0
     ckpt = C.load_checkpoint(run.ckpt, method)
@@ -245,6 +268,10 @@ def resume_run(run, method, args, model, optimizer, target=None):
     if other:                                   # another experiment in the same directory: never silently continued
         raise UserError(f"{run.ckpt} was trained with other settings ({', '.join(other)}): rerun with its flags to "
                         "resume it, or start a new run with --no-resume (overwrites it) or another --output-dir")
+    old_data = ckpt.get("dataset")
+    if old_data is not None and old_data != run.data:
+        raise UserError(f"{run.ckpt} was trained on other data ({data_change(old_data, run.data)}): rerun with "
+                        "the data it was trained on, or start a new run with --no-resume or another --output-dir")
     if changed:
         print0(f"warning: resuming with {', '.join(changed.values())}: the schedules follow the new length from "
                "this step")
@@ -263,6 +290,18 @@ def resume_run(run, method, args, model, optimizer, target=None):
     return ckpt["step"]
 
 
+def data_change(old, new):
+    """What differs between two runs' data fingerprints, in words: 'train images 50000 -> 50100, other train files'."""
+    out = []
+    for split in sorted(set(old) | set(new)):
+        o, n = old.get(split, {}), new.get(split, {})
+        for k in sorted(set(o) | set(n), key=lambda k: (k in ("files", "held_out"), k)):     # the counts first
+            if o.get(k) != n.get(k):
+                out.append(f"other {split} files" if k == "files" else f"another {split} held-out draw"
+                           if k == "held_out" else f"{split} {k} {o.get(k)} -> {n.get(k)}")
+    return ", ".join(out)
+
+
 def device_defaults(args, device):
     """--compile and --gpu-aug (where a method has it) default to on with CUDA; --gpu-aug off, with a line, where
     gpu_aug.py was not copied along. A compile on by default that fails falls back to eager with a warning."""
@@ -272,10 +311,10 @@ def device_defaults(args, device):
             import torch._dynamo
             torch._dynamo.config.suppress_errors = True
     if getattr(args, "gpu_aug", False) is None:
-        args.gpu_aug = device.type == "cuda" and importlib.util.find_spec("gpu_aug") is not None
+        args.gpu_aug = device.type == "cuda" and os.path.isfile(C.sibling("gpu_aug"))
         if device.type == "cuda" and not args.gpu_aug:
             print0("no gpu_aug.py next to this file: the colour augmentation runs in the workers")
-    if getattr(args, "gpu_aug", False) and importlib.util.find_spec("gpu_aug") is None:   # the method imports it
+    if getattr(args, "gpu_aug", False) and not os.path.isfile(C.sibling("gpu_aug")):   # the method imports it
         raise UserError("--gpu-aug needs gpu_aug.py next to this file (or --no-gpu-aug: colour in the workers)")
 
 
@@ -399,9 +438,12 @@ class Guard:
         self.parts = vals if self.parts is None else torch.where(first, vals, self.parts)
         self.names = list(parts)
 
-    def check(self):
-        kept = (f"{self.ckpt} is the last finite checkpoint (step {self.saved})" if self.saved is not None
+    def kept(self, what="checkpoint"):
+        return (f"{self.ckpt} is the last {what} (step {self.saved})" if self.saved is not None
                 else "no checkpoint of this run was written")
+
+    def check(self):
+        kept = self.kept("finite checkpoint")
         if int(self.bad_step) >= 0:
             parts = ", ".join(f"{n} {v:.4g}" for n, v in zip(self.names, self.parts.tolist()))
             raise UserError(f"non-finite loss or gradient at step {int(self.bad_step)} ({parts}): stopped; {kept}. "
@@ -416,8 +458,8 @@ class Control:
     reach ranks apart; saving is collective). `trained`: the final checkpoint once written. Control.current: newest."""
     current = None
 
-    def __init__(self, args, device, sync_every=10):
-        self.args, self.device, self.sync_every = args, device, sync_every
+    def __init__(self, args, device, guard=None, sync_every=10):
+        self.args, self.device, self.guard, self.sync_every = args, device, guard, sync_every
         self.t, self.signal, self.trained, self.asked = time.time(), None, None, []
         Control.current = self
 
@@ -445,6 +487,10 @@ class Control:
         return save or timed or stop, stop
 
 
+class Preempted(Exception):
+    """A stop signal before the run began (harness.main exits 0: nothing was written, a rerun starts it)."""
+
+
 def catch_preemption():
     """SIGTERM / SIGUSR1 / SIGINT -> Control.current.stop: the loop finishes its step, writes a checkpoint and exits 0
     (the DataLoader workers ignore them: clusters signal the process group). A signal before the run or after its final
@@ -454,8 +500,8 @@ def catch_preemption():
 
     def handler(num, frame):
         name, ctl = signal.Signals(num).name, Control.current
-        if ctl is None:                                # before the run started: nothing written yet
-            raise KeyboardInterrupt
+        if ctl is None:                                # before the run started: nothing to write, exit 0 (main)
+            raise Preempted(name)
         again = name == "SIGINT" and any(n == "SIGINT" and time.time() - t > 1 for n, t in ctl.asked)
         if again and "LOCAL_RANK" not in os.environ:
             raise KeyboardInterrupt
@@ -488,7 +534,7 @@ def knn_wanted(args, run):
     run.control.trained = run.ckpt
     if not (args.knn if args.knn is not None else args.data == "synthetic") or not is_main():
         return False
-    if importlib.util.find_spec("eval_linear") is None:
+    if not os.path.isfile(C.sibling("eval_linear")):
         print0("k-NN monitor skipped: it is eval_linear.py's, which is not next to this file")
         return False
     return True

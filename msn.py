@@ -155,7 +155,7 @@ class Args(H.RunArgs):
         """recipes.scale_recipe's rules, then MSN's own: the warm-up's start lr scaled as the lr, the prototypes in
         their official ratio to the batch (1,024 at 1,024: Sinkhorn gives every prototype the same share of a batch's
         target mass), the focal crop x img / 224 (a multiple of the patch)."""
-        import recipes                                               # (for a preset only)
+        recipes = C.optional("recipes")                              # (for a preset only: present)
         d, out = {f.name: f.default for f in fields(cls)}, recipes.scale_recipe(cls, preset)
         p, lr_ratio = preset.get("patch_size", d["patch_size"]), preset.get("lr_factor", 1.0) * preset["batch_size"]
         out.setdefault("start_lr", float(f"{d['start_lr'] * lr_ratio / d['batch_size']:.4g}"))
@@ -479,9 +479,8 @@ def train_step(online, target, x_target, x_rand, x_focal, ids_keep, a, micro=Non
 # ----------------------------------------------------------------------------------------------
 def train(args):
     run = H.setup(args, "msn")
-    if args.gpu_aug:                                                 # colour ops batched on the device
-        from gpu_aug import color_augmenter
-        color_augment = color_augmenter(args.compile or run.device.type == "cuda")   # compiled on CUDA
+    if args.gpu_aug:                                         # colour ops batched on the device, compiled on CUDA
+        color_augment = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
     dev, R = run.device, args.rand_views
     grid = args.img_size // args.patch_size                            # of a random anchor
     H.check_mask_ratio(args.mask_ratio, lambda: grid * grid - random_masking(1, grid, args.mask_ratio).shape[1],
@@ -495,7 +494,7 @@ def train(args):
         if not args.gpu_aug:
             raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, colour runs on "
                               "the device")
-        import gpu_decode as G
+        G = C.optional("gpu_decode", "--gpu-decode needs gpu_decode.py next to this file")
         boxes = G.Boxes(view_specs(args))                            # MultiView's crops and flips
         loader = C.make_loader(C.Views(G.encoded(dataset), boxes, args.seed), per, args.workers, args.seed,
                                collate=G.collate)
@@ -512,7 +511,7 @@ def train(args):
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
-    start = H.resume_run(run, "msn", args, model, opt, target)        # global step
+    start = H.resume_run(run, "msn", args, model, opt, target, data={"train": dataset})   # global step
     online, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     target_fwd = torch.compile(target) if args.compile else target
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)

@@ -120,7 +120,7 @@ class FrameFolder:
         for u in [t] + [u for d in range(1, n) for u in (t + d, t - d) if 0 <= u < n]:
             try:
                 with Image.open(self.paths[u]) as im:
-                    return im.convert("RGB")
+                    return C.to_rgb(im)
             except Exception as e:
                 if self.owner is None:
                     raise C.UserError(f"cannot read frame {self.paths[u]}: {e}; remove or replace the file") from None
@@ -155,9 +155,17 @@ class VideoFolders(torch.utils.data.Dataset, C.CountsUnreadable):
                      "frame")
         if not self.videos:
             raise C.UserError(f"--data {root}: no usable videos (folders with >= {min_frames} JPEG/PNG frames)")
+        self.root, self.held = root, []
         if holdout:                                                  # --holdout: eval_video.py --holdout scores them
+            self.held = [p for v in C.held_out(self.videos, holdout, True) for p in v.paths]
             self.videos = [FrameFolder(v.paths, self, i) for i, v in enumerate(C.held_out(self.videos, holdout))]
         self.count_unreadable_of(len(self.videos))                  # distinct videos with an unreadable frame
+
+    def fingerprint(self):
+        """What a resumed run must find again (harness.resume_run): the counts, the frames (and held-out ones)."""
+        held = {"held_out": C.digest(self.held, self.root)} if self.held else {}
+        return {"videos": len(self), "frames": sum(len(v) for v in self.videos),
+                "files": C.digest([p for v in self.videos for p in v.paths], self.root), **held}
 
     def __len__(self):
         return len(self.videos)
@@ -190,8 +198,7 @@ def video_dataset(data, split="train", holdout=0):
     if data == "synthetic":
         if holdout:
             raise C.UserError("--holdout: the synthetic clips have their own val split; leave --holdout out")
-        from synthetic import SyntheticVideos           # only for --data synthetic
-        return SyntheticVideos(split)
+        return C.optional("synthetic", "--data synthetic needs synthetic.py next to this file").SyntheticVideos(split)
     return VideoFolders(data, holdout=holdout)
 
 
@@ -550,7 +557,7 @@ def train(args):
     model = SiamMAE(args).to(dev)
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
-    start = H.resume_run(run, "siammae", args, model, opt)            # global step
+    start = H.resume_run(run, "siammae", args, model, opt, data={"train": dataset})   # global step
     net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     log = C.Logger(run, total, pairs, args.log_every, start, args.stop_epoch * ipe)
     if log.done:                                                    # a finished or stopped run, rerun

@@ -14,7 +14,13 @@ class Writer:
         except ImportError:
             raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard), or leave the flag "
                             "out") from None
-        self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+        self.open = lambda: SummaryWriter(os.path.join(out, "tensorboard"))   # at the first write: after a run
+        self._writer = None                                                   # from step 0 moved an old one aside
+
+    @property
+    def writer(self):
+        self._writer = self._writer or self.open()
+        return self._writer
 
     def scalars(self, rec, step):
         """Every number of a log record but its epoch and step."""

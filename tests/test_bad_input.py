@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,9 +63,12 @@ def test_eval_checks_the_layout_before_extracting_features(tmp_path):
 
 @pytest.mark.parametrize("kw,msg", [(dict(k=0), "--k must be positive"), (dict(img_size=30), "--img-size 30 is not"),
                                     (dict(temperature=-1.0), "--temperature must be positive"),
-                                    (dict(lambd=float("nan")), "--lambd"), (dict(percent=float("nan")), "--percent")])
+                                    (dict(lambd=float("nan")), "--lambd"), (dict(percent=float("nan")), "--percent"),
+                                    (dict(linear_lr=float("inf")), "--linear-lr must be a finite number, got inf"),
+                                    (dict(lambd=float("inf")), "--lambd must be a finite number, got inf"),
+                                    (dict(percent=101.0), r"--percent must be in \[0, 100\], got 101")])
 def test_eval_flags_are_validated(kw, msg, tmp_path):
-    """(--lambd nan passed and every low-shot score came out 0.0.)"""
+    """(--lambd nan passed and every low-shot score came out 0.0; --linear-lr inf and --lambd inf reported 0.0.)"""
     with pytest.raises(C.UserError, match=msg):
         _eval(tmp_path, "synthetic", **kw)
 
@@ -266,13 +270,18 @@ def test_unusable_output_dirs_are_one_line_errors_at_start(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["full disk", "not writable"])
-def test_a_log_that_cannot_be_written_is_a_one_line_error(how, tmp_path):
-    if how == "full disk":
-        if not os.path.exists("/dev/full"):
-            pytest.skip("no /dev/full")
-        os.symlink("/dev/full", tmp_path / "log.jsonl")          # every write: ENOSPC
-    else:
-        os.makedirs(tmp_path / "log.jsonl")                       # open(..., "a") fails
+def test_a_log_that_cannot_be_written_is_a_one_line_error(how, tmp_path, monkeypatch):
+    if how == "full disk" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    real = C.Logger.__init__
+
+    def started(self, *a, **kw):                                 # the disk fills once the run has started
+        real(self, *a, **kw)
+        if how == "full disk":
+            os.symlink("/dev/full", self.path)                   # every write: ENOSPC
+        else:
+            os.makedirs(self.path)                               # open(..., "a") fails
+    monkeypatch.setattr(C.Logger, "__init__", started)
     with pytest.raises(C.UserError, match="cannot write the log .*log.jsonl"):
         can.train(tiny_args(tmp_path))
 
@@ -289,3 +298,65 @@ def test_a_missing_data_dir_is_the_only_line_and_a_run_writes_its_args(tmp_path)
     saved = json.load(open(tmp_path / "run" / "args.json"))
     assert saved["mask_ratio"] == can.Args.mask_ratio and saved["output_dir"] == str(tmp_path / "run")
     assert H.RunArgs().workers == min(10, len(os.sched_getaffinity(0)))
+
+
+def test_a_checkpoint_with_a_non_finite_weight_is_one_line_naming_the_tensor(tmp_path, monkeypatch):
+    """A corrupted or diverged file: eval_linear scored 0.0 on every metric with exit 0, eval_finetune stopped
+    advising "lower --lr". Both now name the tensor; and features that overflow are refused, not scored."""
+    import eval_finetune as FT
+    from helpers import vit_checkpoint
+    from test_eval_linear import tiny_folder
+    data = tiny_folder(tmp_path / "d")
+    ck = vit_checkpoint(tmp_path / "c.pth", "cmae")
+    c = torch.load(ck, weights_only=True)
+    c["encoder"]["blocks.0.attn.qkv.weight"][3, 1] = float("nan")
+    torch.save(c, ck)
+    with pytest.raises(C.UserError, match=r"c.pth: the encoder's blocks.0.attn.qkv.weight holds NaN or infinite"):
+        E.evaluate(E.Args(ckpt=ck, data=data, workers=0, device="cpu", cache=False))
+    with pytest.raises(C.UserError, match=r"the encoder's blocks.0.attn.qkv.weight holds NaN"):
+        FT.finetune(FT.Args(ckpt=ck, data=data, output_dir=str(tmp_path / "o")))
+    E.evaluate(E.Args(ckpt=ck, data=data, workers=0, device="cpu", cache=False, random_init=True))   # not read
+    monkeypatch.setattr(E, "features_of", lambda enc, x, how: torch.full((len(x), 4), float("inf")))
+    with pytest.raises(C.UserError, match="the encoder gave NaN or infinite features for 18 of 18 images"):
+        E.evaluate(E.Args(ckpt=vit_checkpoint(tmp_path / "ok.pth", "cmae"), data=data, workers=0, device="cpu",
+                          cache=False))
+
+
+def test_a_16_bit_greyscale_png_is_scaled_to_8_bits_not_clipped_to_white(tmp_path):
+    """Pillow opens a 16-bit greyscale PNG as mode I;16 and its convert("RGB") clips every value above 255 (99.7% of
+    the pixels white): the readers scale it to 8 bits instead; a 32-bit float image is refused in one line."""
+    from PIL import Image
+    g = (np.arange(64 * 64).reshape(64, 64) * 16).astype(np.uint16)          # 0 .. 65520
+    Image.fromarray(g).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode == "I;16"
+    for x in (np.asarray(C.read_rgb(tmp_path / "g16.png")),
+              C.to_uint8(Image.open(tmp_path / "g16.png")).permute(1, 2, 0).numpy()):
+        assert x.shape == (64, 64, 3) and (x == (g >> 8)[..., None]).all()
+    Image.fromarray(g.astype(np.float32)).save(tmp_path / "f.tif")
+    os.makedirs(tmp_path / "d" / "a")
+    os.rename(tmp_path / "f.tif", tmp_path / "d" / "a" / "f.tif")
+    with pytest.raises(C.UserError, match=r"cannot read image .*f.tif: F \(32-bit\) pixels: save the image with 8"):
+        C.ImageFiles(str(tmp_path / "d")).load(0)
+
+
+def test_a_fine_tuned_checkpoint_is_pooled_as_fine_tuning_trained_it(tmp_path):
+    """eval_finetune trains its head on the mean patch token: eval_linear pools its checkpoints by the mean token,
+    not by CLS (the default for a method it does not know)."""
+    from helpers import vit_checkpoint
+    from test_eval_linear import tiny_folder
+    ck = vit_checkpoint(tmp_path / "f.pth", "finetune")
+    res = E.evaluate(E.Args(ckpt=ck, data=tiny_folder(tmp_path / "d"), workers=0, device="cpu", cache=False))
+    assert res["pool"] == "mean"
+
+
+@pytest.mark.parametrize("script,kw,msg", [
+    ("eval_video", dict(data="synthetic", temperature=float("inf")), "--temperature must be a finite number, got inf"),
+    ("eval_video", dict(data="synthetic", topk=0), "--topk must be positive, got 0"),
+    ("eval_video", dict(data="synthetic", n_context=-1), "--n-context must be >= 0, got -1"),
+    ("eval_correspondence", dict(pairs=0), "--pairs must be positive, got 0")])
+def test_every_evaluation_checks_its_flags_by_the_training_scripts_rules(script, kw, msg):
+    """Each evaluation runs harness.validate's rules (ranges from each field's metadata, finite numbers) before it
+    reads anything: infinite numbers are one-line errors in every script."""
+    mod = importlib.import_module(script)
+    with pytest.raises(C.UserError, match=msg):
+        mod.evaluate(mod.Args(ckpt="absent.pth", **kw))

@@ -1,5 +1,8 @@
 """can.py: InfoNCE against a double loop over the 2n embeddings, reconstruction / denoising on the
 right patches, the noise-level embedding, gradients, DDP equivalence (negatives with gradient)."""
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -146,6 +149,39 @@ def test_tensorboard_gets_every_scalar_and_the_pictures(tmp_path, monkeypatch):
     assert {"loss", "infonce", "rec", "denoise", "lr", "img_s"} <= set(tags["scalars"])
     assert [e.step for e in ev.Scalars("loss")] == [1, 2]
     assert tags["images"] == ["recon"]
+
+
+def test_the_tensorboard_writer_flushes_each_record_and_each_picture_as_written(tmp_path, monkeypatch):
+    """Runs without the tensorboard package (a stand-in SummaryWriter records the calls): between two flushes the
+    writer gets one log record's scalars or one picture, so whatever a run logged is on disk when it returns (with
+    the scalars left to the writer's thread, the loss of the last steps was missing from the event file read at
+    once). The writer opens its folder at the first write, after a run from step 0 moved an earlier one aside."""
+    import types
+    calls = []
+
+    class Writer:
+        def __init__(self, logdir):
+            calls.append(("open", os.path.relpath(logdir, tmp_path)))
+
+        def add_scalar(self, tag, value, step):
+            calls.append(("scalar", step))
+
+        def add_image(self, tag, img, step):
+            calls.append(("image", tag))
+
+        def flush(self):
+            calls.append(("flush",))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    can.train(tiny_args(tmp_path, epochs=1, tensorboard=True))
+    assert calls[0] == ("open", "tensorboard")
+    flushed, pending = [], set()                                     # what each flush wrote
+    for c in calls[1:]:
+        if c == ("flush",):
+            flushed.append(pending)
+            pending = set()
+        else:
+            pending.add(c)
+    assert flushed == [{("scalar", 1)}, {("scalar", 2)}, {("image", "recon")}] and not pending, calls
 
 
 def test_tensorboard_without_the_package_is_a_one_line_error(tmp_path, monkeypatch):

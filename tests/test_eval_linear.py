@@ -339,8 +339,24 @@ def test_knn_predict_matches_naive():
         sims = [(float(te[i] @ tr[j]), j) for j in range(30)]
         top = sorted(sims, reverse=True)[:6]
         naive = [sum(math.exp(s / 0.5) for s, j in top if ytr[j] == c) for c in range(3)]
+        naive = [v / math.exp(top[0][0] / 0.5) if v else -math.inf for v in naive]   # up to the query's factor
         assert torch.allclose(scores[i], torch.tensor(naive), rtol=1e-4)
     torch.testing.assert_close(E.knn_predict(tr, ytr, te, 3, k=6, T=0.5, chunk=3), scores)   # queries in chunks of 3
+
+
+@pytest.mark.parametrize("T", [0.07, 0.01, 0.002])
+def test_knn_at_a_low_temperature_votes_as_in_float64(T):
+    """exp(sim / T) overflows float32 from T ~ 0.0113 (sim 1: exp(88.7)); the votes are taken up to each query's
+    largest similarity, so a low temperature gives float64's top-1 (it gave 4 of 100 where float64 gave 79)."""
+    g = torch.Generator().manual_seed(0)
+    centres = F.normalize(torch.randn(5, 16, generator=g), dim=1)
+    ytr, yte = torch.randint(0, 5, (400,), generator=g), torch.randint(0, 5, (100,), generator=g)
+    tr, te = (F.normalize(centres[y] + 0.3 * torch.randn(len(y), 16, generator=g), dim=1) for y in (ytr, yte))
+    sim, idx = (te.double() @ tr.double().T).topk(20, dim=1)
+    ref = (F.one_hot(ytr[idx], 5).double() * (sim / T).exp().unsqueeze(-1)).sum(1)   # float64: no overflow here
+    res = E.knn(tr, ytr, te, yte, 5, k=20, T=T)
+    assert res["knn_top1"] == pytest.approx(100 * (ref.argmax(1) == yte).double().mean().item())
+    assert res["knn_top1"] > 40                                   # chance: 20
 
 
 @pytest.mark.parametrize("how", ["cls", "mean"])

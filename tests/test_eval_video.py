@@ -465,12 +465,12 @@ def test_evaluate_reports_the_mean_over_objects_and_checks_its_flags(tmp_path, m
                       (dict(data=None), "and --data are required"),
                       (dict(topk=0), "--topk must be positive"), (dict(radius=0.0), "--radius must be positive"),
                       (dict(temperature=0.0), "--temperature must be positive"),
-                      (dict(n_context=-1), "--n-context, --short-side and --size must be >= 0"),
-                      (dict(short_side=-1), "--n-context, --short-side and --size must be >= 0"),
+                      (dict(n_context=-1), "--n-context must be >= 0, got -1"),
+                      (dict(short_side=-1), "--short-side must be >= 0, got -1"),
                       (dict(task="kitti"), "--task kitti: choose one of davis, vip, jhmdb"),
                       (dict(size=320), "--size is for --task vip / jhmdb"),
                       (dict(task="vip", short_side=480), "--short-side is for --task davis"),
-                      (dict(task="jhmdb", size=-1), "--short-side and --size must be >= 0")]:
+                      (dict(task="jhmdb", size=-1), "--size must be >= 0, got -1")]:
         with pytest.raises(C.UserError, match=match):
             V.evaluate(V.Args(**{**dict(ckpt=ck, data="synthetic"), **kw}))
     with pytest.raises(C.UserError, match="--short-side 1 is below the patch size 4"):

@@ -420,3 +420,126 @@ def test_the_log_reports_the_share_of_time_spent_waiting_for_data(tmp_path, monk
             for d in ("slow_data", "slow_step")}
     assert len(wait["slow_data"]) == len(wait["slow_step"]) == 2
     assert all(w > 0.5 for w in wait["slow_data"]) and all(w < 0.5 for w in wait["slow_step"]), wait
+
+
+# ----------------------------------------------------------------------------------------------
+# No result of another run: a fresh log, the data a checkpoint was trained on, one run per folder
+# ----------------------------------------------------------------------------------------------
+def test_a_run_from_step_0_starts_a_fresh_log_and_keeps_the_earlier_one_beside_it(tmp_path, capsys):
+    """A run killed before its first checkpoint had logged step 1; the rerun starts at step 0 again: a fresh log.jsonl
+    (step 1 once), the earlier one kept beside it under its time (never overwritten: a third start keeps both)."""
+    can.train(can_args(tmp_path, epochs=1, steps_per_epoch=2, log_every=1))
+    (tmp_path / "checkpoint.pth").unlink()                          # as if killed before the first save
+    can.train(can_args(tmp_path, epochs=1, steps_per_epoch=2, log_every=1))
+    assert [json.loads(line)["step"] for line in open(tmp_path / "log.jsonl")] == [1, 2]
+    can.train(can_args(tmp_path, epochs=1, steps_per_epoch=2, log_every=1, resume=False))
+    kept = sorted(f for f in os.listdir(tmp_path) if f.startswith("log.") and f != "log.jsonl")
+    assert len(kept) == 2 and all(f.endswith(".jsonl") for f in kept), kept
+    for f in kept + ["log.jsonl"]:
+        assert [json.loads(line)["step"] for line in open(tmp_path / f)] == [1, 2]
+    assert "is an earlier run's (this one starts at step 0): moved to" in capsys.readouterr().out
+
+
+def _folder(root, n=8):
+    for i in range(n):
+        os.makedirs(root / f"c{i % 2}", exist_ok=True)
+        S.synthetic_image(i)[0].resize((16, 16)).save(root / f"c{i % 2}" / f"{i}.png")
+    return str(root)
+
+
+def test_a_resumed_run_refuses_data_that_changed_in_one_line(tmp_path):
+    """The checkpoint holds the data's fingerprint (counts, a hash of the relative paths, of the held-out ones): images
+    added, a file renamed, another --holdout draw are each refused by name (the steps per epoch, the schedules and the
+    held-out images would shift mid-run; with --holdout the run trained on images it had held out). The folder moved
+    whole (another --data path) is another flag, refused as such; the same data resumes."""
+    data = _folder(tmp_path / "d", 10)
+    run = lambda **kw: can.train(can_args(tmp_path / "o", **{"data": data, "epochs": 2, "steps_per_epoch": 0,  # noqa
+                                                             "batch_size": 4, **kw}))
+    run(stop_epoch=1)
+    S.synthetic_image(99)[0].resize((16, 16)).save(tmp_path / "d" / "c1" / "new.png")
+    with pytest.raises(C.UserError, match=r"trained on other data \(train images 10 -> 11, other train files\): "
+                                          r"rerun with the data it was trained on"):
+        run()
+    os.rename(tmp_path / "d" / "c1" / "new.png", tmp_path / "d" / "c0" / "new.png")       # another class: 11 again
+    with pytest.raises(C.UserError, match=r"other data \(train images 10 -> 11, other train files\)"):
+        run()
+    os.remove(tmp_path / "d" / "c0" / "new.png")
+    os.rename(tmp_path / "d" / "c0" / "0.png", tmp_path / "d" / "c0" / "00.png")          # renamed: same count
+    with pytest.raises(C.UserError, match=r"other data \(other train files\)"):
+        run()
+    os.rename(tmp_path / "d" / "c0" / "00.png", tmp_path / "d" / "c0" / "0.png")
+    run()
+    assert C.load_checkpoint(str(tmp_path / "o" / "checkpoint.pth"), "can")["dataset"] == {"train": {
+        "images": 10, "classes": 2, "files": C.digest(sorted(str(p) for p in (tmp_path / "d").glob("*/*.png")),
+                                                     data)}}
+    run(output_dir=str(tmp_path / "h"), holdout=3, stop_epoch=1)                         # 7 trained, 3 held out
+    S.synthetic_image(98)[0].resize((16, 16)).save(tmp_path / "d" / "c0" / "8a.png")       # a draw of 3 in 11
+    with pytest.raises(C.UserError, match=r"other data \(train images 7 -> 8, other train files, another train "
+                                          r"held-out draw\)"):
+        run(output_dir=str(tmp_path / "h"), holdout=3)
+
+
+_HOLD = ("import os, sys, time, harness as H; f = H.lock_output_dir(sys.argv[1]); "
+         "open(os.path.join(sys.argv[1], f'checkpoint.pth.tmp.{os.getpid()}'), 'w').write('half written'); "
+         "print('locked', flush=True); time.sleep(120)")
+
+
+def test_a_second_run_in_the_same_output_dir_is_refused_and_the_first_ones_files_stay(tmp_path):
+    """A run holds <output-dir>/.lock while it lives: a second run there stops in one line naming the holder, before
+    it writes anything or removes the first run's checkpoint being written (which stopped the first run); once the
+    holder is gone, the next run starts and removes the temporary file its dead writer left."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        tmp = tmp_path / f"checkpoint.pth.tmp.{holder.pid}"
+        r = run_cli(*CAN_CLI, "--data", "synthetic", "--epochs", "1", "--steps-per-epoch", "1", "--output-dir",
+                    str(tmp_path))
+        one_line_error(r, f"--output-dir {tmp_path} is in use by another run (pid {holder.pid} on ")
+        assert tmp.exists() and not (tmp_path / "args.json").exists() and not (tmp_path / "log.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    r = run_cli(*CAN_CLI, "--data", "synthetic", "--epochs", "1", "--steps-per-epoch", "1", "--output-dir",
+                str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not tmp.exists() and f"removed {tmp}" in r.stdout
+
+
+def test_a_stop_signal_before_the_run_begins_exits_0_saying_nothing_was_written(tmp_path):
+    """SIGTERM while the run is being set up (before a step could be trained): nothing to checkpoint, exit 0 as for any
+    preemption (it exited 130, "interrupted by a second Ctrl-C ... the last checkpoint written is kept")."""
+    code = ("import os, signal, harness as H, can; real = H.setup; "
+            "H.setup = lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM), real(*a, **k))[1]; "
+            "H.main(can.train, can.Args)")
+    r = run_cli("-c", code, *CAN_CLI[1:], "--data", "synthetic", "--output-dir", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "stopped by SIGTERM before training began: nothing written; rerun the same command to start" in r.stdout
+    assert not (tmp_path / "o" / "checkpoint.pth").exists()
+
+
+def test_ctrl_c_says_what_it_interrupted_and_what_is_kept(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in an evaluation (which writes no checkpoint): "interrupted (Ctrl-C)", exit 130; a second Ctrl-C in a
+    run: stopped at once, and which checkpoint is kept, or that none of this run was written."""
+    code = ("import os, signal, time, harness as H, eval_linear as E; "
+            "E.load_encoder = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30)); "
+            "H.main(E.evaluate, E.Args)")
+    r = run_cli("-c", code, "--ckpt", vit_checkpoint(tmp_path / "c.pth", "cmae"), "--data", "synthetic")
+    assert (r.returncode, r.stderr.strip()) == (130, "error: interrupted (Ctrl-C)")
+    import signal
+    old = {n: signal.getsignal(getattr(signal, n)) for n in C.STOP_SIGNALS}
+    for saved, said in ((3, f"{tmp_path / 'o' / 'checkpoint.pth'} is the last checkpoint (step 3)"),
+                        (None, "no checkpoint of this run was written")):
+        def train(args, saved=saved):                               # a second Ctrl-C after the checkpoint of step 3
+            run = H.setup(args, "can")
+            run.guard.saved = saved
+            raise KeyboardInterrupt
+        monkeypatch.setattr(sys, "argv", ["can.py", "--data", "synthetic", "--output-dir", str(tmp_path / "o")])
+        try:
+            with pytest.raises(SystemExit) as e:
+                H.main(train, can.Args)
+        finally:
+            for n, h in old.items():
+                signal.signal(getattr(signal, n), h)
+        assert e.value.code == 130
+        assert capsys.readouterr().err.strip() == f"error: interrupted by a second Ctrl-C: stopped at once; {said}"

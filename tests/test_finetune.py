@@ -377,6 +377,67 @@ def cifar_like(root, n_train=6, n_test=3):
     return str(root)
 
 
+def test_a_new_run_in_a_used_folder_reports_its_own_evaluations_only(tmp_path, monkeypatch):
+    """A run from step 0 in a folder holding an earlier run's log (--no-resume, another experiment) starts a fresh
+    log.jsonl and keeps the earlier one beside it: resumed later, it reads back its own evaluations only. (Appended to
+    the old log, the resumed run took the earlier run's epoch-1 score as its own and reported its best, 83.)"""
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
+    scores = iter([80.0, 83.0, 81.0, 10.0, 20.0, 30.0])
+    monkeypatch.setattr(FT, "evaluate", lambda *a: (next(scores), 90.0, 1.0))
+
+    def args(**kw):
+        return FT.Args(**{**dict(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "o"), epochs=3,
+                                 steps_per_epoch=1, batch_size=8, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0,
+                                 device="cpu"), **kw})
+    assert FT.finetune(args())["best_top1"] == 83.0                  # the earlier experiment: 80, 83, 81
+    other = dict(random_init=True, lr_factor=50.0)                  # another experiment, the same folder:
+    assert FT.finetune(args(**other, resume=False, stop_step=2)) is None   # epoch 0: 10; stopped before 1's
+    res = FT.finetune(args(**other))                                 # resumed: epoch 1 (20), epoch 2 (30)
+    assert (res["best_top1"], res["last_top1"]) == (30.0, 30.0)
+    recs = [json.loads(line) for line in open(tmp_path / "o" / "log.jsonl")]
+    assert [r["val_top1"] for r in recs if "val_top1" in r] == [10.0, 20.0, 30.0]
+    assert all("step" in r for r in recs)                            # evaluations too: a resume drops them by step
+    kept = [f for f in os.listdir(tmp_path / "o") if f.startswith("log.") and f != "log.jsonl"]
+    assert len(kept) == 1 and [json.loads(line).get("val_top1") for line in open(tmp_path / "o" / kept[0])
+                               if "val_top1" in line] == [80.0, 83.0, 81.0]
+
+
+def test_a_resumed_run_names_what_changed_in_its_data_and_takes_an_explicit_default_split(tmp_path):
+    """Resumed on a folder with another class (train/ and val/), the run is refused in one line naming the class
+    counts (it failed loading the head, "size mismatch"); --split val given where val/ is the default resumes (it
+    was refused as "--split None -> val")."""
+    import shutil
+    from test_eval_linear import tiny_folder
+    data = tiny_folder(tmp_path / "d")
+
+    def args(**kw):
+        return FT.Args(**{**dict(ckpt=vit_checkpoint(tmp_path / "c.pth", "cmae"), data=data,
+                                 output_dir=str(tmp_path / "o"), epochs=2, batch_size=6, micro_batch=0,
+                                 warmup_epochs=0, blr=1e-3, workers=0, device="cpu", crop_scale=(0.5, 1.0)), **kw})
+    FT.finetune(args(stop_epoch=1))
+    for split in ("train", "val"):
+        shutil.copytree(tmp_path / "d" / split / "c2", tmp_path / "d" / split / "c3")
+    with pytest.raises(C.UserError, match=r"trained on other data \(train classes 3 -> 4, train images 18 -> 24, "
+                                          r"other train files, val classes 3 -> 4, val images 9 -> 12, other val"):
+        FT.finetune(args())
+    for split in ("train", "val"):
+        shutil.rmtree(tmp_path / "d" / split / "c3")
+    assert FT.finetune(args(split="val"))["split"] == "val"
+
+
+def test_an_unreadable_val_image_stops_fine_tuning_before_it_trains(tmp_path):
+    """val/ is read once at the start: a file that cannot be read is the one-line error before the first step (it came
+    after an epoch of training, at the first evaluation)."""
+    from test_eval_linear import tiny_folder
+    data = tiny_folder(tmp_path / "d")
+    (tmp_path / "d" / "val" / "c1" / "zz_bad.png").write_bytes(b"not an image")
+    with pytest.raises(C.UserError, match="cannot read image .*zz_bad.png"):
+        FT.finetune(FT.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", "cmae"), data=data, output_dir=str(tmp_path / "o"),
+                            epochs=1, batch_size=6, micro_batch=0, warmup_epochs=0, blr=1e-3, workers=0,
+                            device="cpu"))
+    assert not os.path.exists(tmp_path / "o" / "checkpoint.pth") and not os.path.exists(tmp_path / "o" / "log.jsonl")
+
+
 def test_labels_per_class_keeps_a_fixed_draw_of_n_images_of_each_class(tmp_path):
     """The same n files of each class whatever --seed (every run of a comparison sees the same labels), a fixed
     draw rather than the first n, and a one-line error where a class has fewer."""
@@ -434,6 +495,11 @@ def test_eval_every_evaluates_every_nth_epoch_and_the_last_also_after_a_resume(t
     vals = [json.loads(line) for line in open(tmp_path / "o" / "log.jsonl")]
     assert [r["epoch"] for r in vals if "val_top1" in r] == [1, 3, 4]
     assert vals[-1]["best_top1"] == 30.0 and vals[-1]["last_top1"] == 30.0
+    skipped = str(tmp_path / "skipped")                              # stopped at the end of an epoch it skips:
+    assert FT.finetune(args(output_dir=skipped, epochs=4, stop_step=1)) is None     # epoch 0, not due, not
+    FT.finetune(args(output_dir=skipped, epochs=4))                  # evaluated when resumed either
+    vals = [json.loads(line) for line in open(os.path.join(skipped, "log.jsonl"))]
+    assert [r["epoch"] for r in vals if "val_top1" in r] == [1, 3]
 
 
 @pytest.mark.parametrize("method,lr", [("conmim", 4e-3 * 256 / 1024 * 2.0), ("cmae", 5e-4 * 2.0)])

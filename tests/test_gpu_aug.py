@@ -2,7 +2,6 @@
 has one, run here on CPU: each op equals torchvision's image by image, the whole has the workers'
 distribution (KS), and in the loops (--gpu-aug forced) it reaches the right views with the method's
 parameters, the workers then only crop and flip, and runs stay deterministic (exact resume)."""
-import importlib.util
 import math
 import shutil
 import sys
@@ -233,8 +232,8 @@ def test_gpu_aug_resume_is_exact(method, tmp_path):
 def test_without_gpu_aug_py_the_colour_ops_stay_in_the_workers(monkeypatch, capsys):
     """A method file + common.py + harness.py copied without gpu_aug.py: on CUDA the default falls back to the
     workers with a line saying so; an explicit --gpu-aug is a one-line error."""
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gpu_aug" else real(name, *a))
+    real = C.sibling
+    monkeypatch.setattr(C, "sibling", lambda name: "/absent/gpu_aug.py" if name == "gpu_aug" else real(name))
     monkeypatch.setitem(sys.modules, "gpu_aug", None)                  # import gpu_aug fails as if absent
     a = msn.Args(data="synthetic", compile=False)
     H.device_defaults(a, torch.device("cuda"))

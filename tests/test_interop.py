@@ -3,6 +3,7 @@ installed), older checkpoints still load, and the evaluations read the official 
 `model` files and plain timm / DeiT state dicts, ignoring heads and decoders."""
 import importlib
 import os
+import sys
 
 import pytest
 import torch
@@ -258,6 +259,25 @@ def top_level_imports(path):
                     found.add(f)
                     todo.append(f)
     return found
+
+
+def test_an_optional_sibling_is_the_file_beside_common_not_a_package_first_on_the_path(tmp_path, monkeypatch):
+    """A project's regular package `recipes` (an __init__.py), imported and first on sys.path, is not the optional
+    recipes.py: common.optional reads the file beside common.py whatever the path holds (a lookup by name took the
+    package, whose missing attributes made --preset and --help a bare AttributeError, or ignored the file)."""
+    import can
+    import harness as H
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "__init__.py").write_text("NAMESAKE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "recipes", raising=False)
+    monkeypatch.setattr(C, "_OPTIONAL", {})
+    import recipes
+    assert recipes.NAMESAKE and sys.modules["recipes"] is recipes
+    mod = C.optional("recipes")
+    assert os.path.realpath(mod.__file__) == os.path.join(ROOT, "recipes.py") and hasattr(mod, "scale_recipe")
+    assert sys.modules["recipes"] is recipes                           # the project's package keeps its name
+    assert H.parse_args(can.Args, ["--data", "d", "--preset", "small"]).epochs == can.Args.PRESETS["small"]["epochs"]
 
 
 def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_path):

@@ -23,8 +23,9 @@ def imported(path):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Call) and (getattr(node.func, "attr", "") == "import_module" or getattr(
-                node.func, "id", "") == "optional") and node.args and isinstance(node.args[0], ast.Constant):
+        elif isinstance(node, ast.Call) and (getattr(node.func, "attr", "") in ("import_module", "optional") or
+                                             getattr(node.func, "id", "") == "optional") and node.args and \
+                isinstance(node.args[0], ast.Constant):
             names.add(node.args[0].value)
     return names
 

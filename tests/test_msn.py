@@ -187,7 +187,10 @@ def test_end_to_end_checkpoint_and_resume(tmp_path, gpu_aug):
 def test_compiled_run_equals_the_eager_run(tmp_path):
     """--compile through train() (online network and EMA target compiled, the EMA applied to the modules
     under the wrappers, the checkpoint taken from them) on CPU: the same losses, gradient norms and weights as
-    the eager run up to float rounding, and the same checkpoint keys (no `_orig_mod.`). About 25 s, compiling."""
+    the eager run up to float rounding, and the same checkpoint keys (no `_orig_mod.`). About 25 s, compiling.
+    The rounding grows with the steps (the sharp Sinkhorn targets amplify it): on a Xeon at 1, 2 and 4 threads the
+    first three steps agree to 5e-6 and the fourth's gradient norm to 2.1e-4 (it failed rel 1e-4 there), so the
+    first step is held to 1e-5 and every step to 1e-3."""
     import json
     msn.train(tiny_args(tmp_path / "compiled", compile=True))
     msn.train(tiny_args(tmp_path / "eager"))
@@ -196,7 +199,7 @@ def test_compiled_run_equals_the_eager_run(tmp_path):
     assert len(logs[0]) == len(logs[1]) == 4
     for a, b in zip(*logs):
         for k in ("loss", "ce", "me_max", "grad_norm"):
-            assert a[k] == pytest.approx(b[k], rel=1e-4), (a["step"], k)
+            assert a[k] == pytest.approx(b[k], rel=1e-5 if a["step"] == 1 else 1e-3), (a["step"], k)
     a, b = (C.load_checkpoint(str(tmp_path / d / "checkpoint.pth"), "msn") for d in ("compiled", "eager"))
     for key in ("encoder", "model", "target"):
         assert list(a[key]) == list(b[key])

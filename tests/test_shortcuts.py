@@ -64,7 +64,7 @@ def conmim_trained(request):
         conmim.train_step(model, teacher, x, x, mask, a)
         opt.step()
         conmim.ema_update(teacher, model, 0.9)
-    return before, probes(model, teacher, x, probe_mask, a.tau)
+    return before, probes(model, teacher, x, probe_mask, a.tau), (model, teacher, x, probe_mask, a.tau)
 
 
 @pytest.mark.parametrize("when", ["init", "trained"])
@@ -74,7 +74,7 @@ def test_conmim_objective_needs_the_image(conmim_trained, when, probe):
     chance (ln 16). With every input token of the student equal ([MASK]) or every teacher token equal
     (blank), nothing but position could break the tie, and BEiT's backbone adds no position to a
     token: the student's outputs (or the keys) are then equal, and the loss is >= ln N exactly."""
-    losses = conmim_trained[when == "trained"]
+    losses = conmim_trained[int(when == "trained")]
     chance = math.log(16)
     assert losses[probe] > 0.95 * chance, (probe, losses)
 
@@ -199,10 +199,19 @@ def test_cmae_infonce_needs_the_right_positive():
     assert other > 0.95 * chance and own < other - 0.1 * chance, (own, other, chance)
 
 
-def test_conmim_other_images_keys_stand_above_the_objective_after_training(conmim_trained):
-    """The other-image probe reads another image's keys, not the image's own (which would report the objective
-    itself): after the short training the queries match their own image's keys better than another image's
-    (measured: other image - objective = 1.31 with the official optimiser, 0.68 with the table at 300x; 0.10 at
-    init), though neither run brings the objective below chance in 60 steps on these 16 images."""
-    before, after = conmim_trained
-    assert after["other_image"] > after["objective"] + 0.4, after
+def test_conmim_other_image_probe_reads_another_images_keys(conmim_trained):
+    """The other-image probe scores each image's queries against another image's keys (the teacher's batch rolled by
+    one), not its own, which would report the objective itself: it is the rolled loss, and stands apart from the
+    objective, after the short training (either optimiser). Not asserted: that the trained queries match their own
+    keys better than another image's. In 60-300 steps on these 16 images the objective stays above chance and that
+    gap is one trajectory's (measured with seeds 0-2 at 1, 2 and 4 threads: -0.4 to +2.2; it failed at 0.14 < 0.4 on
+    another machine); on CIFAR-10 the preset's teacher: 4.95 vs 2.75 (docs/RESULTS.md, scripts/conmim_probe.py)."""
+    import conmim
+    _, after, (student, teacher, x, mask, tau) = conmim_trained
+    with torch.no_grad():
+        keys, queries = teacher(x), student(x, mask)
+        rolled = conmim.conmim_loss(queries, keys.roll(1, 0), mask, tau).item()
+        own = conmim.conmim_loss(queries, keys, mask, tau).item()
+    assert after["other_image"] == pytest.approx(rolled, abs=1e-5)
+    assert after["objective"] == pytest.approx(own, abs=1e-5)
+    assert abs(rolled - own) > 1e-4, (rolled, own)                   # own keys would make them equal

@@ -64,6 +64,13 @@ def test_an_srun_task_gets_rank_world_local_rank_and_the_rendezvous():
     assert slurm.srun_env({**slurm_vars(0, world=2), "SLURM_STEP_TASKS_PER_NODE": "2(x3)"})["LOCAL_WORLD_SIZE"] == "2"
 
 
+def test_an_srun_step_inside_a_larger_job_takes_the_steps_task_count():
+    """`srun -n 2` inside an 8-task allocation: SLURM_NTASKS is the job's 8, SLURM_STEP_NUM_TASKS the step's 2; the
+    process group is the step's (reading the job's first, each task waited for 6 ranks that never came)."""
+    env = slurm.srun_env({**slurm_vars(1, world=2), "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "8"})
+    assert (env["WORLD_SIZE"], env["RANK"], env["LOCAL_WORLD_SIZE"]) == ("2", "1", "2")
+
+
 def test_torchrun_wins_and_a_single_process_stays_single():
     both = {**slurm_vars(3, world=4), "WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3"}
     assert slurm.srun_env(both) == {} and slurm.srun_env({}) == {}              # torchrun inside an sbatch / srun step
