@@ -76,6 +76,9 @@ class Args(H.RunArgs):
     output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/can)",
                             group="data")
     model: str = H.arg("base", "ViT size: nano|micro|tiny|small|base|large", group="model")
+    init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the official MSN "
+                      "file, an MAE-style 'model' dict or a timm / DeiT state dict (read by eval_linear.py)",
+                      group="model")
     patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
     img_size: int = H.arg(224, "training image size (px)", group="data", positive=True)
     epochs: int = H.arg(800, "training epochs (the schedules span them)", group="optimisation", positive=True)
@@ -103,8 +106,10 @@ class Args(H.RunArgs):
     drop_path: float = H.arg(0.0, "stochastic depth rate of the last block", group="model", min=0)
     gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with CUDA; --no-gpu-aug "
                           "keeps it in the CPU workers)", group="views and masking")
-    knn: bool = H.arg(None, "k-NN of learned vs initial encoder at the end (default: on for synthetic)",
-                      group="run control")
+    knn: bool = H.arg(None, "k-NN of the evaluated encoder at step 0 and at the end (default: on for synthetic; "
+                      "eval_linear.py's)", group="run control")
+    eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) or the --holdout "
+                            "images", group="run control", min=0)
 
     # Small recipes: the official recipe above scaled by recipes.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
@@ -476,6 +481,9 @@ def train(args):
     lr = args.lr or args.blr * args.batch_size / 256
 
     model = CAN(args).to(dev)
+    if args.init and not run.resuming:                               # --init: start from these weights
+        E = C.optional("eval_linear", "--init needs eval_linear.py next to this file")
+        E.init_weights(args.init, model, model.encoder, "can")
     if run.world > 1 and dev.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     C.set_grad_checkpointing(model, args.grad_ckpt)
@@ -485,15 +493,19 @@ def train(args):
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     if log.done:                                                    # a finished or stopped run, rerun
         return
-    save = lambda s: C.save_run(run, "can", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
+    knn = None
+    if H.knn_wanted(args):                                           # --knn, --eval-every: the k-NN monitor
+        E = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py next to this file")
+        knn = E.KNNMonitor(args, run, log, model.encoder, "can", "encoder")
+    def save(step, **kw):                                            # the checkpoint (snapshot=True: the encoder)
+        C.save_run(run, "can", args, step // ipe, step, model.encoder, model, opt, **kw)
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
              + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"))
     p, grid = args.patch_size, model.encoder.grid
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train()
-        bad0 = C.bad_reads(dataset)
-        for it, ((v1, v2), _) in C.epoch_batches(run, loader, epoch, ipe, start, args.seed):
+        for it, ((v1, v2), _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
             v1, v2 = v1.to(dev, non_blocking=True), v2.to(dev, non_blocking=True)
@@ -508,10 +520,10 @@ def train(args):
             loss, parts = train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, args, micro, run.autocast,
                                      run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # MAE recipe: no clipping
-            if C.end_step(run, log, args, step + 1, epoch, parts, save, dataset, (it + 1) * per, bad0,
-                          lr=opt.param_groups[0]["lr"]):                 # log, NaN watch; preempted: stop
-                return
-        C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
+            if C.end_step(run, log, save, step + 1, epoch, parts, lr=opt.param_groups[0]["lr"]):
+                return                                              # preempted, --stop-step: saved
+            if knn and knn.due(step + 1):                               # --eval-every
+                knn(step + 1)
         save((epoch + 1) * ipe)
         n, m = min(8, B), mask[0, :min(8, B), :, None]                        # clean / noisy+masked input /
         with torch.no_grad(), run.autocast:                                  # reconstruction / noise / sigma_max
@@ -523,10 +535,8 @@ def train(args):
             unpatchify(torch.where(m.bool(), pr_px, xp), p), unpatchify(pr * (1 - m) / args.sigma_max, p)],
             ["view", "masked + noise", "reconstruction", "predicted noise / sigma_max"], (epoch + 1) * ipe, run.tb)
 
-    if H.knn_wanted(args, run):                                           # end-of-run k-NN (eval_linear.py's)
-        from eval_linear import knn_report
-        knn_report(args, run, log, model.encoder, lambda: CAN(args).encoder, "mean", "encoder, mean patch token")
-
+    if knn:                                                          # after the final checkpoint: a stop
+        knn.final(log.end)                                           # signal now ends the program at once
 
 if __name__ == "__main__":
     H.main(train, Args)

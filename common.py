@@ -469,18 +469,24 @@ class EpochSampler(torch.utils.data.DistributedSampler):
             epoch, skip = epoch + 1, 0
 
 
-def epoch_batches(run, loader, epoch, ipe, start_step, seed):
+def epoch_batches(run, loader, epoch, ipe, start_step, args):
     """enumerate(batches of `epoch`) after those covered by a checkpoint at start_step. A fresh epoch reseeds; a resumed
-    one keeps the checkpoint's RNG state. The time it blocks is added to run.data_wait."""
+    one keeps the checkpoint's RNG state. The time it blocks is added to run.data_wait; the epoch's unreadable images
+    are counted into run.bad_images (for the log) and stop the run above --max-unreadable (check_unreadable)."""
     first = min(ipe, max(0, start_step - epoch * ipe))
     if first == 0:                                  # a fresh epoch: masking / drop-path draws from (seed, epoch, rank)
-        torch.manual_seed(int(np.random.SeedSequence([seed, epoch, run.rank, 7]).generate_state(1)[0]))
+        torch.manual_seed(int(np.random.SeedSequence([args.seed, epoch, run.rank, 7]).generate_state(1)[0]))
     if getattr(loader, "run_next", None) != (epoch, first):         # new or resumed run: start the stream here
         loader.sampler.set_epoch(epoch)
         loader.sampler.skip, loader.sampler.ipe = first * loader.batch_size, ipe
         loader.run_iter = iter(loader)
     loader.run_next = (epoch + 1, 0)
-    return enumerate(waited(itertools.islice(loader.run_iter, ipe - first), run), start=first)
+    data = getattr(loader.dataset, "dataset", loader.dataset)       # the images under Views
+    bad0 = bad_reads(data)
+    for it, batch in enumerate(waited(itertools.islice(loader.run_iter, ipe - first), run), start=first):
+        run.bad_images = check_unreadable(data, (it + 1) * loader.batch_size, bad0, args.max_unreadable)
+        yield it, batch
+    check_unreadable(data, ipe * loader.batch_size, bad0, args.max_unreadable, final=True)
 
 
 def waited(batches, run):
@@ -521,14 +527,17 @@ def make_loader(dataset, batch_size, workers, seed, collate=None):
 
 
 # ---- After each step: the log line's watches, unreadable images --------------------------------
-def end_step(run, log, args, step, epoch, parts, save, dataset=None, reads=0, bad0=0, **scalars):
-    """After each step: the non-finite watch, the unreadable count, the log line, a checkpoint when due. True: stop."""
+def end_step(run, log, save, step, epoch, parts, **scalars):
+    """After each step: the non-finite watch, the log line (with the epoch's unreadable images, counted by
+    epoch_batches), a checkpoint when due (--save-every*, a stop signal, --stop-step), the evaluated encoder every
+    --keep-every steps. True: stop now (the checkpoint is written)."""
     run.guard.update(step, parts, run.scaler)
-    bad = check_unreadable(dataset, reads, bad0, args.max_unreadable) if dataset is not None else None
     due, stop = run.control.poll(step)
-    log.step(step, epoch, parts, force=stop, bad_images=bad, **scalars)         # a stopping step is logged
+    log.step(step, epoch, parts, force=stop, bad_images=run.bad_images, **scalars)   # a stopping step is logged
     if due:
         save(step)
+    if run.control.args.keep_every and step % run.control.args.keep_every == 0:
+        save(step, snapshot=True)
     if stop:
         why = run.control.signal or f"--stop-step {step}"
         print0(f"stopping after step {step} ({why}); checkpoint {run.ckpt} written: rerun the same command to resume")
@@ -592,10 +601,18 @@ def load_checkpoint(path, method=None, ours=True):
     return ckpt
 
 
-def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=None):
+def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=None, snapshot=False):
     """The checkpoint format, written by rank 0 (every rank calls: the RNG states are gathered, so a mid-epoch
-    checkpoint resumes exactly). `encoder`: the ViT the paper evaluates. Never writes non-finite weights."""
+    checkpoint resumes exactly). `encoder`: the ViT the paper evaluates. Never writes non-finite weights.
+    snapshot: only the evaluated encoder (what eval_linear.py reads), as encoder_step<step>.pth (--keep-every)."""
     run.guard.check()
+    meta = {"method": method, "args": dataclasses.asdict(args), "epoch": epoch, "step": step,
+            "vit": unwrap(encoder).config, "encoder": unwrap(encoder).state_dict(),
+            "dataset": getattr(run, "data", None)}
+    if snapshot:
+        if is_main():
+            save_checkpoint(os.path.join(run.out, f"encoder_step{step:07d}.pth"), meta)
+        return
     rng = [rng_state()] * world_size()
     if world_size() > 1:
         dist.all_gather_object(rng, rng_state())                 # every process's generator states
@@ -604,11 +621,8 @@ def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=N
     sd = unwrap(model).state_dict()
     if not all(torch.isfinite(v).all() for v in sd.values() if v.is_floating_point()):
         raise UserError(f"non-finite weights at step {step}: not written; {run.ckpt} keeps the last finite checkpoint")
-    save_checkpoint(run.ckpt, {
-        "method": method, "args": dataclasses.asdict(args), "epoch": epoch, "step": step,
-        "vit": unwrap(encoder).config, "encoder": unwrap(encoder).state_dict(), "model": sd,
-        "target": target.state_dict() if target else None, "optimizer": optimizer.state_dict(),
-        "scaler": run.scaler.state_dict(), "rng": rng, "dataset": getattr(run, "data", None)})
+    save_checkpoint(run.ckpt, {**meta, "model": sd, "target": target.state_dict() if target else None,
+                               "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(), "rng": rng})
     run.guard.saved = step
 
 
@@ -648,7 +662,7 @@ class Logger:
         ends = {"--epochs": (total_steps, getattr(a, "epochs", "?")),            # flag: (last step, its value)
                 "--stop-epoch": (stop or total_steps, getattr(a, "stop_epoch", 0)),
                 "--stop-step": (stop_step or total_steps, stop_step)}
-        end = min(e for e, _ in ends.values())
+        end = self.end = min(e for e, _ in ends.values())                # this invocation's last step
         self.done = start_step >= end                                    # a finished or stopped run, rerun
         if self.done:
             why = ", ".join(f"{k} {v}" for k, (e, v) in ends.items()

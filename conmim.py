@@ -86,6 +86,9 @@ class Args(H.RunArgs):
     output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/conmim)",
                             group="data")
     model: str = H.arg("base", "ViT size: nano|micro|tiny|small|base|large", group="model")
+    init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the official MSN "
+                      "file, an MAE-style 'model' dict or a timm / DeiT state dict (read by eval_linear.py)",
+                      group="model")
     patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
     img_size: int = H.arg(224, "training image size (px)", group="data", positive=True)
     epochs: int = H.arg(800, "training epochs (the schedules span them)", group="optimisation", positive=True)
@@ -116,8 +119,10 @@ class Args(H.RunArgs):
                                "large)", group="model")
     gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with CUDA; --no-gpu-aug "
                           "keeps it in the CPU workers)", group="views and masking")
-    knn: bool = H.arg(None, "k-NN of learned vs initial teacher at the end (default: on for synthetic)",
-                      group="run control")
+    knn: bool = H.arg(None, "k-NN of the evaluated encoder at step 0 and at the end (default: on for synthetic; "
+                      "eval_linear.py's)", group="run control")
+    eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) or the --holdout "
+                            "images", group="run control", min=0)
 
     # --data synthetic: batch 32 x 800 steps (k-NN 23.1% vs 16.7% at init) learned more than 64 x 400
     # (19.1%) in the same ~4.5 min; at EMA 0.996 the teacher would stay near its init in so few steps.
@@ -490,6 +495,9 @@ def train(args):
     m0 = ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
 
     model = Net(args).to(dev)
+    if args.init and not run.resuming:                               # --init: start from these weights
+        E = C.optional("eval_linear", "--init needs eval_linear.py next to this file")
+        E.init_weights(args.init, model, model.encoder, "conmim")
     teacher = make_teacher(model)
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = make_optimizer(model, args, dev)
@@ -499,7 +507,12 @@ def train(args):
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     if log.done:                                                    # a finished or stopped run, rerun
         return
-    save = lambda s: C.save_run(run, "conmim", args, s // ipe, s, teacher.encoder, model, opt, teacher)  # noqa: E731
+    knn = None
+    if H.knn_wanted(args):                                           # --knn, --eval-every: the k-NN monitor
+        E = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py next to this file")
+        knn = E.KNNMonitor(args, run, log, teacher.encoder, "conmim", "teacher encoder")
+    def save(step, **kw):                                            # the checkpoint (snapshot=True: the encoder)
+        C.save_run(run, "conmim", args, step // ipe, step, teacher.encoder, model, opt, teacher, **kw)
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {args.lr:g} (absolute; " +
              (f"--preset {args.preset}: recipes.scale_recipe's rules)" if args.preset
               else "for the official global batch 2048, not rescaled)") + f"; teacher momentum {m0:g} -> "
@@ -507,8 +520,7 @@ def train(args):
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), teacher.train()
-        bad0 = C.bad_reads(dataset)
-        for it, ((x_weak, x_strong), _) in C.epoch_batches(run, loader, epoch, ipe, start, args.seed):
+        for it, ((x_weak, x_strong), _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, total, args.lr, args.min_lr, args.warmup_epochs * ipe)
             m = C.cosine_schedule(step, total, m0, args.ema[1])             # 0.996 -> 1, cosine
@@ -523,17 +535,14 @@ def train(args):
                                      run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters(), args.clip_grad)
             ema_update(teacher, model, m)
-            if C.end_step(run, log, args, step + 1, epoch, parts, save, dataset, (it + 1) * per, bad0,
-                          lr=lr, mom=m):                                 # log, NaN watch; preempted: stop
-                return
-        C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
+            if C.end_step(run, log, save, step + 1, epoch, parts, lr=lr, mom=m):
+                return                                              # preempted, --stop-step: saved
+            if knn and knn.due(step + 1):                               # --eval-every
+                knn(step + 1)
         save((epoch + 1) * ipe)
 
-    if H.knn_wanted(args, run):                                           # end-of-run k-NN (eval_linear.py's)
-        from eval_linear import knn_report
-        knn_report(args, run, log, teacher.encoder, lambda: Net(args).encoder, "mean",
-                   "teacher encoder, mean patch token")
-
+    if knn:                                                          # after the final checkpoint: a stop
+        knn.final(log.end)                                           # signal now ends the program at once
 
 if __name__ == "__main__":
     H.main(train, Args)

@@ -114,7 +114,8 @@ class Args(H.RunArgs):
     lr_factor: float = H.arg(1.0, "the recipe's lr times this (a preset's: chosen on held-out training images, never "
                                   "on the evaluated split)", positive=True)
     split: str = H.arg(None, "the evaluated folder (default val/, else test/)", group="data")
-    eval_every: int = H.arg(1, "epochs between evaluations (the run's last epoch always)", positive=True)
+    eval_every: int = H.arg(1, "epochs between evaluations (0: the run's last epoch only, which is always evaluated)",
+                            group="run control", min=0)
     labels_per_class: int = H.arg(0, "fine-tune on this many labelled images of each class, a fixed draw (not --seed); "
                                      "0 = all", min=0)
 
@@ -323,7 +324,8 @@ def finetune(args):
     net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     mix = Mix(args, len(train.classes))
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
-    save = lambda s: C.save_run(run, "finetune", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
+    def save(step, **kw):                                            # the checkpoint (snapshot=True: the encoder)
+        C.save_run(run, "finetune", args, step // ipe, step, model.encoder, model, opt, **kw)
     where = E.eval_split(args.data, args.split, args.holdout)
     why = ([f"{args.lr:g}"] if args.lr else [f"blr {args.blr:g}", f"{args.batch_size} / 256"]) \
         + ([f"lr-factor {args.lr_factor:g}"] if args.lr_factor != 1 else [])      # what the printed lr is
@@ -343,15 +345,14 @@ def finetune(args):
         log.write({"epoch": epoch, "step": (epoch + 1) * ipe, "val_top1": round(top1, 3), "val_top5": round(top5, 3),
                    "val_loss": round(vloss, 4)})
     last = (args.stop_epoch or args.epochs) - 1                      # this invocation's last epoch: always evaluated
-    due = lambda e: (e + 1) % args.eval_every == 0 or e == last      # noqa: E731
+    due = lambda e: bool(args.eval_every) and (e + 1) % args.eval_every == 0 or e == last      # noqa: E731
     ended = start // ipe - 1                                         # the checkpoint's last whole epoch
     pending = torch.tensor(float(bool(start) and start % ipe == 0 and ended not in vals and due(ended)),
                            device=run.device)
     if C.all_reduce_sum_(pending) > 0:             # stopped at an epoch's last step (--stop-step, a signal) before its
         evaluate_epoch(start // ipe - 1)           # evaluation: evaluate it now (agreed: evaluate() is collective)
     for epoch in range(start // ipe, 0 if log.done else args.stop_epoch or args.epochs):   # done: nothing to train
-        bad0 = C.bad_reads(train)
-        for it, (x, y) in C.epoch_batches(run, loader, epoch, ipe, start, args.seed):
+        for it, (x, y) in C.epoch_batches(run, loader, epoch, ipe, start, args):
             step = epoch * ipe + it
             lr_now = C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe, args.warmup_lr)
             C.set_hparams(opt, lr_now)                                 # x each group's layer-decay lr_scale
@@ -366,9 +367,8 @@ def finetune(args):
                 run.scaler.scale(part).backward()
                 loss = loss + part.detach()
             parts = {"loss": loss, "grad_norm": C.optimizer_step(run, opt, list(model.parameters()), args.clip_grad)}
-            if C.end_step(run, log, args, step + 1, epoch, parts, save, train, (it + 1) * per, bad0, lr=lr_now):
+            if C.end_step(run, log, save, step + 1, epoch, parts, lr=lr_now):
                 return None
-        C.check_unreadable(train, ipe * per, bad0, args.max_unreadable, final=True)
         save((epoch + 1) * ipe)
         if due(epoch):
             evaluate_epoch(epoch)

@@ -72,7 +72,12 @@ class Args:
                        "val/, as in CIFAR-10's folders)", group="data")
     pixels: bool = H.arg(False, "the raw-pixel baseline instead of a checkpoint: the normalised image, flattened and "
                          "centred by the train mean (needs --img-size)")
-    mode: str = H.arg("knn", "knn | linear | lowshot | all")
+    mode: str = H.arg("knn", "knn | linear | lowshot | all | embed (the features of the images under --data, any "
+                      "folder, into --output)")
+    output: str = H.arg(None, "--mode embed: the folder for features.npy (N, D) and files.txt (paths under --data)",
+                        group="run control")
+    export: str = H.arg(None, "write the encoder alone to this folder (encoder.pth, encoder.safetensors where that "
+                        "package is, config.json: timm's model, the pooling, mean / std), then exit", group="model")
     pool: str = H.arg(None, "cls | cls-prenorm | mean (default: per method)", group="model")
     img_size: int = H.arg(None, "training image size (px) (default: the checkpoint's training size)", group="data",
                           positive=True)
@@ -301,14 +306,21 @@ class ViT(nn.Module):
             bias = self.rel_pos_bias() if hasattr(self, "rel_pos_bias") else None
             x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False), bias)
             return self.norm(x) if norm else x
-        pe = self.pos_embed[:, 1:]
-        if (gh, gw) != (self.grid, self.grid):
-            pe = F.interpolate(pe.reshape(1, self.grid, self.grid, -1).permute(0, 3, 1, 2).float(), size=(gh, gw),
-                               mode="bicubic", align_corners=False).permute(0, 2, 3, 1).reshape(1, gh * gw, -1)
-        x = x + pe.to(x.dtype)
+        x = x + resize_pos_embed(self.pos_embed, gh, gw)[:, 1:].to(x.dtype)
         x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
         x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False))
         return self.norm(x) if norm else x
+
+
+def resize_pos_embed(pe, gh, gw):
+    """A position table (1, 1 + g * g, D) (the [CLS] row first) for a gh x gw patch grid: the patch rows interpolated
+    bicubically when the grid differs (timm's resample_abs_pos_embed; also --init's), the [CLS] row as it is."""
+    g = math.isqrt(pe.shape[1] - 1)
+    if (gh, gw) == (g, g):
+        return pe
+    grid = pe[:, 1:].reshape(1, g, g, -1).permute(0, 3, 1, 2).float()
+    grid = F.interpolate(grid, size=(gh, gw), mode="bicubic", align_corners=False)
+    return torch.cat([pe[:, :1], grid.permute(0, 2, 3, 1).reshape(1, gh * gw, -1).to(pe.dtype)], dim=1)
 
 
 def check_size(encoder, size):
@@ -345,11 +357,10 @@ VIT_KEY = re.compile(r"cls_token|pos_embed|patch_embed\.proj\.(weight|bias)|norm
                      r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)")
 
 
-def foreign_encoder(obj, path, model=None):
-    """(layout, ViT config, ViT state dict) of a checkpoint not written here: the official MSN file
+def foreign_vit(obj, path):
+    """(layout, ViT state dict in timm's names) of a checkpoint not written here: the official MSN file
     (`target_encoder`, `module.` prefix), an MAE-style file (`model`: MAE, CAN, DeiT and many MAE
-    derivatives) or a plain timm / DeiT state dict. The architecture comes from the tensor shapes;
-    the heads from --model (else timm's default for the width)."""
+    derivatives) or a plain timm / DeiT state dict; heads, decoders and optimiser state left out."""
     if not isinstance(obj, dict):
         raise C.UserError(f"{path}: not a dict of tensors")
     layout, sd = next(((k, obj[k]) for k in ("target_encoder", "model") if isinstance(obj.get(k), dict)), ("timm", obj))
@@ -359,6 +370,13 @@ def foreign_encoder(obj, path, model=None):
         keys = ", ".join(list(obj)[:6]) + (", ..." if len(obj) > 6 else "")
         raise C.UserError(f"{path}: unknown checkpoint layout (keys: {keys}); expected this project's format, MSN's "
                           "target_encoder, an MAE-style 'model' or a timm ViT state dict")
+    return {"target_encoder": "msn", "model": "mae-style"}.get(layout, "timm"), vit
+
+
+def foreign_encoder(obj, path, model=None):
+    """(layout, ViT config, ViT state dict) of a checkpoint not written here (foreign_vit). The architecture comes
+    from the tensor shapes; the heads from --model (else timm's default for the width)."""
+    layout, vit = foreign_vit(obj, path)
     dim, p = vit["cls_token"].shape[-1], vit["patch_embed.proj.weight"].shape[-1]
     depth = 1 + max(int(k.split(".")[1]) for k in vit if k.startswith("blocks."))
     grid = math.isqrt(vit["pos_embed"].shape[1] - 1)
@@ -370,7 +388,7 @@ def foreign_encoder(obj, path, model=None):
         raise C.UserError(f"{path}: width {dim} is not a standard ViT size; give --model")
     config = dict(img_size=grid * p, patch_size=p, dim=dim, depth=depth, heads=heads,
                   mlp_ratio=vit["blocks.0.mlp.fc1.weight"].shape[0] / dim, pos_embed="learned")
-    return {"target_encoder": "msn", "model": "mae-style"}.get(layout, "timm"), config, vit
+    return layout, config, vit
 
 
 def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path=0.0, per_block_rel_pos=False,
@@ -418,6 +436,63 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
         except RuntimeError as e:
             raise C.UserError(f"{path}: the encoder does not fit a ViT ({' '.join(str(e).split())[:300]})") from None
     return enc.eval(), ckpt
+
+
+def init_weights(path, model, encoder, method):
+    """--init PATH of a training script: the weights its online network starts from at step 0 (before its EMA target
+    is copied from it, so both start there). The encoder (`encoder`, a module of `model`) from any file load_encoder
+    reads: a checkpoint of this project (its evaluated `encoder`; one of the same method also gives the heads,
+    decoders, prototypes of its `model`), the official MSN file, an MAE-style `model` dict, a timm / DeiT state dict.
+    Every encoder tensor must be found with its shape, but a learned position table, interpolated to this patch grid
+    (resize_pos_embed), and a fixed sin-cos one, which stays this model's own; anything else loads where a name and a
+    shape match and starts fresh otherwise. Prints what was loaded, started fresh and was interpolated; an encoder
+    tensor that cannot be used is a one-line error naming its key."""
+    obj = C.load_checkpoint(path, ours=False)
+    at = next(n for n, m in model.named_modules() if m is encoder) + "."     # the encoder's prefix in model
+    if isinstance(obj, dict) and "method" in obj and "encoder" in obj:
+        ckpt = C.load_checkpoint(path)
+        source = dict(ckpt.get("model") or {}) if ckpt["method"] == method else {}
+        source |= {at + k: v for k, v in ckpt["encoder"].items()}    # the evaluated encoder (MSN's, ConMIM's EMA)
+        what = f"a {ckpt['method']} checkpoint, step {ckpt.get('step')}"
+    else:
+        layout, sd = foreign_vit(obj, path)
+        source = {at + k: v for k, v in sd.items()}
+        what = {"msn": "the official MSN layout", "mae-style": "an MAE-style model dict"}.get(layout, "a timm ViT")
+    fixed = {n for n, _ in model.named_buffers()}                    # e.g. a sin-cos table: never learned
+    own, load, fresh, resized = model.state_dict(), {}, [], []
+    for k, v in own.items():
+        src, name = source.get(k), k.removeprefix(at)
+        if src is not None and src.shape != v.shape and k == at + "pos_embed" and k not in fixed:
+            src = resize_pos_embed(src, encoder.grid, encoder.grid)
+            resized.append(f"{name} {math.isqrt(source[k].shape[1] - 1)}^2 -> {encoder.grid}^2")
+        if src is not None and src.shape == v.shape:
+            load[k] = src
+        elif k in fixed:                                             # a fixed table of another grid: this one's own
+            continue
+        elif k.startswith(at):                                       # the encoder must come whole
+            why = f"no {name}" if src is None else f"{name} of shape {tuple(src.shape)}, this model's {tuple(v.shape)}"
+            raise C.UserError(f"--init {path}: its encoder has {why} (another size or architecture)")
+        else:
+            fresh.append(k)
+    extra = sorted(k.removeprefix(at) for k in source if k.startswith(at) and k not in own)
+    if extra:
+        raise C.UserError(f"--init {path}: its encoder has {extra[0]}, which this model lacks ({len(extra)} such "
+                          "tensors: another depth or architecture)")
+    bad = next((k for k, v in load.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if bad:
+        raise C.UserError(f"--init {path}: {bad} holds NaN or infinite values")
+    model.load_state_dict(load, strict=False)
+    path_to_encoder = at.split(".")[:-1]                            # e.g. ["net", "encoder"]
+
+    def count(keys):                                                 # "encoder (42), head (9), prototypes (1)"
+        groups = {"encoder": 0} if any(k.startswith(at) for k in keys) else {}    # the encoder first
+        for k in keys:
+            part = "encoder" if k.startswith(at) else next(p for p in k.split(".") if p not in path_to_encoder)
+            groups[part] = groups.get(part, 0) + 1
+        return ", ".join(f"{g} ({n})" for g, n in groups.items()) or "nothing"
+    C.print0(f"--init {path} ({what}): loaded {count(load)}; fresh: {count(fresh)}"
+             + (f"; interpolated: {', '.join(resized)}" if resized else ""))
+    return load
 
 
 def online_encoder(ckpt, path):
@@ -524,28 +599,74 @@ def val_to_train(train, val):
     return torch.tensor([index.get(c, -1) for c in val.classes])
 
 
-def knn_accuracy(encoder, data, img_size, device, how="cls", batch_size=256, workers=0, k=20,
-                 autocast=contextlib.nullcontext()):
-    """Top-1 (%) of weighted k-NN: train split as memory bank, val split as queries (labels matched
-    by class name); features: the [CLS] token ("cls") or the mean patch token ("mean"), normed."""
-    train, val, to_train = splits(data)
-    tf = eval_transform(img_size, synthetic=data == "synthetic")
-    (ftr, ytr), (fva, yva) = (extract_features(encoder, torch.utils.data.DataLoader(C.Views(ds, tf), batch_size,
-                              num_workers=workers), device, lambda e, x: features_of(e, x, how), autocast)
-                              for ds in (train, val))
-    return knn(ftr, ytr, fva, to_train[yva], len(train.classes), k)["knn_top1"]
+@torch.no_grad()
+def sharded_features(encoder, ds, size, pool, device, autocast=contextlib.nullcontext(), workers=0, synthetic=False):
+    """extract_features of ds with every process taking a strided share (ranks r, r + world, ...), gathered in ds's
+    order on every rank: the k-NN monitor's, whose other processes would otherwise wait at the next collective."""
+    world, rank = C.world_size(), C.rank()
+    share = torch.utils.data.Subset(C.Views(ds, eval_transform(size, synthetic)), range(rank, len(ds), world))
+    feats, labels = extract_features(encoder, torch.utils.data.DataLoader(share, 256, num_workers=workers), device,
+                                     lambda e, x: features_of(e, x, pool), autocast)
+    if world == 1:
+        return feats, labels
+    rows = -(-len(ds) // world)                                      # the largest share: every rank pads to it
+    padded = [torch.cat([t.to(device), t.new_zeros(rows - len(t), *t.shape[1:]).to(device)]) for t in (feats, labels)]
+    gathered = [C.all_gather(t, grad=False).view(world, rows, *t.shape[1:]) for t in padded]
+    out = [torch.empty(len(ds), *g.shape[2:], dtype=g.dtype) for g in gathered]
+    for r in range(world):
+        n = len(range(r, len(ds), world))
+        for o, g in zip(out, gathered):
+            o[r::world] = g[r, :n].cpu()
+    return out[0], out[1]
 
 
-def knn_report(args, run, log, encoder, build_init, how, what):
-    """The training scripts' end-of-run monitor (where harness.knn_wanted(args)): k-NN top-1 of the learned
-    encoder vs the same architecture at init, logged and printed. build_init() must make the encoder
-    with the same RNG draw as at the start of training (seeded in harness.setup)."""
-    torch.manual_seed(args.seed)
-    init = build_init().to(run.device)
-    accs = [knn_accuracy(e, args.data, args.img_size, run.device, how, autocast=run.autocast) for e in (encoder, init)]
-    log.write({"knn_learned": accs[0], "knn_init": accs[1]})
-    C.print0(f"k-NN top-1 on {args.data} {eval_split(args.data)} ({what}): learned {accs[0]:.1f}% vs same architecture "
-             f"at initialisation {accs[1]:.1f}%")
+class KNNMonitor:
+    """--knn / --eval-every N of a training script: the k-NN (this file's: eval transform, the method's pooling,
+    k 20, T 0.07) of the encoder the run evaluates, train/ the bank and val/ (else test/) the queries, or with
+    --holdout the run's training images the bank and its held-out ones the queries. At step 0 (the initial encoder),
+    every N steps and at the end of the run (called by the method's loop), each logged as knn_top1 / knn_top5 with
+    its step. All processes extract, rank 0 scores. Its RNG is its own: the run trains the same weights without it."""
+
+    def __init__(self, args, run, log, encoder, method, what):
+        self.run, self.log, self.encoder, self.what = run, log, encoder, what
+        self.every, self.size, self.pool = args.eval_every, args.img_size, DEFAULT_POOL[method]
+        self.synthetic, self.workers = args.data == "synthetic", args.workers
+        try:                                                         # the layout, checked before any step
+            self.train, self.val, self.to_train = splits(args.data, holdout=args.holdout)
+        except C.UserError as e:
+            raise C.UserError(f"--knn / --eval-every: {e}") from None
+        self.split = eval_split(args.data, holdout=args.holdout)
+        check_readable(self.val, args.workers)                      # an unreadable query: now, not at step N
+        self.first = None
+        if log.first == 1:                                           # a new run: its initial encoder
+            self(0)
+
+    def due(self, step):
+        """A step the monitor evaluates in the loop (the run's end is evaluated after its final checkpoint)."""
+        return bool(self.every) and step % self.every == 0 and step < self.log.end
+
+    def final(self, step):
+        """The k-NN of the final encoder, after the final checkpoint: a stop signal now ends the program at once."""
+        self.run.control.trained = self.run.ckpt
+        return self(step)
+
+    def __call__(self, step):
+        devices = [self.run.device] if self.run.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):                # the training draws stay as without it
+            was = self.encoder.training
+            feats = [sharded_features(self.encoder, ds, self.size, self.pool, self.run.device, self.run.autocast,
+                                      self.workers, self.synthetic) for ds in (self.train, self.val)]
+            self.encoder.train(was)
+        if not C.is_main():
+            return None
+        (ftr, ytr), (fva, yva) = feats
+        res = knn(ftr, ytr, fva, self.to_train[yva], len(self.train.classes))
+        self.log.write({"step": step, **{k: round(v, 3) for k, v in res.items()}})
+        if self.first is None:
+            self.first = (step, res["knn_top1"])
+        C.print0(f"k-NN top-1 on {self.split}/ ({self.what}, {self.pool}): {res['knn_top1']:.1f}% at step {step}"
+                 + (f" ({self.first[1]:.1f}% at step {self.first[0]})" if self.first[0] != step else ""))
+        return res
 
 
 def eval_split(data, split=None, holdout=0):
@@ -735,16 +856,75 @@ def lowshot(train_f, train_y, val_f, val_y, num_classes, shots=1, percent=0.0, s
     return {f"{name}_mean": t.mean().item(), f"{name}_std": t.std().item() if len(accs) > 1 else 0.0}
 
 
+def embed(a, enc, ckpt, device):
+    """--mode embed: features.npy (N, D) float32 and files.txt (each row's path under --data) of every image under
+    --data (a flat folder or class folders, unreadable images an error), with the evaluation's encoder, pooling and
+    preprocessing (features(): the same rows as the k-NN's on the same images; --pixels: the normalised image
+    itself, not centred)."""
+    import numpy as np
+    if not a.output:
+        raise C.UserError("--mode embed writes features.npy and files.txt into --output DIR: give it")
+    H.check_writable(a.output, "--output")
+    ds = C.image_dataset(a.data, "train") if a.data == "synthetic" else C.ImageFiles(a.data)
+    feats, _ = features(replace(a, cache=False), enc.to(device), ckpt, "embed", ds, device)
+    np.save(os.path.join(a.output, "features.npy"), feats.numpy().astype(np.float32))
+    names = [os.path.relpath(p, a.data) for p, _ in getattr(ds, "samples", [])] or [str(i) for i in range(len(ds))]
+    with open(os.path.join(a.output, "files.txt"), "w") as f:
+        f.writelines(n + "\n" for n in names)
+    C.print0(f"features of {len(ds)} images ({tuple(feats.shape)}, pooling {a.pool or DEFAULT_POOL.get(ckpt['method'])}"
+             f") -> {a.output}/features.npy, files.txt")
+    return {"images": len(ds), "dim": feats.shape[1], "output": a.output}
+
+
+TIMM_NAMES = {192: "tiny", 384: "small", 768: "base", 1024: "large"}
+
+
+def export(a, enc, ckpt):
+    """--export OUT: the evaluated encoder alone, as encoder.pth (and encoder.safetensors where the safetensors package
+    is installed), and config.json: how to rebuild it in timm (`timm.create_model(**config["timm"])`, then
+    load_state_dict), its pooling and the preprocessing (mean / std, size)."""
+    H.check_writable(a.export, "--export")
+    v, pool = ckpt["vit"], a.pool or DEFAULT_POOL.get(ckpt["method"], "cls")
+    beit = v.get("pos_embed") == "none"
+    name = "beit_base_patch16_224" if beit else f"vit_{TIMM_NAMES.get(v['dim'], 'small')}_patch16_224"  # resized
+    timm = dict(model_name=name, pretrained=False, num_classes=0, img_size=v["img_size"], patch_size=v["patch_size"],
+                embed_dim=v["dim"], depth=v["depth"], num_heads=v["heads"], mlp_ratio=v["mlp_ratio"])
+    if beit:                                                         # ConMIM's: BEiT's shared relative bias
+        timm |= dict(use_abs_pos_emb=False, use_rel_pos_bias=False, use_shared_rel_pos_bias=True,
+                     init_values=v["layer_scale"], global_pool="token")
+        how = "vit.forward_features(x)[:, 1:].mean(1)" if pool == "mean" else "vit(x)"
+    else:                                                            # timm's "avg" without fc_norm: our "mean"
+        timm |= dict(global_pool="avg" if pool == "mean" else "token", fc_norm=False)
+        how = "vit(x) with vit.norm = torch.nn.Identity()" if pool == "cls-prenorm" else "vit(x)"
+    sd = {k: t.contiguous() for k, t in enc.state_dict().items()}
+    C.save_checkpoint(os.path.join(a.export, "encoder.pth"), sd)
+    try:
+        from safetensors.torch import save_file
+        save_file(sd, os.path.join(a.export, "encoder.safetensors"))
+    except ImportError:                                              # optional: never required
+        pass
+    config = {"method": ckpt["method"], "step": ckpt.get("step"), "ckpt": os.path.abspath(a.ckpt), "pool": pool,
+              "features": how, "timm": timm, "img_size": v["img_size"], "mean": C.IMAGENET_MEAN, "std": C.IMAGENET_STD,
+              "resize": "bicubic to img_size * 256 / 224, centre crop img_size (eval_linear.eval_transform)",
+              "vit": v}
+    with open(os.path.join(a.export, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    C.print0(f"the {ckpt['method']} encoder -> {a.export}: encoder.pth, config.json (timm: {name}, pooling {pool})")
+    return config
+
+
 def evaluate(a):
     H.validate(a)                                                    # ranges, finite numbers: one line each
     if a.pixels and (a.ckpt or a.random_init or not a.img_size):
         raise C.UserError("--pixels evaluates the images themselves: give --img-size, and no --ckpt / --random-init")
     if not a.ckpt and not a.pixels:
         raise C.UserError("--ckpt is required (a checkpoint.pth written by msn/cmae/conmim/can.py), or --pixels")
-    if not a.data:
+    if a.export and (a.pixels or a.random_init):
+        raise C.UserError("--export writes a checkpoint's trained encoder: not with --pixels or --random-init")
+    if not a.data and not a.export:
         raise C.UserError("--data is required: an image folder with train/ and val/, or 'synthetic'")
-    if a.mode not in ("knn", "linear", "lowshot", "all"):
-        raise C.UserError(f"--mode must be knn, linear, lowshot or all, got {a.mode!r}")
+    if a.mode not in ("knn", "linear", "lowshot", "all", "embed"):
+        raise C.UserError(f"--mode must be knn, linear, lowshot, all or embed, got {a.mode!r}")
     if a.percent > 100:
         raise C.UserError(f"--percent must be in [0, 100], got {a.percent}")
     if a.online and (a.random_init or a.pixels):
@@ -761,6 +941,10 @@ def evaluate(a):
                           f"{enc.patch_size}")
     if a.subset_file and a.mode not in ("lowshot", "all"):
         raise C.UserError(f"--subset-file is read by --mode lowshot or all, not {a.mode}")
+    if a.export:
+        return export(a, enc, ckpt)
+    if a.mode == "embed":
+        return embed(a, enc, ckpt, device)
     train, val, val_to_train = splits(a.data, split=a.split, holdout=a.holdout)   # layout checked before any extraction
     subset = subset_from_file(a.subset_file, a.data) if a.subset_file else None           # so is the subset
     C.print0(f"train: {len(train)} images in {len(train.classes)} classes; {eval_split(a.data, a.split, a.holdout)}: "

@@ -88,6 +88,8 @@ class RunArgs:
     save_every: int = arg(0, "also write the checkpoint every N steps (0 = per epoch only)", group="run control", min=0)
     save_every_minutes: float = arg(30.0, "also write it when this many minutes passed since the last one (0 = off)",
                                     group="run control", min=0)
+    keep_every: int = arg(0, "also keep the evaluated encoder every N steps, as encoder_step<N>.pth (0 = off)",
+                          group="run control", min=0)
     max_unreadable: float = arg(0.01, "stop if more than this fraction of the images (SiamMAE: videos) read in an "
                                 "epoch is unreadable (they are skipped otherwise)", group="data")
     preset: str = arg(None, "a small recipe by name (e.g. small: 32-px CIFAR-10 on a CPU), derived from the official "
@@ -147,7 +149,7 @@ def main(train, cls):
         if dist.is_initialized():
             dist.barrier()                      # all ranks done before any tears the group down
         out = getattr(args, "output_dir", None) or getattr(args, "output", None)
-        files = sorted(os.listdir(out)) if out and os.path.isdir(out) else []
+        files = sorted(f for f in os.listdir(out) if not f.startswith(".")) if out and os.path.isdir(out) else []
         wrote = f": {', '.join(files) if len(files) <= 12 else f'{len(files)} files'} in {out}" if files else ""
         print0(f"done in {time.time() - t0:.0f} s{wrote}")
     except UserError as e:
@@ -180,15 +182,6 @@ def setup(args, method):
         raise UserError("--data is required: an image folder (ImageFolder layout) or 'synthetic'")
     if args.data != "synthetic" and not os.path.isdir(args.data):                   # before any plan is printed
         raise UserError(f"--data {args.data}: no such directory (give an image folder or 'synthetic')")
-    if getattr(args, "knn", None) and args.data != "synthetic" and os.path.isfile(C.sibling("eval_linear")):
-        classes = {s: {e.name for e in os.scandir(os.path.join(args.data, s)) if e.is_dir()}    # as eval_linear reads
-                   for s in ("train", "val", "test") if os.path.isdir(os.path.join(args.data, s))}
-        ev = next((s for s in ("val", "test") if s in classes), None)
-        extra = sorted(classes.get(ev, set()) - classes.get("train", set()))
-        if not ev or extra:                          # the k-NN monitor reads them after training: refused before it
-            raise UserError(f"--knn: --data {args.data} has no val/ (or test/) next to train/ (the k-NN's queries): "
-                            "add one or leave out --knn" if not ev
-                            else f"--knn: {ev}/ has class {extra[0]!r}, which train/ lacks")
     torch.manual_seed(args.seed)                        # same initial weights on every rank
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -217,7 +210,7 @@ def setup(args, method):
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
                               ckpt=ckpt, guard=guard, control=Control(args, device, guard), tb=tb, data_wait=0.0,
-                              lock=lock, data={})
+                              lock=lock, data={}, bad_images=None, resuming=bool(args.resume and os.path.isfile(ckpt)))
 
 
 def lock_output_dir(out):
@@ -246,7 +239,8 @@ def lock_output_dir(out):
 
 # run control: a resumed run may change these (a script may add its own: cls.RUN_ONLY)
 RUN_ONLY = {"workers", "resume", "compile", "log_every", "device", "micro_batch", "grad_ckpt", "stop_epoch",
-            "stop_step", "save_every", "save_every_minutes", "max_unreadable", "output_dir", "knn", "precision",
+            "stop_step", "save_every", "save_every_minutes", "max_unreadable", "output_dir", "knn", "eval_every",
+            "keep_every", "precision",
             "tensorboard"}
 SCHEDULE = {"epochs", "steps_per_epoch"}              # may change on resume, with a line (the schedules follow)
 
@@ -528,13 +522,7 @@ def stop_workers_at_exit():
             p.kill()
 
 
-def knn_wanted(args, run):
-    """Whether this process runs the end-of-run k-NN (eval_linear.knn_report): --knn (default: with --data synthetic),
-    rank 0, eval_linear.py next to this file. Called after the final checkpoint: a stop signal now exits at once (0)."""
-    run.control.trained = run.ckpt
-    if not (args.knn if args.knn is not None else args.data == "synthetic") or not is_main():
-        return False
-    if not os.path.isfile(C.sibling("eval_linear")):
-        print0("k-NN monitor skipped: it is eval_linear.py's, which is not next to this file")
-        return False
-    return True
+def knn_wanted(args):
+    """Whether the run keeps the k-NN monitor (eval_linear.KNNMonitor): --eval-every N, or --knn (default: on with
+    --data synthetic)."""
+    return bool(args.eval_every) or (args.knn if args.knn is not None else args.data == "synthetic")

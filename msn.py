@@ -88,6 +88,9 @@ class Args(H.RunArgs):
     output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/msn)",
                             group="data")
     model: str = H.arg("small", "ViT size: nano|micro|tiny|small|base|large", group="model")
+    init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the official MSN "
+                      "file, an MAE-style 'model' dict or a timm / DeiT state dict (read by eval_linear.py)",
+                      group="model")
     patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
     img_size: int = H.arg(224, "target / random anchor view size", group="data", positive=True)
     epochs: int = H.arg(800, "training epochs (the schedules span them)", group="optimisation", positive=True)
@@ -131,8 +134,10 @@ class Args(H.RunArgs):
     me_max_weight: float = H.arg(1.0, "weight of the ME-MAX regulariser", min=0)
     sinkhorn_iters: int = H.arg(3, "Sinkhorn-Knopp iterations", min=0)
     # run plumbing
-    knn: bool = H.arg(None, "k-NN of learned vs initial encoder at the end (default: on for synthetic)",
-                      group="run control")
+    knn: bool = H.arg(None, "k-NN of the evaluated encoder at step 0 and at the end (default: on for synthetic; "
+                      "eval_linear.py's)", group="run control")
+    eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) or the --holdout "
+                            "images", group="run control", min=0)
 
     # Small recipes: the official recipe above scaled by recipes.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
@@ -506,6 +511,9 @@ def train(args):
     m0 = ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
 
     model = MSN(args).to(dev)                                        # seeded in setup: same on all ranks
+    if args.init and not run.resuming:                               # --init: start from these weights
+        E = C.optional("eval_linear", "--init needs eval_linear.py next to this file")
+        E.init_weights(args.init, model, model.net.encoder, "msn")
     target = make_target(model.net)                                  # f_theta_bar: EMA of f_theta, no drop path
     if run.world > 1 and dev.type == "cuda":
         model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
@@ -517,7 +525,12 @@ def train(args):
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     if log.done:                                                    # a finished or stopped run, rerun
         return
-    save = lambda s: C.save_run(run, "msn", args, s // ipe, s, target.encoder, model, opt, target)  # noqa: E731
+    knn = None
+    if H.knn_wanted(args):                                           # --knn, --eval-every: the k-NN monitor
+        E = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py next to this file")
+        knn = E.KNNMonitor(args, run, log, target.encoder, "msn", "target encoder")
+    def save(step, **kw):                                            # the checkpoint (snapshot=True: the encoder)
+        C.save_run(run, "msn", args, step // ipe, step, target.encoder, model, opt, target, **kw)
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps ({args.epochs} epochs; schedules span "
              f"{sched}), {1 + R + args.focal_views} views/image; lr {args.start_lr:g} -> {args.lr:g} -> "
              f"{args.min_lr:g} (absolute; " + (f"--preset {args.preset}: recipes.scale_recipe's rules)" if args.preset
@@ -526,8 +539,7 @@ def train(args):
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train(), target.train()                                # official target uses batch BN stats
-        bad0 = C.bad_reads(dataset)
-        for it, (views, _) in C.epoch_batches(run, loader, epoch, ipe, start, args.seed):
+        for it, (views, _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, sched, args.lr, args.min_lr, args.warmup_epochs * ipe, args.start_lr)
             wd = C.cosine_schedule(step, sched, args.weight_decay, args.final_weight_decay)
@@ -547,16 +559,14 @@ def train(args):
                                      micro, run.autocast, run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.net.parameters(), args.clip_grad)
             ema_update(target, model.net, m)
-            if C.end_step(run, log, args, step + 1, epoch, parts, save, dataset, (it + 1) * per, bad0,
-                          lr=lr, wd=wd, mom=m):                          # log, NaN watch; preempted: stop
-                return
-        C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
+            if C.end_step(run, log, save, step + 1, epoch, parts, lr=lr, wd=wd, mom=m):
+                return                                              # preempted, --stop-step: saved
+            if knn and knn.due(step + 1):                               # --eval-every
+                knn(step + 1)
         save((epoch + 1) * ipe)
 
-    if H.knn_wanted(args, run):                                           # end-of-run k-NN (eval_linear.py's)
-        from eval_linear import knn_report
-        knn_report(args, run, log, target.encoder, lambda: MSN(args).net.encoder, "cls", "target encoder, CLS")
-
+    if knn:                                                          # after the final checkpoint: a stop
+        knn.final(log.end)                                           # signal now ends the program at once
 
 if __name__ == "__main__":
     H.main(train, Args)

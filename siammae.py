@@ -77,7 +77,11 @@ class Args(H.RunArgs):
     decoder_depth: int = H.arg(4, "decoder blocks", group="model")
     decoder_heads: int = H.arg(8, "decoder attention heads", group="model", positive=True)
     drop_path: float = H.arg(0.0, "stochastic depth rate of the last block", group="model", min=0)
-    init: str = H.arg("xavier", "xavier (MAE's, default) | trunc (trunc-normal 0.02, DeiT)", group="model")
+    init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the official MSN "
+                      "file, an MAE-style 'model' dict or a timm / DeiT state dict (read by eval_linear.py)",
+                      group="model")
+    weight_init: str = H.arg("xavier", "the initialisation drawn otherwise: xavier (MAE's) | trunc (trunc-normal 0.02, "
+                             "DeiT)", group="model")
     probe_every: int = H.arg(200, "steps between f1 probes (how much the decoder reads f1; 0 = off), and at the end",
                              group="run control", min=0)
 
@@ -427,10 +431,11 @@ class SiamMAE(nn.Module):
         super().__init__()
         if a.decoder not in ("cross-self", "cross", "joint"):
             raise C.UserError(f"--decoder must be cross-self, cross or joint, got {a.decoder!r}")
-        if a.init not in ("xavier", "trunc") or a.model not in SIZES:
-            raise C.UserError(f"--init must be xavier or trunc (got {a.init!r}), --model one of {', '.join(SIZES)} "
+        if a.weight_init not in ("xavier", "trunc") or a.model not in SIZES:
+            raise C.UserError(f"--weight-init must be xavier or trunc (got {a.weight_init!r}), --model one of "
+                              f"{', '.join(SIZES)} "
                               f"(got {a.model!r})")
-        self.encoder = ViT(a.img_size, a.patch_size, *SIZES[a.model], a.drop_path, a.init)
+        self.encoder = ViT(a.img_size, a.patch_size, *SIZES[a.model], a.drop_path, a.weight_init)
         D, dd, p = self.encoder.dim, a.decoder_dim, a.patch_size
         self.kind = a.decoder
         self.decoder_embed = nn.Linear(D, dd)
@@ -444,8 +449,8 @@ class SiamMAE(nn.Module):
                                         for _ in range(a.decoder_depth))
         self.grad_ckpt = False
         self.norm, self.pred = nn.LayerNorm(dd, eps=1e-6), nn.Linear(dd, p * p * 3)
-        init_weights(self, a.init)                                            # MAE: the whole model
-        init_token(self.mask_token, a.init)
+        init_weights(self, a.weight_init)                                     # MAE: the whole model
+        init_token(self.mask_token, a.weight_init)
 
     def forward(self, f1, f2, ids_keep, ids_restore):
         """f1, f2 (B, 3, H, W); f2 keeps ids_keep. Returns predicted f2 patches (B, N, p*p*3)."""
@@ -555,6 +560,9 @@ def train(args):
     total, warmup = passes * ipe, round(args.warmup_epochs / R * ipe)  # epochs: effective (x R; Args.check)
 
     model = SiamMAE(args).to(dev)
+    if args.init and not run.resuming:                               # --init: start from these weights
+        E = C.optional("eval_linear", "--init needs eval_linear.py next to this file")
+        E.init_weights(args.init, model, model.encoder, "siammae")
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
     start = H.resume_run(run, "siammae", args, model, opt, data={"train": dataset})   # global step
@@ -562,7 +570,8 @@ def train(args):
     log = C.Logger(run, total, pairs, args.log_every, start, args.stop_epoch * ipe)
     if log.done:                                                    # a finished or stopped run, rerun
         return
-    save = lambda s: C.save_run(run, "siammae", args, s // ipe, s, model.encoder, model, opt)  # noqa: E731
+    def save(step, **kw):                                            # the checkpoint (snapshot=True: the encoder)
+        C.save_run(run, "siammae", args, step // ipe, step, model.encoder, model, opt, **kw)
     C.print0(f"{len(dataset)} videos, {args.epochs} effective epochs = {passes} passes of {ipe} steps, {total} steps, "
              f"{videos} videos = {pairs} pairs/step, lr {lr:.3g} (blr x {videos} videos / 256)")
     p, grid = args.patch_size, model.encoder.grid
@@ -570,8 +579,7 @@ def train(args):
 
     for epoch in range(start // ipe, args.stop_epoch or passes):         # epoch = one pass over the videos
         model.train()
-        bad0 = C.bad_reads(dataset)
-        for it, (clips, _) in C.epoch_batches(run, loader, epoch, ipe, start, args.seed):
+        for it, (clips, _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
             step = epoch * ipe + it
             C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, warmup))
             x = C.normalize(clips.to(dev, non_blocking=True).flatten(0, 1))    # (B*R, 2, 3, S, S)
@@ -583,10 +591,8 @@ def train(args):
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # MAE recipe: no clipping
             if probe is not None and ((step + 1) % args.probe_every == 0 or step + 1 == total):
                 log.write({"step": step + 1, **f1_probe(model, probe, args, run.autocast)})
-            if C.end_step(run, log, args, step + 1, epoch, parts, save, dataset, (it + 1) * per, bad0,
-                          lr=opt.param_groups[0]["lr"]):                 # log, NaN watch; preempted: stop
-                return
-        C.check_unreadable(dataset, ipe * per, bad0, args.max_unreadable, final=True)
+            if C.end_step(run, log, save, step + 1, epoch, parts, lr=opt.param_groups[0]["lr"]):
+                return                                              # preempted, --stop-step: saved
         save((epoch + 1) * ipe)
         every = 10 * args.log_every                      # short passes (DAVIS: 1 step): a picture per 10 log lines
         if ipe < every and (epoch + 1) * ipe // every == epoch * ipe // every and epoch + 1 < passes:

@@ -5,15 +5,16 @@ then k-NN of the encoder its paper evaluates against the same run's initial enco
   python benchmarks/gpu_cifar.py --data DIR --methods can msn --minutes 2 --workers 15
   python benchmarks/gpu_cifar.py --data DIR --small                                 # CPU dry run (nano, 3 steps)
 
-Each method runs its real train() in this process, in segments (`--stop-step`; resume is exact and the schedules
-span the whole run): step 1 (the warm-up starts at lr 0, so that checkpoint is the run's initial encoder), 1/4,
-1/2, 3/4 and the end, each checkpoint kept. --minutes caps a method's training time: at the cap its loop stops
-as on a preemption signal (finishes the step, writes the checkpoint) and the rest of its run is skipped, said in
-the table. Then eval_linear's k-NN (k 20, T 0.07, 10,000 test images against the 50,000 train images) of every
-kept checkpoint, the online encoder of MSN and ConMIM at the end (`--online`), and raw pixels, on images decoded
-once. The runs are eager (--no-compile): a compile of each segment would take a large share of two minutes. Writes
+Each method runs its real train() in this process, once, its curve from the run's own k-NN monitor (`--eval-every`
+a quarter of the run: eval_linear's k-NN, k 20, T 0.07, the 10,000 test images against the 50,000 train images, of
+the encoder the paper evaluates): at step 0 (the run's initial encoder), 1/4, 1/2, 3/4 and the end, each a
+log.jsonl record. --minutes caps a method's run (training and its evaluations): at the cap its loop stops as on a
+preemption signal (finishes the step, writes the checkpoint), the rest is skipped, said in the table, and the last
+checkpoint is scored instead. Then the online encoder of MSN and ConMIM at the end (`eval_linear.py --online`) and
+raw pixels. The runs are eager (--no-compile): a compile would take a large share of two minutes. Writes
 <out>/gpu_cifar.json (docs/results.json's layout), <out>/gpu_cifar.png (docs/plot_results.py's picture, where
-matplotlib is installed) and prints the table last. Runs go to --runs (default a temporary folder).
+matplotlib is installed), each run's log as <out>/<method>.log.jsonl, and prints the table last. Runs go to --runs
+(default a temporary folder).
 """
 import argparse
 import importlib
@@ -38,41 +39,39 @@ LABEL = {"msn": "MSN (EMA target)", "cmae": "CMAE (online)", "conmim": "ConMIM (
 SMALL = ["--model", "nano", "--batch-size", "8", "--epochs", "1", "--log-every", "1", "--device", "cpu"]
 
 
-def train_segments(method, a, run_dir):
-    """Trains `method` to the end of its preset (or the time cap) in segments; returns the kept checkpoints
-    [(step, path)], the training seconds, the steps planned and whether the cap stopped it."""
+def train_watched(method, a, run_dir):
+    """Trains `method` to the end of its preset (or the time cap), its k-NN monitor every quarter of the run; returns
+    the run's log records, the seconds its training took (the monitor's evaluations left out), the steps planned,
+    its args and whether the cap stopped it."""
     mod = importlib.import_module(method)
-    argv = ["--data", a.data, "--preset", "gpu", "--output-dir", run_dir, "--workers", str(a.workers), "--no-knn",
+    argv = ["--data", a.data, "--preset", "gpu", "--output-dir", run_dir, "--workers", str(a.workers), "--knn",
             "--save-every-minutes", "0", "--no-compile"] + (SMALL if a.small else []) + (["--device",
                                                                                           a.device] if a.device else [])
     args = H.parse_args(mod.Args, argv)
     ipe = len(C.image_dataset(args.data, "train")) // args.batch_size          # as the loops count (full batches)
     ipe = min(ipe, args.steps_per_epoch or ipe)
     total = ipe * args.epochs
-    stops = sorted({1, *(round(total * q / 4) for q in (1, 2, 3)), total} - {0})
-    kept, seconds, capped = [], 0.0, False
-    for stop in stops:
-        left = 60 * a.minutes - seconds
-        if left <= 0:
-            capped = True
-            break
-        args.stop_step = stop
-        timer = threading.Timer(left, lambda: H.Control.current.stop("the --minutes cap"))     # as a signal would
-        t0 = time.time()
-        timer.start()
+    args.eval_every = max(1, total // 4)
+    spent, real = [0.0], E.KNNMonitor.__call__
+
+    def timed(self, step):                                           # the evaluations' time, left out of training's
+        t = time.time()
         try:
-            mod.train(args)
+            return real(self, step)
         finally:
-            timer.cancel()
-        seconds += time.time() - t0
-        step = C.load_checkpoint(os.path.join(run_dir, "checkpoint.pth"), method)["step"]
-        path = os.path.join(run_dir, f"step{step}.pth")
-        shutil.copyfile(os.path.join(run_dir, "checkpoint.pth"), path)
-        kept.append((step, path))
-        if step < stop:                                  # the cap stopped the loop inside this segment
-            capped = True
-            break
-    return kept, seconds, total, args, capped
+            spent[0] += time.time() - t
+    timer = threading.Timer(60 * a.minutes, lambda: H.Control.current.stop("the --minutes cap"))   # as a signal would
+    t0 = time.time()
+    E.KNNMonitor.__call__ = timed
+    timer.start()
+    try:
+        mod.train(args)
+    finally:
+        timer.cancel()
+        E.KNNMonitor.__call__ = real
+    log = [json.loads(ln) for ln in open(os.path.join(run_dir, "log.jsonl"))]
+    step = C.load_checkpoint(os.path.join(run_dir, "checkpoint.pth"), method)["step"]
+    return log, time.time() - t0 - spent[0], total, args, step < total
 
 
 def eval_images(a):
@@ -106,11 +105,16 @@ def knn(a, images, ckpt=None, online=False, pixels=False):
     return E.knn(train, images[0][1], test, images[1][1], images[2])["knn_top1"]
 
 
-def scores(a, images, method, kept, batch):
-    """Each kept checkpoint's k-NN, as the curve [[images seen, top-1]] (step 1, the run's initial encoder: 0 images),
-    and the last checkpoint's online encoder (MSN and ConMIM evaluate their EMA network; --online) or None."""
-    curve = [[0 if s == 1 else s * batch, knn(a, images, path)] for s, path in kept]
-    return curve, knn(a, images, kept[-1][1], online=True) if method in ("msn", "conmim") else None
+def curve(a, images, method, log, run_dir, batch):
+    """The run's k-NN curve [[images seen, top-1]] from its monitor's records, a capped run's last checkpoint scored
+    at its end, and that checkpoint's online encoder (MSN and ConMIM evaluate their EMA network; --online) or
+    None."""
+    points = [[r["step"] * batch, r["knn_top1"]] for r in log if "knn_top1" in r]
+    ckpt = os.path.join(run_dir, "checkpoint.pth")
+    last = C.load_checkpoint(ckpt, method)["step"]
+    if points[-1][0] != last * batch:                                # cut short by the cap: the last checkpoint
+        points.append([last * batch, knn(a, images, ckpt)])
+    return points, knn(a, images, ckpt, online=True) if method in ("msn", "conmim") else None
 
 
 def main():
@@ -142,15 +146,17 @@ def main():
 
     for m in a.methods:
         t0 = time.time()
-        kept, seconds, total, args, capped = train_segments(m, a, os.path.join(runs, m))
-        curve, online = scores(a, images, m, kept, args.batch_size)
-        r = {"label": LABEL[m], "knn": curve, "init": curve[0][1], "steps": kept[-1][0], "planned_steps": total,
+        log, seconds, total, args, capped = train_watched(m, a, os.path.join(runs, m))
+        shutil.copyfile(os.path.join(runs, m, "log.jsonl"), os.path.join(a.out, f"{m}.log.jsonl"))
+        points, online = curve(a, images, m, log, os.path.join(runs, m), args.batch_size)
+        steps = points[-1][0] // args.batch_size
+        r = {"label": LABEL[m], "knn": points, "init": points[0][1], "steps": steps, "planned_steps": total,
              "batch_size": args.batch_size, "model": args.model, "train_seconds": round(seconds, 1),
-             "images_per_second": round((kept[-1][0] - 1) * args.batch_size / max(seconds, 1e-9)), "capped": capped}
-        log = [json.loads(ln) for ln in open(os.path.join(runs, m, "log.jsonl"))]
-        steady = sorted(x["img_s"] for x in log if x["step"] > 1) or [0]        # the loop's own rate per log line
-        r |= {"logged_img_s": steady[len(steady) // 2], "first_loss": log[0]["loss"], "last_loss": log[-1]["loss"],
-              "data_wait": sorted(x["data_wait"] for x in log)[len(log) // 2]}
+             "images_per_second": round(steps * args.batch_size / max(seconds, 1e-9)), "capped": capped}
+        train = [x for x in log if "loss" in x]                      # the training records (not the monitor's)
+        steady = sorted(x["img_s"] for x in train if x["step"] > 1) or [0]     # the loop's own rate per log line
+        r |= {"logged_img_s": steady[len(steady) // 2], "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"],
+              "data_wait": sorted(x["data_wait"] for x in train)[len(train) // 2]}
         if online is not None:
             r["online"] = {"knn_top1": online}
         res["methods"][m] = r

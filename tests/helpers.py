@@ -76,3 +76,17 @@ def slim_checkpoint(src, dst):
     C.save_checkpoint(dst, {"method": c["method"], "vit": c["vit"], "args": c["args"], "epoch": c["epoch"],
                             "step": c["step"], "encoder": {k: v.half() if v.is_floating_point() else v
                                                            for k, v in c["encoder"].items()}})
+
+
+def knn_monitor(encoder, data, size, method="cmae", holdout=0):
+    """A training script's k-NN monitor (eval_linear.KNNMonitor: the method's pooling, k 20) of `encoder` on `data`,
+    outside a run; returns (monitor, the records it logs). monitor(step) scores the encoder as it stands."""
+    import argparse
+    import contextlib
+    import eval_linear as E
+    records = []
+    run = argparse.Namespace(device=torch.device("cpu"), autocast=contextlib.nullcontext(), ckpt="-",
+                             control=argparse.Namespace(trained=None))
+    log = argparse.Namespace(first=2, end=10, write=records.append)            # first 2: no step-0 evaluation
+    args = argparse.Namespace(eval_every=0, img_size=size, data=data, workers=0, holdout=holdout)
+    return E.KNNMonitor(args, run, log, encoder, method, "the encoder"), records

@@ -1,6 +1,7 @@
 """Bad input as a new user gives it: every case is a one-line error at start, or handled right, never a
 traceback and never silently wrong training or evaluation."""
 import importlib
+import json
 import os
 import re
 import shutil
@@ -47,7 +48,9 @@ def test_eval_matches_val_classes_to_train_by_name(tmp_path):
     res = _eval(tmp_path, tmp_path / "d", k=1)
     assert res["knn_top1"] == 100.0 and res["train_classes"] == 2 and res["val_classes"] == 1
     enc, _ = E.load_encoder(_timm_ckpt(tmp_path / "w.pth"))         # the training scripts' k-NN monitor too
-    assert E.knn_accuracy(enc, str(tmp_path / "d"), 16, torch.device("cpu"), "mean", k=1) == 100.0
+    from helpers import knn_monitor
+    assert knn_monitor(enc, str(tmp_path / "d"), 16)[0](1)["knn_top1"] == _eval(tmp_path, tmp_path / "d",
+                                                                               pool="mean")["knn_top1"]
     _png(tmp_path / "d" / "val" / "c" / "0.png", 0)               # a class train does not have
     with pytest.raises(C.UserError, match="val/ has 1 class.*that train/ lacks.*'c'"):
         _eval(tmp_path, tmp_path / "d")
@@ -145,20 +148,27 @@ def test_train_flags_are_one_line_errors_at_start(kw, msg, tmp_path):
 
 
 def test_knn_without_a_val_split_or_with_a_val_class_train_lacks_is_refused_at_start(tmp_path):
-    """--knn reads DATA/val/ after the last epoch: a folder without it, or whose val/ has a class that train/
-    lacks, is refused before any step (both failed at the end of the run)."""
+    """--knn reads DATA/val/ (else test/) at step 0 and after the last epoch: a folder without it, or whose val/ has
+    a class that train/ lacks, or an unreadable val/ image, is refused before any step (each failed at the end of the
+    run once)."""
     for i in range(8):
         _png(tmp_path / "d" / "train" / f"c{i % 2}" / f"{i}.png", i)
-    with pytest.raises(C.UserError, match=r"--knn: --data .* has no val/ \(or test/\) next to train/"):
+    with pytest.raises(C.UserError, match=r"--knn / --eval-every: --data .*: expected train/ and val/ class folders"):
         can.train(tiny_args(tmp_path / "o", data=str(tmp_path / "d"), knn=True))
     assert not os.path.exists(tmp_path / "o" / "log.jsonl")
     _png(tmp_path / "d" / "val" / "c9" / "0.png", 0, "val")                          # a class train/ lacks
-    with pytest.raises(C.UserError, match=r"--knn: val/ has class 'c9', which train/ lacks"):
-        can.train(tiny_args(tmp_path / "o", data=str(tmp_path / "d"), knn=True))
+    with pytest.raises(C.UserError, match=r"--knn / --eval-every: .*val/ has 1 class\(es\) that train/ lacks, e.g. "
+                                          r"'c9'"):
+        can.train(tiny_args(tmp_path / "o", data=str(tmp_path / "d"), eval_every=1))
     assert not os.path.exists(tmp_path / "o" / "log.jsonl")                           # refused before any step
     shutil.move(tmp_path / "d" / "val" / "c9", tmp_path / "d" / "val" / "c0")
+    (tmp_path / "d" / "val" / "c0" / "broken.png").write_bytes(b"not an image")
+    with pytest.raises(C.UserError, match=r"cannot read image .*broken.png"):
+        can.train(tiny_args(tmp_path / "o", data=str(tmp_path / "d"), knn=True))
+    assert not os.path.exists(tmp_path / "o" / "log.jsonl")
+    os.remove(tmp_path / "d" / "val" / "c0" / "broken.png")
     can.train(tiny_args(tmp_path / "o", data=str(tmp_path / "d"), knn=True))          # with val/: trains, reports
-    assert "knn_learned" in (tmp_path / "o" / "log.jsonl").read_text()
+    assert [json.loads(r)["step"] for r in open(tmp_path / "o" / "log.jsonl") if "knn_top1" in r] == [0, 2]
 
 
 @pytest.mark.parametrize("method,kw,msg", [

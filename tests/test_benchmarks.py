@@ -109,7 +109,7 @@ def test_the_data_benchmark_times_the_same_views_for_ours_and_the_official_recip
 
 def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     """SMALL=1 benchmarks/gpu_check.sh: the real-data tier on a generated fixture (packed as a .tar.gz, unpacked
-    as on the GPU host), each image method's --preset gpu trained in segments and evaluated, and the step of that
+    as on the GPU host), each image method's --preset gpu trained with its k-NN monitor, and the step of that
     preset, with the loop's augmentation; the augmentation against a git revision; the loop probe's sections, each
     with its table; every part under its cap (cuda-* and tests only run pytest). A GPU call can then fail for GPU
     reasons only."""
@@ -125,8 +125,8 @@ def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     assert set(res["methods"]) == {"msn", "cmae", "conmim", "can"} and 0 <= res["pixels"] <= 100
     for m, run in res["methods"].items():
         assert run["steps"] == run["planned_steps"] == 3 and not run["capped"], m         # 3 classes x 8 / batch 8
-        assert [n for n, _ in run["knn"]] == [0, 16,
-                                              24] and run["model"] == "nano", m    # step 1 = init, 1/2 -> 2, end 3
+        assert [n for n, _ in run["knn"]] == [0, 8, 16, 24] and run["model"] == "nano", m   # the monitor: 0 .. 3
+        assert (out / f"{m}.log.jsonl").exists(), m                                          # the run's log kept
         assert run["init"] == run["knn"][0][1] and ("online" in run) == (m in ("msn", "conmim")), m
     assert "| CAN (online) | 3 x 8 |" in (out / "cifar.log").read_text()
     rows = [ln for ln in (out / "realstep.log").read_text().splitlines() if ln.startswith("| ") and "img/s" not in ln]
@@ -168,10 +168,11 @@ def test_the_gpu_tiers_knn_is_eval_linears(tmp_path):
         assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(gpu_cifar.features(a, images, **kw), ref)), kw
 
 
-def test_each_point_of_the_gpu_tiers_curve_scores_its_own_checkpoint_and_online_is_the_online_network(tmp_path):
-    """gpu_cifar.scores: the k-NN at each kept step is that step's checkpoint's (three different encoders, three
-    different scores, each equal to eval_linear.py --mode knn of its file), and the "online" score is eval_linear.py
-    --online's of the last checkpoint: its `model`'s encoder, not the EMA `encoder`."""
+def test_the_gpu_tiers_curve_is_its_runs_monitor_and_online_is_the_online_network(tmp_path):
+    """gpu_cifar.curve: the points are the run's own k-NN monitor records (images seen = step x batch, top-1), a run
+    the time cap cut short gets its last checkpoint scored at its end (eval_linear.py --mode knn of that file), and
+    the "online" score is eval_linear.py --online's of the last checkpoint: its `model`'s encoder, not the EMA
+    `encoder`."""
     import eval_linear as E
     import gpu_cifar
     data = str(tmp_path / "d")
@@ -186,21 +187,23 @@ def test_each_point_of_the_gpu_tiers_curve_scores_its_own_checkpoint_and_online_
                 x = (x + 70 * torch.randn(32, 32, 3, generator=g)).clamp(0, 255)
                 Image.fromarray(x.to(torch.uint8).numpy()).save(os.path.join(data, split, f"c{c}", f"{i}.png"))
     vit = dict(img_size=32, patch_size=8, dim=32, depth=1, heads=2)
-    kept = []
-    for k, step in enumerate((1, 5, 9)):                # msn-style checkpoints: encoder = EMA target, model = online
-        torch.manual_seed(k)
-        enc, online = E.ViT(**vit).state_dict(), E.ViT(**vit).state_dict()
-        path = str(tmp_path / f"step{step}.pth")
-        C.save_checkpoint(path, {"method": "msn", "vit": vit, "encoder": enc, "args": {"seed": 0}, "epoch": 0,
-                                 "step": step, "model": {f"net.encoder.{n}": v for n, v in online.items()}})
-        kept.append((step, path))
+    torch.manual_seed(1)                                # an msn-style checkpoint: encoder = EMA target, model = online
+    enc, online = E.ViT(**vit).state_dict(), E.ViT(**vit).state_dict()
+    path = str(tmp_path / "run" / "checkpoint.pth")
+    os.makedirs(tmp_path / "run")
+    C.save_checkpoint(path, {"method": "msn", "vit": vit, "encoder": enc, "args": {"seed": 0}, "epoch": 0, "step": 9,
+                             "model": {f"net.encoder.{n}": v for n, v in online.items()}})
+    log = [{"step": 0, "knn_top1": 30.0}, {"step": 1, "loss": 2.0}, {"step": 5, "knn_top1": 40.0}]   # capped at 9
     a = argparse.Namespace(data=data, workers=0, device="cpu")
-    curve, online = gpu_cifar.scores(a, gpu_cifar.eval_images(a), "msn", kept, 8)
+    images = gpu_cifar.eval_images(a)
+    points, on = gpu_cifar.curve(a, images, "msn", log, str(tmp_path / "run"), 8)
     base = dict(data=data, mode="knn", workers=0, cache=False, device="cpu")
-    own = [E.evaluate(E.Args(ckpt=p, **base))["knn_top1"] for _, p in kept]
-    assert [n for n, _ in curve] == [0, 40, 72] and [s for _, s in curve] == own and len(set(own)) == 3, own
-    assert online == E.evaluate(E.Args(ckpt=kept[-1][1], online=True, **base))["knn_top1"] != own[-1]
-    assert gpu_cifar.scores(a, gpu_cifar.eval_images(a), "cmae", kept[:1], 8)[1] is None
+    last = E.evaluate(E.Args(ckpt=path, **base))["knn_top1"]
+    assert points == [[0, 30.0], [40, 40.0], [72, last]]
+    assert on == E.evaluate(E.Args(ckpt=path, online=True, **base))["knn_top1"] != last
+    whole = log + [{"step": 9, "knn_top1": 50.0}]                    # not capped: the monitor's end, nothing rescored
+    points, on = gpu_cifar.curve(a, images, "msn", whole, str(tmp_path / "run"), 8)
+    assert points == [[0, 30.0], [40, 40.0], [72, 50.0]]
 
 
 def test_the_revision_compared_against_can_be_imported_by_name(capsys):

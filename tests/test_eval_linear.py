@@ -359,12 +359,13 @@ def test_knn_at_a_low_temperature_votes_as_in_float64(T):
     assert res["knn_top1"] > 40                                   # chance: 20
 
 
-@pytest.mark.parametrize("how", ["cls", "mean"])
-def test_knn_monitor_is_the_evaluations_knn_on_the_folder(how, tmp_path, monkeypatch):
-    """knn_accuracy (the training scripts' end-of-run monitor) against the same k-NN computed here image
-    by image: eval transform, pooled features, val classes matched to train BY NAME (val lacks c0, so
-    positions differ)."""
+@pytest.mark.parametrize("method,how", [("msn", "cls-prenorm"), ("cmae", "mean")])
+def test_knn_monitor_is_the_evaluations_knn_on_the_folder(method, how, tmp_path, monkeypatch):
+    """The training scripts' k-NN monitor against the same k-NN computed here image by image: eval transform, the
+    method's pooling, val classes matched to train BY NAME (val lacks c0, so positions differ); logged with its
+    step."""
     from PIL import Image
+    from helpers import knn_monitor
     data = tiny_folder(tmp_path / "d")
     shutil.rmtree(tmp_path / "d" / "val" / "c0")
     torch.manual_seed(0)
@@ -378,14 +379,15 @@ def test_knn_monitor_is_the_evaluations_knn_on_the_folder(how, tmp_path, monkeyp
                            _ in rows])
         return f, torch.tensor([c for _, c in rows])
     (ftr, ytr), (fva, yva) = feats("train"), feats("val")
-    ref = E.knn(ftr, ytr, fva, yva, 3, k=4)["knn_top1"]
+    ref = E.knn(ftr, ytr, fva, yva, 3)
     seen = []
     real = E.knn
     monkeypatch.setattr(E, "knn", lambda *a, **kw: (seen.append(a), real(*a, **kw))[1])
-    assert E.knn_accuracy(enc, data, 16, torch.device("cpu"), how, k=4) == pytest.approx(ref)
-    [(gtr, gytr, gva, gyva, nc, k)] = seen                          # the very features, not only the top-1
+    monitor, records = knn_monitor(enc, data, 16, method)
+    assert monitor(7) == pytest.approx(ref) and records == [{"step": 7, **{k: round(v, 3) for k, v in ref.items()}}]
+    [(gtr, gytr, gva, gyva, nc)] = seen                             # the very features, not only the top-1
     torch.testing.assert_close((gtr, gva), (ftr, fva))
-    assert gytr.tolist() == ytr.tolist() and gyva.tolist() == yva.tolist() and (nc, k) == (3, 4)
+    assert gytr.tolist() == ytr.tolist() and gyva.tolist() == yva.tolist() and nc == 3
 
 
 def test_linear_probe_feeds_the_head_standardised_features_and_scores_top1_top5(monkeypatch):
@@ -626,7 +628,8 @@ def test_a_test_folder_is_evaluated_where_there_is_no_val(tmp_path, monkeypatch)
     assert res["split"] == "test"
     queries, real = [], E.knn
     monkeypatch.setattr(E, "knn", lambda *a, **kw: (queries.append(len(a[2])), real(*a, **kw))[1])
-    E.knn_accuracy(E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), data, 16, torch.device("cpu"), k=3)
+    from helpers import knn_monitor
+    knn_monitor(E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), data, 16)[0](1)
     assert queries == [9]                                         # the monitor queries test/'s 9 images
     shutil.copytree(os.path.join(data, "test"), os.path.join(data, "val"))
     assert E.eval_split(data) == "val" and E.eval_split(data, "test") == "test"

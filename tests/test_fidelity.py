@@ -178,9 +178,9 @@ def test_cmae_heads_keep_pytorch_default_init_and_bn_eps():
 
 
 def test_msn_patch_embedding_is_kaiming_normal():
-    """kaiming-normal fan_in (std sqrt(2 / (3 p p))): MSN, and SiamMAE's --init trunc (DeiT's)."""
+    """kaiming-normal fan_in (std sqrt(2 / (3 p p))): MSN, and SiamMAE's --weight-init trunc (DeiT's)."""
     for w in (msn.MSN(msn_args("/tmp/unused", model="micro")).net.encoder.patch_embed.proj.weight,
-              siammae.SiamMAE(siammae_args(model="micro", init="trunc")).encoder.patch_embed.proj.weight):
+              siammae.SiamMAE(siammae_args(model="micro", weight_init="trunc")).encoder.patch_embed.proj.weight):
         assert abs(w.std().item() - math.sqrt(2 / w[0].numel())) < 0.1 * math.sqrt(2 / w[0].numel())
 
 

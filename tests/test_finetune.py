@@ -181,7 +181,7 @@ def test_bad_input_is_one_line(tmp_path, pretrained):
         FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", randaug_magnitude=31, output_dir=str(tmp_path / "o")))
     with pytest.raises(C.UserError, match="--warmup-lr must be >= 0, got -0.1"):          # trained with a negative lr
         FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", warmup_lr=-0.1, output_dir=str(tmp_path / "o")))
-    for bad, msg in ((dict(eval_every=0), "--eval-every must be positive"),           # ZeroDivisionError at epoch end
+    for bad, msg in ((dict(eval_every=-1), "--eval-every must be >= 0"),              # 0: the last epoch only
                      (dict(lr_factor=0.0), "--lr-factor must be positive"),            # a run at lr 0
                      (dict(labels_per_class=-1), "--labels-per-class must be >= 0"),
                      (dict(holdout=-1), "--holdout must be >= 0")):
@@ -500,6 +500,9 @@ def test_eval_every_evaluates_every_nth_epoch_and_the_last_also_after_a_resume(t
     FT.finetune(args(output_dir=skipped, epochs=4))                  # evaluated when resumed either
     vals = [json.loads(line) for line in open(os.path.join(skipped, "log.jsonl"))]
     assert [r["epoch"] for r in vals if "val_top1" in r] == [1, 3]
+    FT.finetune(args(output_dir=str(tmp_path / "last"), epochs=3, eval_every=0))     # 0: the last epoch only
+    vals = [json.loads(line) for line in open(tmp_path / "last" / "log.jsonl")]
+    assert [r["epoch"] for r in vals if "val_top1" in r] == [2]
 
 
 @pytest.mark.parametrize("method,lr", [("conmim", 4e-3 * 256 / 1024 * 2.0), ("cmae", 5e-4 * 2.0)])

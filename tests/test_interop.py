@@ -283,7 +283,7 @@ def test_an_optional_sibling_is_the_file_beside_common_not_a_package_first_on_th
 def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_path):
     """Copy-paste use: can.py and the modules it imports (common.py, harness.py: found from its imports, not
     listed here) alone in a new project (no synthetic.py, no other file) train on an image folder and write a
-    checkpoint; the end-of-run k-NN report, which is eval_linear.py's, is skipped with a line saying so. Started by
+    checkpoint; given --knn or --init, which are eval_linear.py's, it asks for that file in one line. Started by
     srun without torchrun, it asks for slurm.py (the optional module that maps SLURM's variables) in one line; given a
     preset, for recipes.py (the small recipes); given --tensorboard, for tensorboard_log.py; a project's folder of
     the same name is not taken for one of them."""
@@ -297,12 +297,11 @@ def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_
     for i in range(8):
         os.makedirs(tmp_path / "imgs" / f"c{i % 2}", exist_ok=True)
         S.synthetic_image(i)[0].save(tmp_path / "imgs" / f"c{i % 2}" / f"{i}.png")
-    r = run_cli("can.py", "--data", str(tmp_path / "imgs"), "--model", "nano", "--patch-size", "4", "--img-size", "16",
-                "--batch-size", "4", "--epochs", "1", "--warmup-epochs", "0", "--decoder-dim", "16",
-                "--decoder-depth", "1", "--decoder-heads", "2", "--proj-hidden", "16", "--proj-dim", "8",
-                "--workers", "0", "--knn", "--output-dir", str(tmp_path / "out"), cwd=str(proj))
+    tiny = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--batch-size", "4", "--epochs", "1",
+            "--warmup-epochs", "0", "--decoder-dim", "16", "--decoder-depth", "1", "--decoder-heads", "2",
+            "--proj-hidden", "16", "--proj-dim", "8", "--workers", "0"]
+    r = run_cli("can.py", "--data", str(tmp_path / "imgs"), *tiny, "--output-dir", str(tmp_path / "out"), cwd=str(proj))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "k-NN monitor skipped: it is eval_linear.py's" in r.stdout
     assert set(os.listdir(proj)) - {"__pycache__"} == copied
     assert C.load_checkpoint(str(tmp_path / "out" / "checkpoint.pth"), "can")["step"] == 2
     for namesake in ("slurm", "recipes", "tensorboard_log"):          # a project's folders of those names are not them
@@ -312,6 +311,10 @@ def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_
                 env={**srun, "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"})
     assert r.returncode == 2 and r.stderr.strip() == ("error: an srun step without torchrun needs slurm.py next to "
                                                       "this file (or torchrun to start it)"), r.stderr[-2000:]
+    for flag, needs in ((["--knn"], "--knn / --eval-every need"), (["--init", "x.pth"], "--init needs")):
+        r = run_cli("can.py", "--data", str(tmp_path / "imgs"), *tiny, *flag, "--output-dir", str(tmp_path / flag[0]),
+                    cwd=str(proj))
+        assert r.returncode == 2 and r.stderr.strip() == f"error: {needs} eval_linear.py next to this file", r.stderr
     r = run_cli("can.py", "--data", str(tmp_path / "imgs"), "--preset", "small", cwd=str(proj))
     assert r.returncode == 2 and "(--preset, --data synthetic) need recipes.py next to this file" in r.stderr
     r = run_cli("can.py", "--data", str(tmp_path / "imgs"), "--tensorboard", "--output-dir", str(tmp_path / "tb"),

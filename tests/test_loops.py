@@ -22,6 +22,7 @@ import eval_finetune as FT
 import gpu_aug as GA
 import msn
 import siammae
+import synthetic as S
 from ddp import spawn
 from test_can import tiny_args as can_args
 from test_cmae import tiny_args as cmae_args
@@ -281,22 +282,32 @@ def _rank_mask(rank, world, method, out):
     return got[0]
 
 
-@pytest.mark.parametrize("method,how", [("msn", "cls"), ("cmae", "mean"), ("conmim", "mean"), ("can", "mean")])
+@pytest.mark.parametrize("method,how", [("msn", "cls-prenorm"), ("cmae", "mean"), ("conmim", "mean"),
+                                        ("can", "mean")])
 def test_the_knn_monitor_reads_the_encoder_the_checkpoint_exports(method, how, tmp_path, monkeypatch):
-    """The end-of-run k-NN report (--knn) scores the encoder saved as the checkpoint's "encoder" (MSN's
-    target, ConMIM's teacher, the online one otherwise), with the pooling the README states, against
-    a fresh one of the same architecture."""
-    mod, args, _ = CASES[method]
-    calls = []
+    """The k-NN monitor (--knn) scores the encoder saved as the checkpoint's "encoder" (MSN's target, ConMIM's
+    teacher, the online one otherwise) with the pooling eval_linear.py gives the method: at step 0 the initial
+    weights, at the end the final ones, the latter after the final checkpoint (a stop signal then ends the
+    program at once)."""
     import eval_linear
-    monkeypatch.setattr(eval_linear, "knn_report", lambda a, run, log, enc, build, h, what: calls.append(
-        (a.knn, {k: v.clone() for k, v in C.unwrap(enc).state_dict().items()}, build(), h)))
+    mod, args, _ = CASES[method]
+    seen = []
+    real = eval_linear.sharded_features
+    monkeypatch.setattr(eval_linear, "sharded_features", lambda enc, ds, size, pool, *a, **kw: (seen.append(
+        (pool, {k: v.clone() for k, v in C.unwrap(enc).state_dict().items()}, H.Control.current.trained)),
+        real(enc, ds, size, pool, *a, **kw))[1])
+    monkeypatch.setattr(eval_linear, "splits", lambda *a, **kw: (S.SyntheticImages("train", n=40),
+                                                                 S.SyntheticImages("val", n=20),
+                                                                 torch.arange(len(S.SHAPES))))
     mod.train(args(tmp_path, knn=True, epochs=1))
-    (knn, sd, fresh, h), = calls
     saved = C.load_checkpoint(str(tmp_path / "checkpoint.pth"))["encoder"]
-    assert knn and h == how and sd.keys() == saved.keys() and fresh.state_dict().keys() == saved.keys()
-    assert all(torch.equal(sd[k], saved[k]) for k in saved)
-    assert not all(torch.equal(fresh.state_dict()[k], saved[k]) for k in saved)
+    assert [(p, t) for p, _, t in seen] == [(how, None)] * 2 + [(how, str(tmp_path / "checkpoint.pth"))] * 2
+    first, last = seen[0][1], seen[-1][1]
+    assert first.keys() == last.keys() == saved.keys() and all(torch.equal(last[k], saved[k]) for k in saved)
+    assert not all(torch.equal(first[k], saved[k]) for k in saved)                      # step 0: the initial one
+    recs = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    knn = [r["step"] for r in recs if "knn_top1" in r]
+    assert knn == [0, max(r["step"] for r in recs)]
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
@@ -363,17 +374,26 @@ def test_each_loop_passes_grad_ckpt_and_logs_the_last_step_of_stop_epoch(tmp_pat
 @pytest.mark.parametrize("method", sorted(CASES))
 def test_each_loop_ends_step_k_with_its_global_step_and_the_epoch_reads_so_far(tmp_path, monkeypatch, method):
     """After the k-th optimiser step of an epoch the loop hands end_step the global step (log, mid-epoch
-    checkpoint, --stop-step) and the images (SiamMAE: videos) read in this epoch so far, k x the
-    per-process batch (--max-unreadable's denominator); a stopped run's checkpoint is at that step."""
+    checkpoint, --stop-step), and the epoch's batches have counted the images (SiamMAE: videos) read so far, k x the
+    per-process batch (--max-unreadable's denominator), and all of them at the epoch's end; a stopped run's
+    checkpoint is at that step."""
     mod, make, _ = CASES[method]
-    seen, real = [], C.end_step
-    monkeypatch.setattr(C, "end_step", lambda run, log, args, step, epoch, parts, save, dataset=None, reads=0, *a, **kw:
-                        (seen.append((step, epoch, reads)), real(run, log, args, step, epoch, parts, save, dataset,
-                                                                 reads, *a, **kw))[1])
+    seen, reads, real_end, real_check = [], [], C.end_step, C.check_unreadable
+
+    def end_step(run, log, save, step, epoch, parts, **kw):
+        seen.append((step, epoch))
+        return real_end(run, log, save, step, epoch, parts, **kw)
+
+    def check(data, n, bad0, frac, final=False):
+        reads.append((n, final))
+        return real_check(data, n, bad0, frac, final)
+    monkeypatch.setattr(C, "end_step", end_step)
+    monkeypatch.setattr(C, "check_unreadable", check)
     a = make(tmp_path, epochs=epochs(method, 2), steps_per_epoch=2, stop_step=3)
     mod.train(a)
     b = a.batch_size
-    assert seen == [(1, 0, b), (2, 0, 2 * b), (3, 1, b)]
+    assert seen == [(1, 0), (2, 0), (3, 1)]
+    assert reads == [(b, False), (2 * b, False), (2 * b, True), (b, False)]
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["step"] == 3
 
 

@@ -1,5 +1,6 @@
 """msn.py: the loss against a loop transcription of the paper/official equations, gradients and
 stop-gradients, DDP equivalence, views, end-to-end training, resume and bad input."""
+import json
 import math
 import os
 import shutil
@@ -208,13 +209,28 @@ def test_compiled_run_equals_the_eager_run(tmp_path):
             torch.testing.assert_close(v, b[key][k], rtol=0, atol=1e-4)
 
 
-def test_knn_report_learned_vs_init(tmp_path, capsys, monkeypatch):
-    """The end-of-run report's wiring (on 400 / 200 synthetic images, to keep it fast)."""
+def test_the_knn_monitor_logs_its_steps_and_leaves_the_training_as_it_was(tmp_path, capsys, monkeypatch):
+    """--eval-every 1 (on 40 / 20 synthetic images, to keep it fast): the k-NN of the target encoder at step 0 and
+    after every step, each a log.jsonl record with its step and a line; --keep-every 2 keeps the encoder of steps 2
+    and 4 (eval_linear reads them). Its RNG is its own: the run ends with the very weights of the run without it,
+    and a run stopped and resumed with it too."""
     real = S.SyntheticImages
-    monkeypatch.setattr(S, "SyntheticImages", lambda split="train": real(split, n=400 if split == "train" else 200))
-    msn.train(tiny_args(tmp_path, epochs=1, steps_per_epoch=1, knn=True))
+    monkeypatch.setattr(S, "SyntheticImages", lambda split="train", **kw: real(split, n=40 if split == "train" else 20))
+    msn.train(tiny_args(tmp_path / "plain"))
+    msn.train(tiny_args(tmp_path / "watched", eval_every=1, keep_every=2))
+    plain, watched = (C.load_checkpoint(str(tmp_path / d / "checkpoint.pth"), "msn") for d in ("plain", "watched"))
+    for key in ("model", "target"):
+        assert all(torch.equal(v, watched[key][k]) for k, v in plain[key].items()), key
+    recs = [json.loads(line) for line in open(tmp_path / "watched" / "log.jsonl")]
+    assert [r["step"] for r in recs if "knn_top1" in r] == [0, 1, 2, 3, 4]
     out = capsys.readouterr().out
-    assert "k-NN top-1" in out and "learned" in out and "initialisation" in out
+    assert "k-NN top-1 on val/ (target encoder, cls-prenorm): " in out and "% at step 4 (" in out
+    snaps = sorted(f for f in os.listdir(tmp_path / "watched") if f.startswith("encoder_step"))
+    assert snaps == ["encoder_step0000002.pth", "encoder_step0000004.pth"]
+    last = C.load_checkpoint(str(tmp_path / "watched" / snaps[-1]), "msn")
+    assert last["step"] == 4 and all(torch.equal(v, watched["encoder"][k]) for k, v in last["encoder"].items())
+    exact_resume(msn.train, lambda p, **kw: tiny_args(p, eval_every=1, **kw), tmp_path / "resume", "msn",
+                 ("model", "target"))
 
 
 TINY = ["--model", "nano", "--patch-size", "4", "--img-size", "16", "--focal-size", "8", "--focal-views", "2",
