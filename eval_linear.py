@@ -651,6 +651,7 @@ class KNNMonitor:
         return self(step)
 
     def __call__(self, step):
+        t0 = time.time()
         devices = [self.run.device] if self.run.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):                # the training draws stay as without it
             was = self.encoder.training
@@ -665,7 +666,8 @@ class KNNMonitor:
         if self.first is None:
             self.first = (step, res["knn_top1"])
         C.print0(f"k-NN top-1 on {self.split}/ ({self.what}, {self.pool}): {res['knn_top1']:.1f}% at step {step}"
-                 + (f" ({self.first[1]:.1f}% at step {self.first[0]})" if self.first[0] != step else ""))
+                 + (f" ({self.first[1]:.1f}% at step {self.first[0]})" if self.first[0] != step else "")
+                 + f"; {len(self.train)} + {len(self.val)} images in {time.time() - t0:.0f} s")
         return res
 
 
