@@ -1,4 +1,5 @@
-"""CAN: A Simple, Efficient and Scalable Contrastive Masked Autoencoder for Learning Visual Representations.
+"""CAN: A Simple, Efficient and Scalable Contrastive Masked Autoencoder for Learning Visual
+Representations.
 Mishra, Robinson, Chang, Jacobs, Sarna, Maschinot, Krishnan. 2022. arXiv:2210.16870.
 
 Idea. Three objectives on one MAE-style network. Two augmented views of each image are masked
@@ -9,22 +10,25 @@ it predicts the added noise sigma e, told the noise level through an embedding a
 decoder token. Total: 0.03 L_InfoNCE + 0.67 L_rec + 0.3 L_denoise.
 
 Launch. `--batch-size` is the GLOBAL batch of images, 2 views each (paper: 4096); each process
-takes batch / processes images in micro-batches of --micro-batch (default 256: 35 GB peak measured
-on an 80 GB H100; README) and the step is exact: InfoNCE stays over the global 2 x batch views.
+takes batch / processes images in micro-batches of --micro-batch (default 256; docs/DESIGN.md
+measures the memory) and the step is exact: InfoNCE stays over the global 2 x batch views.
   python can.py --data synthetic                        # CPU quickstart, ~5 min, ends with k-NN
-  python can.py --data /cifar10 --preset small          # CIFAR-10 folders, 2 CPU cores: stated rules
+  python can.py --data /cifar10 --preset small          # CIFAR-10 folders, 2 CPU cores
   python can.py --data /imagenet                        # ViT-B/16 paper recipe on 1 GPU: 16 x 256
-  torchrun --nproc_per_node=8 can.py --data /imagenet   # the same objective on 8 GPUs: 8 x (2 x 256)
+  torchrun --nproc_per_node=8 can.py --data /imagenet   # the same objective on 8 GPUs: 8 x 2 x 256
 
-Files. This file, common.py (the training kit its loop calls: schedules, the optimiser step, micro-batches,
-data, checkpoints, the log) and harness.py (the command line and presets, launching, resume, preemption) are all
-a run needs: copy the three.
+Files. This file, common.py (the training kit: schedules, the optimiser step, micro-batches, data,
+checkpoints, the log) and harness.py (the command line, launching, resume, preemption) train the
+paper's recipe on an image folder. Beside them, for a flag: recipes.py (--preset, and with
+synthetic.py --data synthetic), eval_linear.py (--init, --knn, --eval-every), gpu_aug.py (the colour
+ops on the GPU, default on CUDA; without it they run in the workers).
 
 Paper -> code (follows the paper).
   Two views, independent 50% masks ............ TwoViews, random_masking per view
-  x <- x + sigma e, sigma ~ U[0, sigma_max] ...... train(): add_noise
+  x <- x + sigma e, sigma ~ U[0, sigma_max] ...... train(): sigma, noise; train_step: x + noise
   Noise-level embedding p_v (sin -> 2-layer MLP) . NoiseEmbed, added to every decoder token
-  (C) mean-pool + projector + InfoNCE over 2n ... CAN.forward -> u, info_nce (negatives gathered WITH grad)
+  (C) mean-pool + projector + InfoNCE over 2n ... CAN.forward -> u, info_nce (negatives gathered
+                                                  WITH their gradient)
   (A) L_rec on masked patches, clean target ..... reconstruction_loss
   (N) L_denoise on visible patches, target sigma e denoising_loss
   Total 0.03 / 0.67 / 0.3 ....................... can_loss
@@ -73,21 +77,25 @@ import harness as H
 class Args(H.RunArgs):
     """CAN pre-training (defaults: paper ViT-B/16 with MAE-style optimisation)."""
     data: str = H.arg(None, "image folder (uses DIR/train if present) or 'synthetic'", group="data")
-    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/can)",
-                            group="data")
+    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go "
+                            "(default runs/can)", group="data")
     model: str = H.arg("base", "ViT size: nano|micro|tiny|small|base|large", group="model")
-    init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the official MSN "
-                      "file, an MAE-style 'model' dict or a timm / DeiT state dict (read by eval_linear.py)",
-                      group="model")
+    init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the "
+                      "official MSN file, an MAE-style 'model' dict or a timm / DeiT state dict "
+                      "(read by eval_linear.py)", group="model")
     patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
     img_size: int = H.arg(224, "training image size (px)", group="data", positive=True)
-    epochs: int = H.arg(800, "training epochs (the schedules span them)", group="optimisation", positive=True)
-    batch_size: int = H.arg(4096, "GLOBAL batch of images (2 views each), all processes (paper 4096)",
-                            group="optimisation", positive=True)
-    micro_batch: int = H.arg(256, "images per forward/backward per process (35 GB measured on an 80 GB H100, bf16; 0 = "
-                             "the whole per-process batch); the step stays exact", group="optimisation", min=0)
-    lr: float = H.arg(None, "absolute lr (default blr * global batch / 256)", group="optimisation", positive=True)
-    blr: float = H.arg(1.5e-4, "base lr: lr = blr x global batch / 256", group="optimisation", positive=True)
+    epochs: int = H.arg(800, "training epochs (the schedules span them)",
+                        group="optimisation", positive=True)
+    batch_size: int = H.arg(4096, "GLOBAL batch of images (2 views each), all processes (paper "
+                            "4096)", group="optimisation", positive=True)
+    micro_batch: int = H.arg(256, "images per forward/backward per process (0 = the whole "
+                             "per-process batch; memory: docs/DESIGN.md); the step stays exact",
+                             group="optimisation", min=0)
+    lr: float = H.arg(None, "absolute lr (default blr * global batch / 256)",
+                      group="optimisation", positive=True)
+    blr: float = H.arg(1.5e-4, "base lr: lr = blr x global batch / 256",
+                       group="optimisation", positive=True)
     min_lr: float = H.arg(0.0, "lr at the end of the cosine schedule", group="optimisation", min=0)
     warmup_epochs: float = H.arg(40, "linear lr warm-up epochs", group="optimisation", min=0)
     weight_decay: float = H.arg(0.05, "AdamW weight decay", group="optimisation", min=0)
@@ -95,7 +103,8 @@ class Args(H.RunArgs):
     mask_ratio: float = H.arg(0.5, "share of patches masked", group="views and masking")
     sigma_max: float = H.arg(0.05, "noise level sigma ~ U[0, sigma_max]", positive=True)
     decoder_dim: int = H.arg(512, "decoder width", group="model", positive=True)
-    decoder_depth: int = H.arg(8, "decoder blocks", group="model")
+    decoder_depth: int = H.arg(8, "decoder blocks", group="model", min=1,
+                               why=" (a masked patch sees the visible ones only through them)")
     decoder_heads: int = H.arg(16, "decoder attention heads", group="model", positive=True)
     proj_hidden: int = H.arg(4096, "projector hidden width", group="model", positive=True)
     proj_dim: int = H.arg(256, "projector output width", group="model", positive=True)
@@ -104,12 +113,13 @@ class Args(H.RunArgs):
     norm_pix: bool = H.arg(False, "per-patch normalised reconstruction targets (MAE)")
     crop_scale: tuple = H.arg((0.2, 1.0), "RandomResizedCrop area range", group="data")
     drop_path: float = H.arg(0.0, "stochastic depth rate of the last block", group="model", min=0)
-    gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with CUDA; --no-gpu-aug "
-                          "keeps it in the CPU workers)", group="views and masking")
-    knn: bool = H.arg(None, "k-NN of the evaluated encoder at step 0 and at the end (default: on for synthetic; "
-                      "eval_linear.py's)", group="run control")
-    eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) or the --holdout "
-                            "images", group="run control", min=0)
+    gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with "
+                          "CUDA; --no-gpu-aug keeps it in the CPU workers)",
+                          group="views and masking")
+    knn: bool = H.arg(None, "k-NN of the evaluated encoder at step 0 and at the end (default: on "
+                      "for synthetic; eval_linear.py's)", group="run control")
+    eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) "
+                            "or the --holdout images", group="run control", min=0)
 
     # Small recipes: the official recipe above scaled by recipes.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
@@ -119,12 +129,12 @@ class Args(H.RunArgs):
     # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
     # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
     # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs).
-    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=6, batch_size=256,
-                             decoder_dim=128,
-                             decoder_depth=2, decoder_heads=4, proj_hidden=512, workers=2, log_every=20),
-               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=16, batch_size=512,
-                           decoder_dim=128,
-                           decoder_depth=2, decoder_heads=4, proj_hidden=512, micro_batch=0)}
+    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=6,
+                             batch_size=256, decoder_dim=128, decoder_depth=2, decoder_heads=4,
+                             proj_hidden=512, workers=2, log_every=20),
+               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=16,
+                           batch_size=512, decoder_dim=128, decoder_depth=2, decoder_heads=4,
+                           proj_hidden=512, micro_batch=0)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64,
                      decoder_dim=64, decoder_depth=2, decoder_heads=4, proj_hidden=256, proj_dim=64,
                      crop_scale=(0.3, 1.0), workers=2, log_every=20, steps_per_epoch=35)
@@ -132,7 +142,8 @@ class Args(H.RunArgs):
     def check(self):
         """validate()'s rule for CAN's own flag."""
         if not (min(self.weights) >= 0 < sum(self.weights)):
-            raise C.UserError(f"--weights (loss weights) must be >= 0 and not all 0, got {self.weights}")
+            raise C.UserError(f"--weights (loss weights) must be >= 0 and not all 0, got "
+                              f"{self.weights}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,7 +158,9 @@ SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small"
 class Attention(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
 
     def forward(self, x):                                            # (B, N, D)
         B, N, D = x.shape
@@ -158,7 +171,9 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
@@ -176,8 +191,10 @@ class Block(nn.Module):
 
     def __init__(self, dim, heads, drop_path=0.0):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
-        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, 4 * dim)
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, 4 * dim)
         self.drop_path = drop_path
 
     def forward(self, x):
@@ -198,9 +215,10 @@ def sincos_pos_embed(dim, grid):
     """MAE's fixed 2-D sin-cos table, with a zero row for [CLS] first: (1, 1 + grid^2, dim),
     channels [x sin, x cos, y sin, y cos], frequencies 1 / 10000^(k / (dim/4))."""
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
-    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
-                            indexing="ij")
-    table = torch.cat([f(p.flatten()[:, None] * omega[None]) for p in (xs, ys) for f in (torch.sin, torch.cos)], 1)
+    coords = torch.arange(grid, dtype=torch.float64)
+    ys, xs = torch.meshgrid(coords, coords, indexing="ij")
+    angles = [p.flatten()[:, None] * omega[None] for p in (xs, ys)]   # (grid^2, dim / 4) each
+    table = torch.cat([f(a) for a in angles for f in (torch.sin, torch.cos)], 1)   # (grid^2, dim)
     return torch.cat([torch.zeros(1, dim), table.float()])[None]
 
 
@@ -222,13 +240,16 @@ class ViT(nn.Module):
 
     def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0):
         super().__init__()
-        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
-                           mlp_ratio=4.0, pos_embed="sincos", init="xavier")     # the checkpoint's `vit`
-        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
+        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth,
+                           heads=heads, mlp_ratio=4.0, pos_embed="sincos", init="xavier")  # ckpt["vit"]
+        self.patch_size = patch_size
+        self.dim = dim
+        self.grid = img_size // patch_size
         self.patch_embed = PatchEmbed(patch_size, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.register_buffer("pos_embed", sincos_pos_embed(dim, self.grid))    # fixed, in the state dict
-        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in torch.linspace(0, drop_path, depth).tolist())
+        rates = torch.linspace(0, drop_path, depth).tolist()         # stochastic depth, rising
+        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in rates)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.grad_ckpt = False                                       # C.set_grad_checkpointing
         xavier_init(self)
@@ -238,7 +259,8 @@ class ViT(nn.Module):
         x = self.patch_embed(x) + self.pos_embed[:, 1:]              # (B, N, D)
         if ids_keep is not None:                                     # drop the masked patches
             x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
+        cls = self.cls_token + self.pos_embed[:, :1]
+        x = torch.cat([cls.expand(x.shape[0], -1, -1), x], dim=1)
         x = C.run_blocks(self.blocks, x, self.grad_ckpt)
         return self.norm(x) if norm else x
 
@@ -254,19 +276,19 @@ def make_vit(a):
 # Masking and patches (MAE)
 # ----------------------------------------------------------------------------------------------
 def random_masking(batch, grid, ratio, device=None):
-    """MAE's per-image random masking of the grid x grid patches: exactly int(N (1 - ratio)) kept, chosen
-    by the ranks of uniform noise. Returns ids_keep (B, n_keep) kept patch indices (ascending),
-    ids_restore (B, N) (gathering cat([kept, masked]) with it restores raster order), mask (B, N)
-    float, 1 = masked."""
+    """MAE's per-image random masking of the grid x grid patches: exactly int(N (1 - ratio)) kept,
+    chosen by the ranks of uniform noise. Returns ids_keep (B, n_keep) kept patch indices
+    (ascending), ids_restore (B, N) (gathering cat([kept, masked]) with it restores raster order),
+    mask (B, N) float, 1 = masked."""
     n_keep = int(grid * grid * (1 - ratio))
     noise = torch.rand(batch, grid * grid, device=device)           # argsort of noise (MAE)
-    mask = noise.argsort(1).argsort(1) >= n_keep
+    mask = noise.argsort(1).argsort(1) >= n_keep                     # a patch's rank: masked past n_keep
     ids_shuffle = mask.to(torch.uint8).argsort(dim=1, stable=True)  # kept first, then masked
     return ids_shuffle[:, :n_keep], ids_shuffle.argsort(1), mask.float()
 
 
 def restore_tokens(x, mask_token, ids_restore):
-    """(B, 1+n_keep, d) encoder tokens -> (B, 1+N, d): append mask tokens, unshuffle (MAE decoder)."""
+    """(B, 1+n_keep, d) encoder tokens -> (B, 1+N, d): append mask tokens, unshuffle (MAE)."""
     B, N = ids_restore.shape
     patches = torch.cat([x[:, 1:], mask_token.to(x.dtype).expand(B, N + 1 - x.shape[1], -1)], dim=1)
     patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
@@ -288,13 +310,13 @@ def unpatchify(x, p):
 
 
 def norm_pix(target, eps=1e-6):
-    """MAE's norm_pix_loss target: each patch's pixels (x - mean) / sqrt(var + eps), over the patch."""
+    """MAE's norm_pix_loss target: each patch's pixels (x - mean) / sqrt(var + eps), per patch."""
     mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
     return (target - mean) / (var + eps) ** 0.5
 
 
 def unnorm_pix(pred, target, eps=1e-6):
-    """norm_pix-space predictions back to pixels with the target patches' mean / var (for pictures)."""
+    """norm_pix-space predictions back to pixels with the target patches' mean / var (pictures)."""
     mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
     return pred * (var + eps) ** 0.5 + mean
 
@@ -303,9 +325,11 @@ def unnorm_pix(pred, target, eps=1e-6):
 # Model
 # ----------------------------------------------------------------------------------------------
 def sinusoid(s, dim, max_period=10000.0):
-    """Sinusoidal embedding of scalars s (B,) -> (B, dim): [sin(s w_k), cos(s w_k)], w_k = max_period^(-k/half)."""
+    """Sinusoidal embedding of scalars s (B,) -> (B, dim): [sin(s w_k), cos(s w_k)],
+    w_k = max_period^(-k / half)."""
     half = dim // 2
-    w = torch.exp(-math.log(max_period) * torch.arange(half, device=s.device, dtype=torch.float32) / half)
+    k = torch.arange(half, device=s.device, dtype=torch.float32)
+    w = torch.exp(-math.log(max_period) * k / half)
     a = s.float()[:, None] * w[None]
     return torch.cat([a.sin(), a.cos()], dim=-1)
 
@@ -335,7 +359,8 @@ class CAN(nn.Module):
         self.noise_embed = NoiseEmbed(dd)
         self.decoder = nn.ModuleList(Block(dd, a.decoder_heads) for _ in range(a.decoder_depth))
         self.grad_ckpt = False
-        self.decoder_norm, self.decoder_pred = nn.LayerNorm(dd, eps=1e-6), nn.Linear(dd, p * p * 3)
+        self.decoder_norm = nn.LayerNorm(dd, eps=1e-6)
+        self.decoder_pred = nn.Linear(dd, p * p * 3)
         xavier_init(self)                                                     # MAE: the whole model
         nn.init.normal_(self.mask_token, std=0.02)
 
@@ -388,17 +413,20 @@ def denoising_loss(pred, noise, mask):
 
 def can_loss(u1, u2, pred, target, noise, mask, tau=0.1, weights=(0.03, 0.67, 0.3)):
     """0.03 L_InfoNCE + 0.67 L_rec + 0.3 L_denoise; pred/target/noise/mask stack both views."""
-    l_c, l_r, l_n = info_nce(u1, u2, tau), reconstruction_loss(pred, target, mask), denoising_loss(pred, noise, mask)
+    l_c = info_nce(u1, u2, tau)
+    l_r = reconstruction_loss(pred, target, mask)
+    l_n = denoising_loss(pred, noise, mask)
     loss = weights[0] * l_c + weights[1] * l_r + weights[2] * l_n
-    return loss, {"loss": loss.detach(), "infonce": l_c.detach(), "rec": l_r.detach(), "denoise": l_n.detach()}
+    parts = {"infonce": l_c.detach(), "rec": l_r.detach(), "denoise": l_n.detach()}
+    return loss, {"loss": loss.detach(), **parts}
 
 
 # ----------------------------------------------------------------------------------------------
 # Data: two SimCLR-style views
 # ----------------------------------------------------------------------------------------------
 class TwoViews:
-    """Two RandomResizedCrop(bicubic) + flip + colour views as uint8; with gpu_aug the colour ops run
-    batched on the device instead (train loop)."""
+    """Two RandomResizedCrop(bicubic) + flip + colour views as uint8; with gpu_aug the colour ops
+    run batched on the device instead (train loop)."""
 
     def __init__(self, a):
         from torchvision import transforms as T
@@ -409,6 +437,7 @@ class TwoViews:
 
     def __call__(self, img):
         return self.view(img), self.view(img)
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,7 +459,8 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
     target = patchify(x.flatten(0, 1), a.patch_size).view(2, B, -1, 3 * a.patch_size ** 2)
     target = norm_pix(target) if a.norm_pix else target
     noise_px = patchify(noise.flatten(0, 1), a.patch_size).view_as(target)
-    micro, scale = micro or B, scale or (lambda t: t)
+    micro = micro or B
+    scale = scale or (lambda t: t)
 
     if micro >= B:                                                      # the paper's step, one pass
         with autocast:                                                  # noisy views, visible patches only
@@ -445,14 +475,16 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
     # computes the same loss and gradient (tests/test_step.py); L_rec and L_denoise enter per micro-batch.
     def forward(sl, local):
         with autocast:
-            pred, u = net(rows(x + noise, sl), rows(sigma, sl), rows(ids_keep, sl), rows(ids_restore, sl))
+            pred, u = net(rows(x + noise, sl), rows(sigma, sl), rows(ids_keep, sl),
+                          rows(ids_restore, sl))
         u = u.float().view(2, -1, u.shape[-1]).transpose(0, 1)                # (b, 2, r)
         if not local:
             return None, u, {}
         share = len(u) / B
         l_r = reconstruction_loss(pred.float(), rows(target, sl), rows(mask, sl)) * share
         l_n = denoising_loss(pred.float(), rows(noise_px, sl), rows(mask, sl)) * share
-        return a.weights[1] * l_r + a.weights[2] * l_n, u, {"rec": l_r.detach(), "denoise": l_n.detach()}
+        local = a.weights[1] * l_r + a.weights[2] * l_n
+        return local, u, {"rec": l_r.detach(), "denoise": l_n.detach()}
 
     def coupled(u):                                                         # (B, 2, r)
         l_c = info_nce(u[:, 0], u[:, 1], a.tau)
@@ -465,78 +497,112 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
+def loader_and_views(args, run, dataset, per):
+    """The training loader and views(batch): its two views of each image as x (2, B, 3, H, W) on the
+    device, clean (no noise yet), normalised, after their colour ops: batched on the device with
+    --gpu-aug (one call for both views, compiled on CUDA), else in the PIL workers."""
+    views = C.Views(dataset, TwoViews(args), args.seed)
+    loader = C.make_loader(views, per, args.workers, args.seed)
+    color = None
+    if args.gpu_aug:
+        color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
+
+    def to_device(batch):
+        x = torch.cat([v.to(run.device, non_blocking=True) for v in batch])   # (2B, 3, H, W)
+        x = color(x, normalize=True) if color else C.normalize(x)
+        return x.unflatten(0, (2, -1))
+    return loader, to_device
+
+
+@torch.no_grad()
+def picture(run, model, x, sigma, noise, ids_keep, ids_restore, mask, a, epoch, step):
+    """The epoch's picture (recon_ep<epoch>_step<step>.png, and TensorBoard) of 8 first views: the
+    clean view, what the encoder sees (noisy, masked), the reconstruction of the masked patches, the
+    predicted noise at the visible ones (/ sigma_max)."""
+    n = min(8, x.shape[1])
+    noisy = x[0, :n] + noise[0, :n]                                 # the first views, noise added
+    x = x[0, :n]
+    m = mask[0, :n, :, None]
+    with run.autocast:
+        pred = model.eval()(noisy, sigma[0, :n], ids_keep[0, :n], ids_restore[0, :n])[0].float()
+    model.train()
+    p = a.patch_size
+    px = patchify(x, p)
+    recon = torch.where(m.bool(), unnorm_pix(pred, px) if a.norm_pix else pred, px)
+    rows = [x, unpatchify(patchify(noisy, p) * (1 - m), p), unpatchify(recon, p),
+            unpatchify(pred * (1 - m) / a.sigma_max, p)]
+    labels = ["view", "masked + noise", "reconstruction", "predicted noise / sigma_max"]
+    path = f"{run.out}/recon_ep{epoch:04d}_step{step:06d}.png"
+    C.save_image_grid(path, rows, labels, step, run.tb)
+
+
 def train(args):
     run = H.setup(args, "can")
-    if args.gpu_aug:                                         # colour ops batched on the device, compiled on CUDA
-        color_augment = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
     dev = run.device
     grid = args.img_size // args.patch_size
-    H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio)[2].sum(), grid * grid)
-    per, micro = H.batch_plan(args, run, 4096, f"InfoNCE has {2 * args.batch_size - 2} negatives per view "
-                              "instead of 8190")
+
+    def masked():
+        return random_masking(1, grid, args.mask_ratio)[2].sum()
+    H.check_mask_ratio(args.mask_ratio, masked, grid * grid)
+    per, micro = H.batch_plan(args, run, 4096, f"InfoNCE has {2 * args.batch_size - 2} negatives "
+                              "per view instead of 8190")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True, holdout=args.holdout)
-    loader = C.make_loader(C.Views(dataset, TwoViews(args), args.seed), per, args.workers, args.seed)
+    loader, views = loader_and_views(args, run, dataset, per)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
-    lr = args.lr or args.blr * args.batch_size / 256
+    peak_lr = args.lr or args.blr * args.batch_size / 256
 
-    model = CAN(args).to(dev)
+    model = CAN(args).to(dev)                                        # seeded in setup: all ranks
     if args.init and not run.resuming:                               # --init: start from these weights
         E = C.optional("eval_linear", "--init needs eval_linear.py next to this file")
         E.init_weights(args.init, model, model.encoder, "can")
     if run.world > 1 and dev.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     C.set_grad_checkpointing(model, args.grad_ckpt)
-    opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev)
+    opt = C.make_optimizer(model, peak_lr, args.weight_decay, args.betas, dev)
     start = H.resume_run(run, "can", args, model, opt, data={"train": dataset})   # global step
     net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
+
+    def save(step, **kw):                                            # the checkpoint; snapshot=True:
+        C.save_run(run, "can", args, step // ipe, step, model.encoder, model, opt, **kw)
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
-    if log.done:                                                    # a finished or stopped run, rerun
+    if log.done:                                                     # a finished or stopped run, rerun
         return
+    why = "" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {peak_lr:.3g}{why}")
     knn = None
-    if H.knn_wanted(args):                                           # --knn, --eval-every: the k-NN monitor
+    if H.knn_wanted(args):                                           # --knn, --eval-every: eval_linear's k-NN
         E = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py next to this file")
         knn = E.KNNMonitor(args, run, log, model.encoder, "can", "encoder")
-    def save(step, **kw):                                            # the checkpoint (snapshot=True: the encoder)
-        C.save_run(run, "can", args, step // ipe, step, model.encoder, model, opt, **kw)
-    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
-             + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"))
-    p, grid = args.patch_size, model.encoder.grid
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train()
-        for it, ((v1, v2), _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
+        for it, (batch, _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
             step = epoch * ipe + it
-            C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
-            v1, v2 = v1.to(dev, non_blocking=True), v2.to(dev, non_blocking=True)
-            x = torch.cat([v1, v2])                                   # both views in one call: (2B, 3, H, W)
-            x = (color_augment(x, normalize=True) if args.gpu_aug else C.normalize(x)).unflatten(0, (2, -1))   # clean
+            lr = C.cosine_schedule(step, total, peak_lr, args.min_lr, args.warmup_epochs * ipe)
+            C.set_hparams(opt, lr)
+            x = views(batch)                                         # (2, B, 3, H, W), clean
             B = x.shape[1]
-            sigma = torch.rand(2 * B, device=dev).view(2, B) * args.sigma_max   # sigma_v ~ U[0, sigma_max]
+            sigma = torch.rand(2 * B, device=dev).view(2, B) * args.sigma_max   # ~ U[0, sigma_max]
             noise = sigma.view(2, B, 1, 1, 1) * torch.randn_like(x)             # sigma_v e_v
-            ids_keep, ids_restore, mask = (t.view(2, B, -1) for t in random_masking(2 * B, grid, args.mask_ratio,
-                                                                                    device=dev))
+            masking = random_masking(2 * B, grid, args.mask_ratio, device=dev)
+            ids_keep, ids_restore, mask = (t.view(2, B, -1) for t in masking)   # each view its own
             opt.zero_grad(set_to_none=True)
-            loss, parts = train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, args, micro, run.autocast,
-                                     run.scaler.scale, ddp)
-            parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # MAE recipe: no clipping
-            if C.end_step(run, log, save, step + 1, epoch, parts, lr=opt.param_groups[0]["lr"]):
-                return                                              # preempted, --stop-step: saved
-            if knn and knn.due(step + 1):                               # --eval-every
+            loss, parts = train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, args, micro,
+                                     run.autocast, run.scaler.scale, ddp)
+            parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # MAE: no clipping
+            stop = C.end_step(run, log, save, step=step + 1, epoch=epoch, parts=parts, lr=lr)
+            if stop:
+                return                                               # preempted, --stop-step: saved
+            if knn and knn.due(step + 1):                            # --eval-every
                 knn(step + 1)
         save((epoch + 1) * ipe)
-        n, m = min(8, B), mask[0, :min(8, B), :, None]                        # clean / noisy+masked input /
-        with torch.no_grad(), run.autocast:                                  # reconstruction / noise / sigma_max
-            pr = model.eval()(x[0, :n] + noise[0, :n], sigma[0, :n], ids_keep[0, :n], ids_restore[0, :n])[0].float()
-        xp = patchify(x[0, :n], p)
-        pr_px = unnorm_pix(pr, xp) if args.norm_pix else pr
-        C.save_image_grid(f"{run.out}/recon_ep{epoch:04d}_step{(epoch + 1) * ipe:06d}.png", [       # the log's ep, step
-            x[0, :n], unpatchify(patchify(x[0, :n] + noise[0, :n], p) * (1 - m), p),
-            unpatchify(torch.where(m.bool(), pr_px, xp), p), unpatchify(pr * (1 - m) / args.sigma_max, p)],
-            ["view", "masked + noise", "reconstruction", "predicted noise / sigma_max"], (epoch + 1) * ipe, run.tb)
+        picture(run, model, x, sigma, noise, ids_keep, ids_restore, mask, args, epoch,
+                (epoch + 1) * ipe)
 
     if knn:                                                          # after the final checkpoint: a stop
         knn.final(log.end)                                           # signal now ends the program at once
+
 
 if __name__ == "__main__":
     H.main(train, Args)

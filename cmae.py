@@ -8,24 +8,29 @@ EMA target encoder's embedding of a slightly shifted, colour-augmented view of t
 among the other images of the global batch (InfoNCE).
 
 Launch. `--batch-size` is the GLOBAL batch (recipe: 4096 = official 256 x 16 GPUs); each process
-takes batch / processes images in micro-batches of --micro-batch (default 512: 34 GB measured on an
-80 GB H100, 1024: 66 GB; README) and the step is exact: InfoNCE stays over the global batch.
+takes batch / processes images in micro-batches of --micro-batch (default 512; docs/DESIGN.md
+measures the memory) and the step is exact: InfoNCE stays over the global batch.
   python cmae.py --data synthetic                        # CPU quickstart, ~5 min, ends with k-NN
-  python cmae.py --data /cifar10 --preset small          # CIFAR-10 folders, 2 CPU cores: stated rules
-  python cmae.py --data /imagenet                        # ViT-B/16 official recipe on 1 GPU: 8 x 512
+  python cmae.py --data /cifar10 --preset small          # CIFAR-10 folders, 2 CPU cores
+  python cmae.py --data /imagenet                        # ViT-B/16 official recipe, 1 GPU: 8 x 512
   torchrun --nproc_per_node=8 cmae.py --data /imagenet   # the same objective on 8 GPUs: 8 x 512
 
-Files. This file, common.py (the training kit its loop calls: schedules, the optimiser step, micro-batches,
-data, checkpoints, the log) and harness.py (the command line and presets, launching, resume, preemption) are all
-a run needs: copy the three.
+Files. This file, common.py (the training kit: schedules, the optimiser step, micro-batches, data,
+checkpoints, the log) and harness.py (the command line, launching, resume, preemption) train the
+official recipe on an image folder. Beside them, for a flag: recipes.py (--preset, and with
+synthetic.py --data synthetic), eval_linear.py (--init, --knn, --eval-every), gpu_aug.py (the target
+view's colour ops on the GPU, default on CUDA; without it they run in the workers).
 
 Paper -> code.
   Pixel-shifted view pair, Sec 3.3 ......... PixelShiftViews
   Masked online encoder F_s, Sec 3.1 ....... CMAE.forward: encoder(x_s, ids_keep), 2x2-block mask
-  Pixel decoder G_p, L_r (Eq. 1) ........... CMAE.pixel_decoder (depth 8) + reconstruction_loss (norm-pix MSE)
-  Feature decoder G_f, y_s ................. CMAE.feature_decoder (depth 2, own parameters), mean of patch tokens
+  Pixel decoder G_p, L_r (Eq. 1) ........... CMAE.pixel_decoder (depth 8) + reconstruction_loss
+                                             (norm-pix MSE)
+  Feature decoder G_f, y_s ................. CMAE.feature_decoder (depth 2, own parameters), mean
+                                             of the patch tokens
   Projection + prediction heads ............ CMAE.projector / CMAE.predictor
-  Momentum target encoder F_t, z_t ......... Target (frozen_copy + ema_update of encoder + projector), mean patch token
+  Momentum target encoder F_t, z_t ......... Target (frozen_copy + ema_update of encoder and
+                                             projector), mean patch token
   L_c InfoNCE (Eq. 3), L = L_r + l_c L_c ... cmae_contrastive_loss, train()
 
 Where this file follows the official code (ZhichengHuang/CMAE) rather than the paper, or differs:
@@ -66,35 +71,41 @@ import harness as H
 class Args(H.RunArgs):
     """CMAE pre-training (defaults: official ViT-B/16 ImageNet recipe, 300 epochs)."""
     data: str = H.arg(None, "image folder (uses DIR/train if present) or 'synthetic'", group="data")
-    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/cmae)",
-                            group="data")
+    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go "
+                            "(default runs/cmae)", group="data")
     model: str = H.arg("base", "ViT size: nano|micro|tiny|small|base|large", group="model")
-    init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the official MSN "
-                      "file, an MAE-style 'model' dict or a timm / DeiT state dict (read by eval_linear.py)",
-                      group="model")
+    init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the "
+                      "official MSN file, an MAE-style 'model' dict or a timm / DeiT state dict "
+                      "(read by eval_linear.py)", group="model")
     patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
     img_size: int = H.arg(224, "training image size (px)", group="data", positive=True)
-    master_size: int = H.arg(256, "master crop; target shift is 0..master-img-1 px", group="views and masking",
-                             positive=True)
-    epochs: int = H.arg(300, "training epochs (the schedules span them)", group="optimisation", positive=True)
-    batch_size: int = H.arg(4096, "GLOBAL batch, all processes (official 256 x 16 GPUs)", group="optimisation",
-                            positive=True)
-    micro_batch: int = H.arg(512, "images per forward/backward per process (34 GB measured on an 80 GB H100, bf16; 0 = "
-                             "the whole per-process batch); the step stays exact", group="optimisation", min=0)
-    lr: float = H.arg(None, "absolute lr (default blr * global batch / 256)", group="optimisation", positive=True)
-    blr: float = H.arg(1.5e-4, "base lr: lr = blr x global batch / 256", group="optimisation", positive=True)
+    master_size: int = H.arg(256, "master crop; target shift is 0..master-img-1 px",
+                             group="views and masking", positive=True)
+    epochs: int = H.arg(300, "training epochs (the schedules span them)",
+                        group="optimisation", positive=True)
+    batch_size: int = H.arg(4096, "GLOBAL batch, all processes (official 256 x 16 GPUs)",
+                            group="optimisation", positive=True)
+    micro_batch: int = H.arg(512, "images per forward/backward per process (0 = the whole "
+                             "per-process batch; memory: docs/DESIGN.md); the step stays exact",
+                             group="optimisation", min=0)
+    lr: float = H.arg(None, "absolute lr (default blr * global batch / 256)",
+                      group="optimisation", positive=True)
+    blr: float = H.arg(1.5e-4, "base lr: lr = blr x global batch / 256",
+                       group="optimisation", positive=True)
     min_lr: float = H.arg(0.0, "lr at the end of the cosine schedule", group="optimisation", min=0)
     warmup_epochs: float = H.arg(40, "linear lr warm-up epochs", group="optimisation", min=0)
     weight_decay: float = H.arg(0.05, "AdamW weight decay", group="optimisation", min=0)
     betas: tuple = H.arg((0.9, 0.95), "AdamW betas", group="optimisation")
     ema: float = H.arg(0.996, "EMA momentum (constant, per step)", group="optimisation")
-    ema_horizon: float = H.arg(0.0, "cap the EMA horizon 1/(1-m) at this fraction of the run's steps by lowering the "
-                               "first momentum (0: official; short-run presets: 0.02)", group="optimisation", min=0)
+    ema_horizon: float = H.arg(0.0, "cap the EMA horizon 1/(1-m) at this fraction of the run's "
+                               "steps by lowering the first momentum (0: official; short-run "
+                               "presets: 0.02)", group="optimisation", min=0)
     mask_ratio: float = H.arg(0.65, "share of patches masked", group="views and masking")
-    mask_unit: int = H.arg(2, "mask in unit x unit patch blocks (1 = per patch)", group="views and masking",
-                           positive=True)
+    mask_unit: int = H.arg(2, "mask in unit x unit patch blocks (1 = per patch)",
+                           group="views and masking", positive=True)
     decoder_dim: int = H.arg(512, "decoder width", group="model", positive=True)
-    decoder_depth: int = H.arg(8, "decoder blocks", group="model")
+    decoder_depth: int = H.arg(8, "decoder blocks", group="model", min=1,
+                               why=" (a masked patch sees the visible ones only through them)")
     decoder_heads: int = H.arg(16, "decoder attention heads", group="model", positive=True)
     feature_decoder_depth: int = H.arg(2, "feature decoder blocks", group="model", min=0)
     proj_hidden: int = H.arg(1536, "projector hidden width", group="model", positive=True)
@@ -102,12 +113,13 @@ class Args(H.RunArgs):
     tau: float = H.arg(0.07, "softmax temperature", positive=True)
     lambda_c: float = H.arg(1.0, "weight of the contrastive loss", min=0)
     drop_path: float = H.arg(0.0, "stochastic depth rate of the last block", group="model", min=0)
-    gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with CUDA; --no-gpu-aug "
-                          "keeps it in the CPU workers)", group="views and masking")
-    knn: bool = H.arg(None, "k-NN of the evaluated encoder at step 0 and at the end (default: on for synthetic; "
-                      "eval_linear.py's)", group="run control")
-    eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) or the --holdout "
-                            "images", group="run control", min=0)
+    gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with "
+                          "CUDA; --no-gpu-aug keeps it in the CPU workers)",
+                          group="views and masking")
+    knn: bool = H.arg(None, "k-NN of the evaluated encoder at step 0 and at the end (default: on "
+                      "for synthetic; eval_linear.py's)", group="run control")
+    eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) "
+                            "or the --holdout images", group="run control", min=0)
 
     # Small recipes: the official recipe above scaled by recipes.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
@@ -117,29 +129,31 @@ class Args(H.RunArgs):
     # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
     # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
     # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs).
-    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=9, batch_size=256,
-                             decoder_dim=128,
-                             decoder_depth=2, decoder_heads=4, feature_decoder_depth=1, proj_hidden=512, workers=2,
-                             log_every=20),
-               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=16, batch_size=512,
-                           decoder_dim=128,
-                           decoder_depth=2, decoder_heads=4, feature_decoder_depth=1, proj_hidden=512, micro_batch=0)}
+    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=9,
+                             batch_size=256, decoder_dim=128, decoder_depth=2, decoder_heads=4,
+                             feature_decoder_depth=1, proj_hidden=512, workers=2, log_every=20),
+               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=16,
+                           batch_size=512, decoder_dim=128, decoder_depth=2, decoder_heads=4,
+                           feature_decoder_depth=1, proj_hidden=512, micro_batch=0)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64,
-                     decoder_dim=64, decoder_depth=2, decoder_heads=4,
-                     feature_decoder_depth=1, proj_hidden=256, proj_dim=64, workers=2, log_every=20,
-                     steps_per_epoch=50)
+                     decoder_dim=64, decoder_depth=2, decoder_heads=4, feature_decoder_depth=1,
+                     proj_hidden=256, proj_dim=64, workers=2, log_every=20, steps_per_epoch=50)
+    RULES = {"master_size": "the official 256 px x img / 224, to a pixel"}
 
     def preset_rules(cls, preset):
-        """recipes.scale_recipe's rules, then CMAE's own: the master crop x img / 224, to a pixel (256 -> 37 px)."""
+        """recipes.scale_recipe's rules, then CMAE's own (RULES): the master crop x img / 224, to a
+        pixel (256 -> 37 px)."""
         recipes = C.optional("recipes")                              # (for a preset only: present)
         out = recipes.scale_recipe(cls, preset)
-        out.setdefault("master_size", round(cls.master_size * preset["img_size"] / recipes.OFFICIAL_IMG))
+        master = cls.master_size * preset["img_size"] / recipes.OFFICIAL_IMG
+        out.setdefault("master_size", round(master))
         return out
 
     def check(self):
         """validate()'s rule for CMAE's own flag."""
         if self.master_size < self.img_size:
-            raise C.UserError(f"--master-size {self.master_size} is smaller than --img-size {self.img_size}")
+            raise C.UserError(f"--master-size {self.master_size} is smaller than --img-size "
+                              f"{self.img_size}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,7 +168,9 @@ SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small"
 class Attention(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
 
     def forward(self, x):                                            # (B, N, D)
         B, N, D = x.shape
@@ -165,7 +181,9 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
@@ -183,8 +201,10 @@ class Block(nn.Module):
 
     def __init__(self, dim, heads, drop_path=0.0):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
-        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, 4 * dim)
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, 4 * dim)
         self.drop_path = drop_path
 
     def forward(self, x):
@@ -205,9 +225,10 @@ def sincos_pos_embed(dim, grid):
     """MAE's fixed 2-D sin-cos table, with a zero row for [CLS] first: (1, 1 + grid^2, dim),
     channels [x sin, x cos, y sin, y cos], frequencies 1 / 10000^(k / (dim/4))."""
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
-    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
-                            indexing="ij")
-    table = torch.cat([f(p.flatten()[:, None] * omega[None]) for p in (xs, ys) for f in (torch.sin, torch.cos)], 1)
+    coords = torch.arange(grid, dtype=torch.float64)
+    ys, xs = torch.meshgrid(coords, coords, indexing="ij")
+    angles = [p.flatten()[:, None] * omega[None] for p in (xs, ys)]   # (grid^2, dim / 4) each
+    table = torch.cat([f(a) for a in angles for f in (torch.sin, torch.cos)], 1)   # (grid^2, dim)
     return torch.cat([torch.zeros(1, dim), table.float()])[None]
 
 
@@ -229,13 +250,16 @@ class ViT(nn.Module):
 
     def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0):
         super().__init__()
-        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
-                           mlp_ratio=4.0, pos_embed="sincos", init="xavier")     # the checkpoint's `vit`
-        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
+        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth,
+                           heads=heads, mlp_ratio=4.0, pos_embed="sincos", init="xavier")  # ckpt["vit"]
+        self.patch_size = patch_size
+        self.dim = dim
+        self.grid = img_size // patch_size
         self.patch_embed = PatchEmbed(patch_size, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.register_buffer("pos_embed", sincos_pos_embed(dim, self.grid))    # fixed, in the state dict
-        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in torch.linspace(0, drop_path, depth).tolist())
+        rates = torch.linspace(0, drop_path, depth).tolist()         # stochastic depth, rising
+        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in rates)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.grad_ckpt = False                                       # C.set_grad_checkpointing
         xavier_init(self)
@@ -245,7 +269,8 @@ class ViT(nn.Module):
         x = self.patch_embed(x) + self.pos_embed[:, 1:]              # (B, N, D)
         if ids_keep is not None:                                     # drop the masked patches
             x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
+        cls = self.cls_token + self.pos_embed[:, :1]
+        x = torch.cat([cls.expand(x.shape[0], -1, -1), x], dim=1)
         x = C.run_blocks(self.blocks, x, self.grad_ckpt)
         return self.norm(x) if norm else x
 
@@ -277,7 +302,7 @@ def random_masking(batch, grid, ratio, unit=1, device=None):
 
 
 def restore_tokens(x, mask_token, ids_restore):
-    """(B, 1+n_keep, d) encoder tokens -> (B, 1+N, d): append mask tokens, unshuffle (MAE decoder)."""
+    """(B, 1+n_keep, d) encoder tokens -> (B, 1+N, d): append mask tokens, unshuffle (MAE)."""
     B, N = ids_restore.shape
     patches = torch.cat([x[:, 1:], mask_token.to(x.dtype).expand(B, N + 1 - x.shape[1], -1)], dim=1)
     patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
@@ -299,13 +324,13 @@ def unpatchify(x, p):
 
 
 def norm_pix(target, eps=1e-6):
-    """MAE's norm_pix_loss target: each patch's pixels (x - mean) / sqrt(var + eps), over the patch."""
+    """MAE's norm_pix_loss target: each patch's pixels (x - mean) / sqrt(var + eps), per patch."""
     mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
     return (target - mean) / (var + eps) ** 0.5
 
 
 def unnorm_pix(pred, target, eps=1e-6):
-    """norm_pix-space predictions back to pixels with the target patches' mean / var (for pictures)."""
+    """norm_pix-space predictions back to pixels with the target patches' mean / var (pictures)."""
     mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
     return pred * (var + eps) ** 0.5 + mean
 
@@ -316,8 +341,8 @@ def unnorm_pix(pred, target, eps=1e-6):
 def mlp_head(d_in, hidden, d_out):
     """Linear-BN(eps 1e-6)-ReLU-Linear(no bias): CMAE's projector and predictor (NonLinearNeck),
     PyTorch's default Linear init as official."""
-    return nn.Sequential(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden, eps=1e-6), nn.ReLU(inplace=True),
-                         nn.Linear(hidden, d_out, bias=False))
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden, eps=1e-6),
+                         nn.ReLU(inplace=True), nn.Linear(hidden, d_out, bias=False))
 
 
 class Decoder(nn.Module):
@@ -331,7 +356,8 @@ class Decoder(nn.Module):
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.register_buffer("pos_embed", sincos_pos_embed(dim, grid))
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
-        self.norm, self.out = nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, d_out)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.out = nn.Linear(dim, d_out)
         self.grad_ckpt = False
         xavier_init(self)
         nn.init.normal_(self.mask_token, std=0.02)
@@ -348,8 +374,9 @@ class CMAE(nn.Module):
         super().__init__()
         self.encoder = make_vit(a)
         D, g, p = self.encoder.dim, self.encoder.grid, a.patch_size
-        self.pixel_decoder = Decoder(D, g, a.decoder_dim, a.decoder_depth, a.decoder_heads, p * p * 3)
-        self.feature_decoder = Decoder(D, g, a.decoder_dim, a.feature_decoder_depth, a.decoder_heads, D)
+        dd, heads = a.decoder_dim, a.decoder_heads
+        self.pixel_decoder = Decoder(D, g, dd, a.decoder_depth, heads, p * p * 3)
+        self.feature_decoder = Decoder(D, g, dd, a.feature_decoder_depth, heads, D)
         self.projector = mlp_head(D, a.proj_hidden, a.proj_dim)
         self.predictor = mlp_head(a.proj_dim, a.proj_hidden, a.proj_dim)
 
@@ -365,7 +392,8 @@ class CMAE(nn.Module):
 def no_decay_rule(model):
     """Official paramwise custom_keys: no decay on biases, LayerNorms ('ln'), pos_embed, mask and
     cls tokens. The heads' BatchNorm weights are decayed."""
-    ln = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters(recurse=False)}
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    ln = {id(p) for m in norms for p in m.parameters(recurse=False)}
     return lambda name, p: (id(p) in ln or name.endswith(".bias")
                             or any(k in name for k in ("pos_embed", "mask_token", "cls_token")))
 
@@ -382,13 +410,15 @@ def frozen_copy(module):
 
 @torch.no_grad()
 def ema_update(target, online, m):
-    """theta_t <- m theta_t + (1 - m) theta_s, every parameter (BatchNorm buffers are the target's own)."""
-    torch._foreach_lerp_(list(target.parameters()), [p.detach() for p in online.parameters()], 1.0 - m)
+    """theta_t <- m theta_t + (1 - m) theta_s, every parameter (BatchNorm buffers: its own)."""
+    online = [p.detach() for p in online.parameters()]
+    torch._foreach_lerp_(list(target.parameters()), online, 1.0 - m)
 
 
 def ema_start(m, steps, horizon):
-    """The first EMA momentum: m, lowered where its horizon 1 / (1 - m) exceeds `horizon` x steps (the short-run rule:
-    recipes.scale_recipe; the same lines in each EMA method's file, pinned equal by tests/test_common.py)."""
+    """The first EMA momentum: m, lowered where its horizon 1 / (1 - m) exceeds `horizon` x steps
+    (the short-run rule: recipes.scale_recipe; the same lines in each EMA method's file, pinned
+    equal by tests/test_common.py)."""
     return min(m, 1 - 1 / max(1.0, horizon * steps)) if horizon else m
 
 
@@ -397,7 +427,8 @@ class Target(nn.Module):
 
     def __init__(self, online):
         super().__init__()
-        self.encoder, self.projector = frozen_copy(online.encoder), frozen_copy(online.projector)
+        self.encoder = frozen_copy(online.encoder)
+        self.projector = frozen_copy(online.projector)
 
     def forward(self, x):
         z_t = self.encoder(x, norm=False)[:, 1:].mean(1)                      # (B, D)
@@ -441,7 +472,8 @@ class PixelShiftViews:
 
     def __init__(self, a, color=True):
         from torchvision import transforms as T
-        self.S, self.shift = a.img_size, a.master_size - a.img_size
+        self.S = a.img_size
+        self.shift = a.master_size - a.img_size
         self.master = T.Compose([T.RandomResizedCrop(a.master_size, scale=(0.2, 1.0),
                                                      interpolation=T.InterpolationMode.BICUBIC),
                                  T.RandomHorizontalFlip()])
@@ -450,10 +482,12 @@ class PixelShiftViews:
     def __call__(self, img):
         m = self.master(img)
         S = self.S
-        dh, dw = (torch.randint(0, self.shift, (2,)) if self.shift > 0 else torch.zeros(2, dtype=torch.long)).tolist()
+        no_shift = torch.zeros(2, dtype=torch.long)
+        dh, dw = (torch.randint(0, self.shift, (2,)) if self.shift > 0 else no_shift).tolist()
         source = C.to_uint8(m.crop((0, 0, S, S)))
         target = C.to_uint8(self.color(m.crop((dw, dh, dw + S, dh + S))))
         return source, target, torch.tensor([dh, dw])
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -470,7 +504,8 @@ def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=N
     micro: images per forward/backward; InfoNCE stays over the whole (all-gathered) batch.
     """
     B = x_s.shape[0]
-    micro, scale = micro or B, scale or (lambda t: t)
+    micro = micro or B
+    scale = scale or (lambda t: t)
     with torch.no_grad(), autocast:                                     # x_t -> momentum target only
         v = torch.cat([target(x_t[i:i + micro]) for i in range(0, B, micro)]).float()   # (B, d)
     px = norm_pix(patchify(x_s, a.patch_size))                          # (B, N, p*p*3) targets
@@ -504,80 +539,108 @@ def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=N
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
+def loader_and_views(args, run, dataset, per):
+    """The training loader and views(batch): its batch as (x_s, x_t), each (B, 3, H, W) on the
+    device, normalised, the target view x_t after its colour ops: batched on the device with
+    --gpu-aug (compiled on CUDA), else in the PIL workers."""
+    views = C.Views(dataset, PixelShiftViews(args, color=not args.gpu_aug), args.seed)
+    loader = C.make_loader(views, per, args.workers, args.seed)
+    color = None
+    if args.gpu_aug:
+        color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
+
+    def to_device(batch):
+        x_s, x_t, _ = (v.to(run.device, non_blocking=True) for v in batch)
+        x_t = color(x_t, normalize=True) if color else C.normalize(x_t)
+        return C.normalize(x_s), x_t
+    return loader, to_device
+
+
+@torch.no_grad()
+def picture(run, model, x_s, ids_keep, ids_restore, mask, a, epoch, step):
+    """The epoch's picture (recon_ep<epoch>_step<step>.png, and TensorBoard): 8 source views, what
+    the encoder sees of them, the pixel decoder's reconstruction of the masked patches."""
+    n = min(8, x_s.shape[0])
+    with run.autocast:
+        pred = model.eval()(x_s[:n], ids_keep[:n], ids_restore[:n])[0].float()
+    model.train()
+    px, m = patchify(x_s[:n], a.patch_size), mask[:n, :, None]
+    recon = torch.where(m.bool(), unnorm_pix(pred, px), px)          # masked: predicted, others: given
+    rows = [x_s[:n], unpatchify(px * (1 - m), a.patch_size), unpatchify(recon, a.patch_size)]
+    path = f"{run.out}/recon_ep{epoch:04d}_step{step:06d}.png"
+    C.save_image_grid(path, rows, ["source view", "masked input", "reconstruction"], step, run.tb)
+
+
 def train(args):
     run = H.setup(args, "cmae")
-    if args.gpu_aug:                                         # colour ops batched on the device, compiled on CUDA
-        color_augment = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
     dev = run.device
     grid = args.img_size // args.patch_size
-    H.check_mask_ratio(args.mask_ratio, lambda: random_masking(1, grid, args.mask_ratio, args.mask_unit)[2].sum(),
-                       grid * grid)
-    per, micro = H.batch_plan(args, run, 4096, f"InfoNCE has {args.batch_size - 1} negatives per image instead "
-                              "of 4095", batchnorm="the projector's and predictor's")
+
+    def masked():
+        return random_masking(1, grid, args.mask_ratio, args.mask_unit)[2].sum()
+    H.check_mask_ratio(args.mask_ratio, masked, grid * grid)
+    per, micro = H.batch_plan(args, run, 4096, f"InfoNCE has {args.batch_size - 1} negatives per "
+                              "image instead of 4095", batchnorm="the projector's and predictor's")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True, holdout=args.holdout)
-    loader = C.make_loader(C.Views(dataset, PixelShiftViews(args, color=not args.gpu_aug), args.seed), per,
-                           args.workers, args.seed)
+    loader, views = loader_and_views(args, run, dataset, per)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
-    m = ema_start(args.ema, total, args.ema_horizon)               # short runs: horizon <= a share of the run
-    lr = args.lr or args.blr * args.batch_size / 256
+    m = ema_start(args.ema, total, args.ema_horizon)                 # short runs: horizon <= a share
+    peak_lr = args.lr or args.blr * args.batch_size / 256
 
-    model = CMAE(args).to(dev)
+    model = CMAE(args).to(dev)                                       # seeded in setup: all ranks
     if args.init and not run.resuming:                               # --init: start from these weights
         E = C.optional("eval_linear", "--init needs eval_linear.py next to this file")
         E.init_weights(args.init, model, model.encoder, "cmae")
-    target = Target(model).to(dev)
+    target = Target(model).to(dev)                                   # F_t: an EMA copy, no drop path
     if run.world > 1 and dev.type == "cuda":
-        model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        target = nn.SyncBatchNorm.convert_sync_batchnorm(target)
     C.set_grad_checkpointing(model, args.grad_ckpt)
-    opt = C.make_optimizer(model, lr, args.weight_decay, args.betas, dev, no_decay_rule(model))
-    start = H.resume_run(run, "cmae", args, model, opt, target, data={"train": dataset})   # global step
+    opt = C.make_optimizer(model, peak_lr, args.weight_decay, args.betas, dev, no_decay_rule(model))
+    start = H.resume_run(run, "cmae", args, model, opt, target, data={"train": dataset})
     online, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     target_fwd = torch.compile(target) if args.compile else target
+
+    def save(step, **kw):                                            # the checkpoint; snapshot=True:
+        C.save_run(run, "cmae", args, step // ipe, step, model.encoder, model, opt, target, **kw)
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
-    if log.done:                                                    # a finished or stopped run, rerun
+    if log.done:                                                     # a finished or stopped run, rerun
         return
+    why = "" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {peak_lr:.3g}{why}; "
+             f"EMA momentum {m:g}")
     knn = None
-    if H.knn_wanted(args):                                           # --knn, --eval-every: the k-NN monitor
+    if H.knn_wanted(args):                                           # --knn, --eval-every: eval_linear's k-NN
         E = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py next to this file")
         knn = E.KNNMonitor(args, run, log, model.encoder, "cmae", "online encoder")
-    def save(step, **kw):                                            # the checkpoint (snapshot=True: the encoder)
-        C.save_run(run, "cmae", args, step // ipe, step, model.encoder, model, opt, target, **kw)
-    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
-             + ("" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)")
-             + f"; EMA momentum {m:g}")
-    p, grid = args.patch_size, model.encoder.grid
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
-        model.train(), target.train()
-        for it, ((x_s, x_t, _), _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
+        model.train()
+        target.train()                                               # BatchNorm: batch statistics
+        for it, (batch, _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
             step = epoch * ipe + it
-            C.set_hparams(opt, C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe))
-            x_s, x_t = x_s.to(dev, non_blocking=True), x_t.to(dev, non_blocking=True)
-            x_t = color_augment(x_t, normalize=True) if args.gpu_aug else C.normalize(x_t)   # the target's colour ops
-            x_s = C.normalize(x_s)
-            ids_keep, ids_restore, mask = random_masking(x_s.shape[0], grid, args.mask_ratio, args.mask_unit, dev)
+            lr = C.cosine_schedule(step, total, peak_lr, args.min_lr, args.warmup_epochs * ipe)
+            C.set_hparams(opt, lr)
+            x_s, x_t = views(batch)                                  # source, shifted target view
+            ids_keep, ids_restore, mask = random_masking(x_s.shape[0], grid, args.mask_ratio,
+                                                         args.mask_unit, dev)
             opt.zero_grad(set_to_none=True)
-            loss, parts = train_step(online, target_fwd, x_s, x_t, ids_keep, ids_restore, mask, args, micro,
-                                     run.autocast, run.scaler.scale, ddp)
-            parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # official: no clipping
+            loss, parts = train_step(online, target_fwd, x_s, x_t, ids_keep, ids_restore, mask,
+                                     args, micro, run.autocast, run.scaler.scale, ddp)
+            parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # official: no clip
             ema_update(target, target.online_params(model), m)
-            if C.end_step(run, log, save, step + 1, epoch, parts, lr=opt.param_groups[0]["lr"]):
-                return                                              # preempted, --stop-step: saved
-            if knn and knn.due(step + 1):                               # --eval-every
+            stop = C.end_step(run, log, save, step=step + 1, epoch=epoch, parts=parts, lr=lr)
+            if stop:
+                return                                               # preempted, --stop-step: saved
+            if knn and knn.due(step + 1):                            # --eval-every
                 knn(step + 1)
         save((epoch + 1) * ipe)
-        n = min(8, x_s.shape[0])                                              # original / masked / recon
-        with torch.no_grad(), run.autocast:
-            pred = model.eval()(x_s[:n], ids_keep[:n], ids_restore[:n])[0].float()
-        target_px = patchify(x_s[:n], p)
-        recon = unpatchify(torch.where(mask[:n, :, None].bool(), unnorm_pix(pred, target_px), target_px), p)
-        C.save_image_grid(f"{run.out}/recon_ep{epoch:04d}_step{(epoch + 1) * ipe:06d}.png",       # the log's ep, step
-                          [x_s[:n], unpatchify(target_px * (1 - mask[:n, :, None]), p), recon],
-                          ["source view", "masked input", "reconstruction"], (epoch + 1) * ipe, run.tb)
+        picture(run, model, x_s, ids_keep, ids_restore, mask, args, epoch, (epoch + 1) * ipe)
 
     if knn:                                                          # after the final checkpoint: a stop
         knn.final(log.end)                                           # signal now ends the program at once
+
 
 if __name__ == "__main__":
     H.main(train, Args)

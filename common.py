@@ -94,13 +94,6 @@ def all_gather(x, grad=True):
     return _AllGather.apply(x) if grad else _AllGather.forward(None, x)
 
 
-def all_reduce_mean(x):
-    """Mean of x over ranks, autograd-aware (backward: mean of the incoming grads' sum)."""
-    if world_size() == 1:
-        return x
-    return all_gather(x[None]).mean(0)
-
-
 def all_reduce_sum_(x):
     """In-place sum over ranks, no autograd (for statistics under no_grad)."""
     if world_size() > 1:
@@ -129,7 +122,7 @@ def set_grad_checkpointing(model, on=True):
 
 def save_image_grid(path, rows, labels, step=None, tb=None):
     """rows: (B, 3, H, W) ImageNet-normalised tensors -> one PNG (rank 0), a labelled row each, tiles >= 64 px; also
-    to `tb` (the run's tensorboard_log.Writer)."""
+    to `tb` (the run's TensorBoard writer)."""
     if not is_main():
         return
     from PIL import ImageDraw
@@ -146,8 +139,8 @@ def save_image_grid(path, rows, labels, step=None, tb=None):
     for i, text in enumerate(labels):
         draw.text((6, i * tile + tile // 2 - 6), text, fill="black")
     canvas.save(path)
-    if tb is not None:
-        tb.image(path, grid, step)
+    if tb is not None:                                           # tagged by the file's name less epoch / step
+        tb.add(step, image=(re.sub(r"_ep\d+.*", "", os.path.basename(path)), grid))
 
 
 def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
@@ -422,11 +415,6 @@ def digest(paths, root):
     return hashlib.sha1("\n".join(os.path.relpath(p, root) for p in paths).encode()).hexdigest()[:16]
 
 
-def fingerprint(dataset):
-    """The dataset's fingerprint() (image and video folders), else its size (the synthetic sets)."""
-    return dataset.fingerprint() if hasattr(dataset, "fingerprint") else {"items": len(dataset)}
-
-
 def held_out(items, n, held=False):
     """--holdout n: the n of sorted `items` that training never sees (held: those, else the others), a draw fixed by n
     and len(items) alone (not --seed): every run and evaluation agree."""
@@ -482,24 +470,13 @@ def epoch_batches(run, loader, epoch, ipe, start_step, args):
         loader.run_iter = iter(loader)
     loader.run_next = (epoch + 1, 0)
     data = getattr(loader.dataset, "dataset", loader.dataset)       # the images under Views
-    bad0 = bad_reads(data)
-    for it, batch in enumerate(waited(itertools.islice(loader.run_iter, ipe - first), run), start=first):
+    bad0, t = bad_reads(data), time.perf_counter()
+    for it, batch in enumerate(itertools.islice(loader.run_iter, ipe - first), start=first):
+        run.data_wait += time.perf_counter() - t                    # the time next() blocked (MAE's "data" time)
         run.bad_images = check_unreadable(data, (it + 1) * loader.batch_size, bad0, args.max_unreadable)
         yield it, batch
-    check_unreadable(data, ipe * loader.batch_size, bad0, args.max_unreadable, final=True)
-
-
-def waited(batches, run):
-    """Yield from `batches`, adding the time each next() blocks to run.data_wait (MAE's "data" time)."""
-    it = iter(batches)
-    while True:
         t = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:
-            return
-        run.data_wait += time.perf_counter() - t
-        yield batch
+    check_unreadable(data, ipe * loader.batch_size, bad0, args.max_unreadable, final=True)
 
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
@@ -635,15 +612,35 @@ def _logged_step(line):
         return math.inf
 
 
+class TensorBoard:
+    """--tensorboard: every logged scalar and the pictures also in <output-dir>/tensorboard, each write flushed (a run's
+    last records are on disk when it returns). The package is imported for this flag only; the folder is opened at the
+    first write, after a run from step 0 moved an earlier one aside (Logger)."""
+
+    def __init__(self, out):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard), or leave the flag "
+                            "out") from None
+        self.folder, self.open, self.writer = os.path.join(out, "tensorboard"), SummaryWriter, None
+
+    def add(self, step, rec=(), image=None):
+        """Every number of a log record but its epoch and step; an image: (tag, (3, H, W) in [0, 1])."""
+        self.writer = self.writer or self.open(self.folder)
+        for k, v in dict(rec).items():
+            if isinstance(v, (int, float)) and k not in ("epoch", "step"):
+                self.writer.add_scalar(k, v, step)
+        if image:
+            self.writer.add_image(*image, step or 0)
+        self.writer.flush()
+
+
 def keep_aside(path):
     """Rename path to its name and modification time (log.20261128-153000.jsonl), never over another file."""
     base, ext = os.path.splitext(path)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
-    moved = f"{base}.{stamp}{ext}"
-    for i in itertools.count(1):
-        if not os.path.exists(moved):
-            break
-        moved = f"{base}.{stamp}-{i}{ext}"
+    moved = next(m for i in itertools.count() if not os.path.exists(m := f"{base}.{stamp}{f'-{i}' * bool(i)}{ext}"))
     os.replace(path, moved)
     return moved
 
@@ -680,9 +677,13 @@ class Logger:
                 if os.path.exists(old):
                     print(f"{old} is an earlier run's (this one starts at step 0): moved to {keep_aside(old)}")
 
+    def due(self, step):
+        """Whether step is a log step (--log-every, the run's last, a --stop-epoch's last)."""
+        return not step % self.every or step in (self.total, self.stop)
+
     def step(self, step, epoch, parts, force=False, **scalars):
         """parts: dict of 0-d tensors (loss terms), kept on device until logged."""
-        logged = not step % self.every or step in (self.total, self.stop) or force
+        logged = self.due(step) or force
         first = not logged and step == self.first                        # an early console line and ETA only
         if not (logged or first):
             return None
@@ -711,7 +712,7 @@ class Logger:
 
     def append(self, rec):
         if getattr(self.run, "tb", None) is not None:                  # --tensorboard
-            self.run.tb.scalars(rec, rec.get("step", self.last))
+            self.run.tb.add(rec.get("step", self.last), rec)
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")

@@ -866,7 +866,7 @@ def embed(a, enc, ckpt, device):
     import numpy as np
     if not a.output:
         raise C.UserError("--mode embed writes features.npy and files.txt into --output DIR: give it")
-    H.check_writable(a.output, "--output")
+    _lock = H.claim_dir(a.output, "--output")                       # held while this evaluation writes
     ds = C.image_dataset(a.data, "train") if a.data == "synthetic" else C.ImageFiles(a.data)
     feats, _ = features(replace(a, cache=False), enc.to(device), ckpt, "embed", ds, device)
     np.save(os.path.join(a.output, "features.npy"), feats.numpy().astype(np.float32))
@@ -885,7 +885,7 @@ def export(a, enc, ckpt):
     """--export OUT: the evaluated encoder alone, as encoder.pth (and encoder.safetensors where the safetensors package
     is installed), and config.json: how to rebuild it in timm (`timm.create_model(**config["timm"])`, then
     load_state_dict), its pooling and the preprocessing (mean / std, size)."""
-    H.check_writable(a.export, "--export")
+    _lock = H.claim_dir(a.export, "--export")                       # held while the export writes
     v, pool = ckpt["vit"], a.pool or DEFAULT_POOL.get(ckpt["method"], "cls")
     beit = v.get("pos_embed") == "none"
     name = "beit_base_patch16_224" if beit else f"vit_{TIMM_NAMES.get(v['dim'], 'small')}_patch16_224"  # resized

@@ -672,7 +672,7 @@ def evaluate(a):
     a = resolved(a)
     device = H.resolve_device(a.device)
     if a.output:
-        H.check_writable(a.output, "--output")
+        _lock = H.claim_dir(a.output, "--output")                   # held while this evaluation writes
     if baseline:
         enc, ckpt = PatchPixels(a.patch_size or 1), {"method": "pixels" if a.pixels else "copy-first"}
     else:

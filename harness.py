@@ -1,8 +1,8 @@
-"""The run harness of the method files (`import harness as H`): launching, the command line, starting a run (setup,
-resume, validation, the batch plan) and stopping it (the non-finite guard, preemption, checkpoint timing). It imports
-common.py, the training kit, never the reverse, and optional modules where present: recipes.py (the presets),
-tensorboard_log.py (--tensorboard), slurm.py (srun without torchrun). Nothing here is one method's: a method's flags
-(help, group, range, checks) and its preset rules live in its own file."""
+"""The run harness of the method files (`import harness as H`): launching (torchrun, or an srun step without it), the
+command line, starting a run (setup, resume, validation, the batch plan) and stopping it (the non-finite guard,
+preemption, checkpoint timing). It imports common.py, the training kit, never the reverse, and recipes.py (the presets)
+where it was copied along. Nothing here is one method's: a method's flags (help, group, range, checks) and its preset
+rules live in its own file."""
 import argparse
 import contextlib
 import dataclasses
@@ -35,13 +35,29 @@ def resolve_device(name=None):
     return torch.device(name)
 
 
+def srun_env(env=None):
+    """torchrun's variables for a task of an srun step of several tasks (one task per GPU): rank, world and local rank
+    from SLURM's (the step's task count, not the job's), MASTER_ADDR as exported (scripts/train.sbatch), MASTER_PORT
+    from the job id or exported. {}: not such a task (torchrun's variables set, no srun step, or one task)."""
+    env = os.environ if env is None else env
+    count = lambda k: int(re.match(r"\d*", env.get(k, "")).group() or 0)    # noqa: E731  SLURM writes "8(x2)"
+    world = count("SLURM_STEP_NUM_TASKS") or count("SLURM_NTASKS")
+    if "WORLD_SIZE" in env or not ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env) or world < 2:
+        return {}
+    if "MASTER_ADDR" not in env:
+        raise UserError("an srun step of several tasks needs MASTER_ADDR, rank 0's host: export MASTER_ADDR=$(scontrol "
+                        "show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1), as scripts/train.sbatch does")
+    out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(world), "LOCAL_RANK": env["SLURM_LOCALID"],
+           "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + count("SLURM_JOB_ID") % 20000)}
+    per_node = count("SLURM_STEP_TASKS_PER_NODE") or count("SLURM_NTASKS_PER_NODE")
+    return out | ({"LOCAL_WORLD_SIZE": str(per_node)} if per_node else {})
+
+
 def init_distributed(device):
-    """One process group from torchrun's variables, or from an srun step's (slurm.py maps them); nccl on CUDA, else
-    gloo. Returns (rank, world, device)."""
+    """One process group from torchrun's variables, or from an srun step's (srun_env maps them, as DINO's and MAE's
+    init_distributed_mode do); nccl on CUDA, else gloo. Returns (rank, world, device)."""
     device, env = str(resolve_device(device)), os.environ
-    srun = not dist.is_initialized() and "WORLD_SIZE" not in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
-    derived = C.optional("slurm", "an srun step without torchrun needs slurm.py next to this file (or torchrun to "
-                         "start it)").srun_env() if srun else {}
+    derived = srun_env() if not dist.is_initialized() else {}
     env.update(derived)                                          # env:// rendezvous as under torchrun
     if int(env.get("WORLD_SIZE", 1)) == 1:
         return 0, 1, torch.device(device)
@@ -188,10 +204,8 @@ def setup(args, method):
     out = args.output_dir = args.output_dir or os.path.join("runs", method)
     device_defaults(args, device)
     ckpt, tb = os.path.join(out, "checkpoint.pth"), None
-    lock = None
+    lock = claim_dir(out, "--output-dir") if is_main() else None     # held until this process ends
     if is_main():
-        check_writable(out, "--output-dir")
-        lock = lock_output_dir(out)                                 # held until this process ends
         for tmp in glob.glob(glob.escape(ckpt) + ".tmp.*"):         # its writer is gone (it held the lock): a run
             os.remove(tmp)                                          # killed while saving (SIGKILL, node loss)
             print(f"removed {tmp}: the unfinished checkpoint write of a run killed while saving")
@@ -200,11 +214,12 @@ def setup(args, method):
         print(f"{method}: {world} process(es) on {device}, precision {precision}, torch.compile "
               f"{'on' if args.compile else 'off'}{aug}, output {out}")
         print(json.dumps(dataclasses.asdict(args)))
+        if getattr(args, "preset", None) and C.optional("recipes"):          # what it set, and why
+            print(C.optional("recipes").explain(type(args), args.preset, args))
         with open(os.path.join(out, "args.json"), "w") as f:                      # the run's flags, readable
             json.dump(dataclasses.asdict(args), f, indent=1)
-        if getattr(args, "tensorboard", False):                          # tensorboard_log.py: for this flag only
-            tb = C.optional("tensorboard_log", "--tensorboard needs tensorboard_log.py next to this file, or leave the "
-                          "flag out").Writer(out)
+        if getattr(args, "tensorboard", False):
+            tb = C.TensorBoard(out)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
     guard = Guard(device, precision, ckpt)
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
@@ -213,26 +228,26 @@ def setup(args, method):
                               lock=lock, data={}, bad_images=None, resuming=bool(args.resume and os.path.isfile(ckpt)))
 
 
-def lock_output_dir(out):
-    """Hold <out>/.lock for the whole run: a second run in the same --output-dir is refused in one line (the two would
-    write one log, one checkpoint and one args.json). A POSIX record lock (fcntl.lockf: local disks and NFS), released
-    when the process ends, however it ends. Returns the open file (keep it), or None where there is no fcntl."""
+def claim_dir(out, what):
+    """Create `out` and hold <out>/.lock while this process lives: an unwritable directory, or one another run is
+    writing to (the two would write one log, one checkpoint), is a one-line error at the start. A POSIX record lock
+    (fcntl.lockf: local disks and NFS), released however the process ends. Returns the open file: keep it."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        f = open(os.path.join(out, ".lock"), "a+")
+    except OSError as e:
+        raise UserError(f"{what} {out} is not a writable directory ({e.strerror or type(e).__name__})") from None
     try:
         import fcntl
-        import socket
-    except ImportError:                                             # not POSIX: no lock
-        return None
-    f = open(os.path.join(out, ".lock"), "a+")
-    try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:                                             # not POSIX: no lock
+        return f
     except OSError:
         f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise UserError(f"--output-dir {out} is in use by another run ({holder}): wait for it to end, or use another "
-                        "--output-dir") from None
+        raise UserError(f"{what} {out} is in use by another run ({f.read().strip() or 'another process'}): wait for "
+                        f"it to end, or use another {what}") from None
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    f.write(f"pid {os.getpid()} on {os.uname().nodename}")
     f.flush()
     return f
 
@@ -240,8 +255,7 @@ def lock_output_dir(out):
 # run control: a resumed run may change these (a script may add its own: cls.RUN_ONLY)
 RUN_ONLY = {"workers", "resume", "compile", "log_every", "device", "micro_batch", "grad_ckpt", "stop_epoch",
             "stop_step", "save_every", "save_every_minutes", "max_unreadable", "output_dir", "knn", "eval_every",
-            "keep_every", "precision",
-            "tensorboard"}
+            "keep_every", "precision", "tensorboard"}
 SCHEDULE = {"epochs", "steps_per_epoch"}              # may change on resume, with a line (the schedules follow)
 
 
@@ -250,7 +264,8 @@ def resume_run(run, method, args, model, optimizer, target=None, data=None):
     the global step to start from (0 for a new run). data: {split: dataset} the run reads; their fingerprints go into
     every checkpoint, and a rerun whose data changed (images added, removed, moved; another --holdout draw: the steps
     per epoch, the schedules and the held-out images would shift under it) is refused like a changed flag."""
-    run.data = {k: C.fingerprint(d) for k, d in (data or {}).items()}
+    run.data = {k: d.fingerprint() if hasattr(d, "fingerprint") else {"items": len(d)}     # synthetic: its size
+                for k, d in (data or {}).items()}
     if not (args.resume and os.path.isfile(run.ckpt)):
         return 0
     ckpt = C.load_checkpoint(run.ckpt, method)
@@ -286,13 +301,12 @@ def resume_run(run, method, args, model, optimizer, target=None, data=None):
 
 def data_change(old, new):
     """What differs between two runs' data fingerprints, in words: 'train images 50000 -> 50100, other train files'."""
+    words = {"files": "other {s} files", "held_out": "another {s} held-out draw"}           # else: a count changed
     out = []
-    for split in sorted(set(old) | set(new)):
-        o, n = old.get(split, {}), new.get(split, {})
-        for k in sorted(set(o) | set(n), key=lambda k: (k in ("files", "held_out"), k)):     # the counts first
-            if o.get(k) != n.get(k):
-                out.append(f"other {split} files" if k == "files" else f"another {split} held-out draw"
-                           if k == "held_out" else f"{split} {k} {o.get(k)} -> {n.get(k)}")
+    for s in sorted(set(old) | set(new)):
+        o, n = old.get(s, {}), new.get(s, {})
+        out += [words.get(k, "{s} {k} {o} -> {n}").format(s=s, k=k, o=o.get(k), n=n.get(k))
+                for k in sorted(set(o) | set(n), key=lambda k: (k in words, k)) if o.get(k) != n.get(k)]
     return ", ".join(out)
 
 
@@ -308,7 +322,7 @@ def device_defaults(args, device):
         args.gpu_aug = device.type == "cuda" and os.path.isfile(C.sibling("gpu_aug"))
         if device.type == "cuda" and not args.gpu_aug:
             print0("no gpu_aug.py next to this file: the colour augmentation runs in the workers")
-    if getattr(args, "gpu_aug", False) and not os.path.isfile(C.sibling("gpu_aug")):   # the method imports it
+    if getattr(args, "gpu_aug", False) and not os.path.isfile(C.sibling("gpu_aug")):   # the method reads it
         raise UserError("--gpu-aug needs gpu_aug.py next to this file (or --no-gpu-aug: colour in the workers)")
 
 
@@ -318,18 +332,6 @@ def distribute(net, run):
         return net, None
     ddp = torch.nn.parallel.DistributedDataParallel(net, device_ids=[run.device] if run.device.type == "cuda" else None)
     return ddp, ddp
-
-
-def check_writable(out, what):
-    """Create `out` and write a probe file in it: an unusable output directory is a one-line error at start."""
-    probe = os.path.join(out, f".write_test.{os.getpid()}")
-    try:
-        os.makedirs(out, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise UserError(f"{what} {out} is not a writable directory ({e.strerror or type(e).__name__})") from None
 
 
 def validate(args):
@@ -369,9 +371,6 @@ def validate(args):
         raise bad(f"img-size {d['img_size']} is not a multiple of --patch-size {d['patch_size']}")
     if d.get("decoder_dim", 0) % d.get("decoder_heads", 1):
         raise bad(f"decoder-dim {d['decoder_dim']} is not divisible by --decoder-heads {d['decoder_heads']}")
-    if d.get("decoder_depth", 1) < 1:
-        raise bad(f"decoder-depth must be >= 1 (with no decoder block a masked patch's prediction cannot see the "
-                  f"visible patches: the encoder would get no gradient from it), got {d['decoder_depth']}")
     if hasattr(args, "check"):
         args.check()                                                             # the script's own rules
 

@@ -1,5 +1,6 @@
 """MSN: Masked Siamese Networks for Label-Efficient Learning.
-Assran, Caron, Misra, Bojanowski, Bordes, Vincent, Joulin, Rabbat, Ballas. ECCV 2022. arXiv:2204.07141.
+Assran, Caron, Misra, Bojanowski, Bordes, Vincent, Joulin, Rabbat, Ballas. ECCV 2022.
+arXiv:2204.07141.
 
 Idea. An image gives one unmasked target view and M anchor views (one 224 px view with a random
 15% of its patches dropped, and small "focal" crops). The anchor's [CLS] embedding, compared with
@@ -8,23 +9,27 @@ copy of the network, sharpened and balanced with Sinkhorn. A mean-entropy-maximi
 (ME-MAX) keeps all prototypes in use. Only the online (anchor) branch receives gradients.
 
 Launch. `--batch-size` is the GLOBAL batch (recipe: 1024 = official 64 x 16 GPUs); each process
-takes batch / processes images in micro-batches of --micro-batch (default 512: 46 GB peak measured
-on an 80 GB H100; README) and the step is exact: Sinkhorn and ME-MAX stay over the global batch.
+takes batch / processes images in micro-batches of --micro-batch (default 512; docs/DESIGN.md
+measures the memory) and the step is exact: Sinkhorn and ME-MAX stay over the global batch.
   python msn.py --data synthetic                       # CPU quickstart, ~5 min, ends with k-NN
   python msn.py --data /cifar10 --preset small         # CIFAR-10 folders, 2 CPU cores: stated rules
   python msn.py --data /imagenet                       # ViT-S/16 official recipe on 1 GPU: 2 x 512
   torchrun --nproc_per_node=8 msn.py --data /imagenet  # the same objective on 8 GPUs: 8 x 128
   python msn.py --data /imagenet --grad-ckpt --micro-batch 1024   # 1 GPU, one micro-batch
-  python msn.py --data /imagenet --gpu-decode          # few CPU cores: JPEGs decoded and cropped on the GPU
+  python msn.py --data /imagenet --gpu-decode          # few CPU cores: JPEGs decoded on the GPU
+  python msn.py --data /my/images --init msn_vits16.pth.tar --eval-every 500   # go on, watch k-NN
 
-Files. This file, common.py (the training kit its loop calls: schedules, the optimiser step, micro-batches,
-data, checkpoints, the log) and harness.py (the command line and presets, launching, resume, preemption) are all
-a run needs: copy the three.
+Files. This file, common.py (the training kit: schedules, the optimiser step, micro-batches, data,
+checkpoints, the log) and harness.py (the command line, launching, resume, preemption) train the
+official recipe on an image folder. Beside them, for a flag: recipes.py (--preset, and with
+synthetic.py --data synthetic), eval_linear.py (--init, --knn, --eval-every), gpu_aug.py (the colour
+ops on the GPU, default on CUDA; without it they run in the workers), gpu_decode.py (--gpu-decode).
 
 Paper -> code.
   Views x+ (target), x_1..x_M (anchors), Sec 3.1 .... MultiView (data section)
   Random masking of anchor patches, Sec 3.2 ......... random_masking, ViT.forward(ids_keep)
-  Encoders f_theta / EMA f_theta_bar, Sec 3.3 ........ ViT, Net (ViT [CLS] + 3-layer head), make_target, ema_update
+  Encoders f_theta / EMA f_theta_bar, Sec 3.3 ........ ViT, Net (ViT [CLS] + 3-layer head),
+                                                       make_target, ema_update
   p = softmax(<z, q>/tau), Eq. (1) ................... msn_loss: log_p
   p+ = sharpen(softmax(<z+, q>/tau)), tau+ < tau ..... msn_loss: p_plus (softmax at tau_plus)
   Sinkhorn balancing of p+ (official code) ........... sinkhorn
@@ -36,7 +41,8 @@ Where this file follows the official code (facebookresearch/msn) rather than the
 differs from both, and why:
   - Sinkhorn-Knopp (3 iterations, sums all-reduced across GPUs) on the sharpened targets, as in
     the official ViT-S/16 config; the paper's equations only sharpen.
-  - Sharpening softmax(cos/0.1)^(1/0.25), normalised, is computed as the identical softmax(cos/0.025).
+  - Sharpening softmax(cos/0.1)^(1/0.25), normalised, is computed as the identical
+    softmax(cos/0.025).
   - Schedules (lr warm-up 2e-4 -> 1e-3 then cosine to 1e-6, weight decay cosine 0.04 -> 0.4,
     EMA momentum linear 0.996 -> 1) span 1.25 x the training steps; training stops at 80% of them.
     Step k uses the lr and weight decay at k; official schedulers step before use (k + 1), one
@@ -85,45 +91,59 @@ import harness as H
 class Args(H.RunArgs):
     """MSN pre-training (defaults: official ViT-S/16 ImageNet recipe)."""
     data: str = H.arg(None, "image folder (uses DIR/train if present) or 'synthetic'", group="data")
-    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/msn)",
-                            group="data")
+    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go "
+                            "(default runs/msn)", group="data")
     model: str = H.arg("small", "ViT size: nano|micro|tiny|small|base|large", group="model")
-    init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the official MSN "
-                      "file, an MAE-style 'model' dict or a timm / DeiT state dict (read by eval_linear.py)",
-                      group="model")
+    init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the "
+                      "official MSN file, an MAE-style 'model' dict or a timm / DeiT state dict "
+                      "(read by eval_linear.py)", group="model")
     patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
     img_size: int = H.arg(224, "target / random anchor view size", group="data", positive=True)
-    epochs: int = H.arg(800, "training epochs (the schedules span them)", group="optimisation", positive=True)
-    batch_size: int = H.arg(1024, "GLOBAL batch, all processes (official 64 x 16 GPUs)", group="optimisation",
-                            positive=True)
-    micro_batch: int = H.arg(512, "images per forward/backward per process (46 GB measured on an 80 GB H100, bf16; 0 = "
-                             "the whole per-process batch); the step stays exact", group="optimisation", min=0)
-    lr: float = H.arg(1e-3, "peak lr (not scaled with batch size)", group="optimisation", positive=True)
+    epochs: int = H.arg(800, "training epochs (the schedules span them)",
+                        group="optimisation", positive=True)
+    batch_size: int = H.arg(1024, "GLOBAL batch, all processes (official 64 x 16 GPUs)",
+                            group="optimisation", positive=True)
+    micro_batch: int = H.arg(512, "images per forward/backward per process (0 = the whole "
+                             "per-process batch; memory: docs/DESIGN.md); the step stays exact",
+                             group="optimisation", min=0)
+    lr: float = H.arg(1e-3, "peak lr (not scaled with batch size)",
+                      group="optimisation", positive=True)
     start_lr: float = H.arg(2e-4, "lr at the start of warm-up", group="optimisation", min=0)
     min_lr: float = H.arg(1e-6, "lr at the end of the cosine schedule", group="optimisation", min=0)
     warmup_epochs: float = H.arg(15, "linear lr warm-up epochs", group="optimisation", min=0)
-    weight_decay: float = H.arg(0.04, "start of the cosine wd schedule", group="optimisation", min=0)
-    final_weight_decay: float = H.arg(0.4, "weight decay at the end (cosine)", group="optimisation", min=0)
+    weight_decay: float = H.arg(0.04, "start of the cosine wd schedule",
+                                group="optimisation", min=0)
+    final_weight_decay: float = H.arg(0.4, "weight decay at the end (cosine)",
+                                      group="optimisation", min=0)
     betas: tuple = H.arg((0.9, 0.999), "AdamW betas", group="optimisation")
-    clip_grad: float = H.arg(3.0, "max grad norm of encoder+head (0 = off)", group="optimisation", min=0)
+    clip_grad: float = H.arg(3.0, "max grad norm of encoder+head (0 = off)",
+                             group="optimisation", min=0)
     ema: tuple = H.arg((0.996, 1.0), "EMA momentum start, end (linear)", group="optimisation")
-    ema_horizon: float = H.arg(0.0, "cap the EMA horizon 1/(1-m) at this fraction of the run's steps by lowering the "
-                               "first momentum (0: official; short-run presets: 0.02)", group="optimisation", min=0)
-    ipe_scale: float = H.arg(1.25, "schedules span ipe_scale x the steps run", group="optimisation", min=1,
-                             why=" (the schedules span ipe-scale x the run: below 1 they would end before it)")
+    ema_horizon: float = H.arg(0.0, "cap the EMA horizon 1/(1-m) at this fraction of the run's "
+                               "steps by lowering the first momentum (0: official; short-run "
+                               "presets: 0.02)", group="optimisation", min=0)
+    ipe_scale: float = H.arg(1.25, "schedules span ipe_scale x the steps run",
+                             group="optimisation", min=1,
+                             why=" (the schedules span ipe-scale x the run: below 1 they would end "
+                                 "before it)")
     drop_path: float = H.arg(0.0, "stochastic depth rate of the last block", group="model", min=0)
     # views and masking
-    rand_views: int = H.arg(1, "masked anchor views at img-size", group="views and masking", positive=True)
+    rand_views: int = H.arg(1, "masked anchor views at img-size",
+                            group="views and masking", positive=True)
     focal_views: int = H.arg(10, "focal views per image", group="views and masking", min=0)
     focal_size: int = H.arg(96, "focal view size (px)", group="views and masking", positive=True)
-    rand_scale: tuple = H.arg((0.3, 1.0), "crop area range of the random anchor views", group="views and masking")
-    focal_scale: tuple = H.arg((0.05, 0.3), "crop area range of the focal views", group="views and masking")
-    mask_ratio: float = H.arg(0.15, "patch drop ratio of the random anchors", group="views and masking")
-    gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with CUDA; --no-gpu-aug "
-                          "keeps it in the CPU workers)", group="views and masking")
-    gpu_decode: bool = H.arg(False, "decode JPEGs, crop and flip on the device (gpu_decode.py; needs --gpu-aug): the "
-                             "workers only read files, for hosts whose CPUs cannot feed the GPU",
-                             group="views and masking")
+    rand_scale: tuple = H.arg((0.3, 1.0), "crop area range of the random anchor views",
+                              group="views and masking")
+    focal_scale: tuple = H.arg((0.05, 0.3), "crop area range of the focal views",
+                               group="views and masking")
+    mask_ratio: float = H.arg(0.15, "patch drop ratio of the random anchors",
+                              group="views and masking")
+    gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with "
+                          "CUDA; --no-gpu-aug keeps it in the CPU workers)",
+                          group="views and masking")
+    gpu_decode: bool = H.arg(False, "decode JPEGs, crop and flip on the device (gpu_decode.py; "
+                             "needs --gpu-aug): the workers only read files, for hosts whose CPUs "
+                             "cannot feed the GPU", group="views and masking")
     # head, prototypes, loss
     head_hidden: int = H.arg(2048, "projection hidden width", group="model", positive=True)
     head_dim: int = H.arg(256, "projection output width", group="model", positive=True)
@@ -134,10 +154,10 @@ class Args(H.RunArgs):
     me_max_weight: float = H.arg(1.0, "weight of the ME-MAX regulariser", min=0)
     sinkhorn_iters: int = H.arg(3, "Sinkhorn-Knopp iterations", min=0)
     # run plumbing
-    knn: bool = H.arg(None, "k-NN of the evaluated encoder at step 0 and at the end (default: on for synthetic; "
-                      "eval_linear.py's)", group="run control")
-    eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) or the --holdout "
-                            "images", group="run control", min=0)
+    knn: bool = H.arg(None, "k-NN of the evaluated encoder at step 0 and at the end (default: on "
+                      "for synthetic; eval_linear.py's)", group="run control")
+    eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) "
+                            "or the --holdout images", group="run control", min=0)
 
     # Small recipes: the official recipe above scaled by recipes.scale_recipe's short-run rules (lr per image x
     # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
@@ -147,33 +167,41 @@ class Args(H.RunArgs):
     # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
     # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
     # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs).
-    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=4, batch_size=256,
-                             head_hidden=512,
-                             workers=2, log_every=20),
-               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=5, batch_size=512,
-                           head_hidden=512,
-                           micro_batch=0)}
-    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, focal_views=4, epochs=8, batch_size=64,
-                     head_hidden=256, head_dim=64, num_prototypes=64, workers=2, log_every=20, steps_per_epoch=40)
+    PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=4,
+                             batch_size=256, head_hidden=512, workers=2, log_every=20),
+               "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=5,
+                           batch_size=512, head_hidden=512, micro_batch=0)}
+    SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, focal_views=4, epochs=8,
+                     batch_size=64, head_hidden=256, head_dim=64, num_prototypes=64, workers=2,
+                     log_every=20, steps_per_epoch=40)
+    RULES = {"start_lr": "the official start lr, scaled as the lr",
+             "num_prototypes": "1,024 for 1,024 images, as official: each one's share of a batch",
+             "focal_size": "the official 96 px x img / 224, a multiple of the patch"}
 
     def preset_rules(cls, preset):
-        """recipes.scale_recipe's rules, then MSN's own: the warm-up's start lr scaled as the lr, the prototypes in
-        their official ratio to the batch (1,024 at 1,024: Sinkhorn gives every prototype the same share of a batch's
-        target mass), the focal crop x img / 224 (a multiple of the patch)."""
+        """recipes.scale_recipe's rules, then MSN's own (RULES): the warm-up's start lr scaled as
+        the lr, the prototypes in their official ratio to the batch (1,024 at 1,024: Sinkhorn gives
+        every prototype the same share of a batch's target mass), the focal crop x img / 224."""
         recipes = C.optional("recipes")                              # (for a preset only: present)
-        d, out = {f.name: f.default for f in fields(cls)}, recipes.scale_recipe(cls, preset)
-        p, lr_ratio = preset.get("patch_size", d["patch_size"]), preset.get("lr_factor", 1.0) * preset["batch_size"]
-        out.setdefault("start_lr", float(f"{d['start_lr'] * lr_ratio / d['batch_size']:.4g}"))
-        out.setdefault("num_prototypes", max(2, round(d["num_prototypes"] * preset["batch_size"] / d["batch_size"])))
-        out.setdefault("focal_size", max(p, round(d["focal_size"] * preset["img_size"] / recipes.OFFICIAL_IMG / p) * p))
+        d = {f.name: f.default for f in fields(cls)}
+        out = recipes.scale_recipe(cls, preset)
+        p = preset.get("patch_size", d["patch_size"])
+        batch_ratio = preset["batch_size"] / d["batch_size"]
+        start_lr = d["start_lr"] * batch_ratio * preset.get("lr_factor", 1.0)
+        out.setdefault("start_lr", float(f"{start_lr:.4g}"))
+        out.setdefault("num_prototypes", max(2, round(d["num_prototypes"] * batch_ratio)))
+        focal = d["focal_size"] * preset["img_size"] / recipes.OFFICIAL_IMG
+        out.setdefault("focal_size", max(p, round(focal / p) * p))
         return out
 
     def check(self):
         """validate()'s rules for MSN's own flags."""
         if self.focal_size % self.patch_size:
-            raise C.UserError(f"--focal-size {self.focal_size} is not a multiple of --patch-size {self.patch_size}")
+            raise C.UserError(f"--focal-size {self.focal_size} is not a multiple of --patch-size "
+                              f"{self.patch_size}")
         if self.start_lr > self.lr:
-            raise C.UserError(f"--start-lr {self.start_lr:g} is above the peak lr {self.lr:g}: the warm-up would fall")
+            raise C.UserError(f"--start-lr {self.start_lr:g} is above the peak lr {self.lr:g}: the "
+                              "warm-up would fall")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +216,9 @@ SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small"
 class Attention(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
 
     def forward(self, x):                                            # (B, N, D)
         B, N, D = x.shape
@@ -199,7 +229,9 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
@@ -217,8 +249,10 @@ class Block(nn.Module):
 
     def __init__(self, dim, heads, drop_path=0.0):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads)
-        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, 4 * dim)
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, 4 * dim)
         self.drop_path = drop_path
 
     def forward(self, x):
@@ -249,17 +283,21 @@ def trunc_init(module):
 
 class ViT(nn.Module):
     """forward(x, ids_keep=None, norm=True) -> (B, 1 + n, D), [CLS] first; ids_keep (B, n): the
-    patches kept (MSN's patch drop). Init as official (trunc_init; cls and pos-embed trunc-normal)."""
+    patches kept (MSN's patch drop). Init as official (trunc_init; cls, pos-embed trunc-normal)."""
 
     def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, drop_path=0.0):
         super().__init__()
-        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
-                           mlp_ratio=4.0, pos_embed="learned", init="trunc")     # the checkpoint's `vit`
-        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
+        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth,
+                           heads=heads, mlp_ratio=4.0, pos_embed="learned", init="trunc")  # ckpt["vit"]
+        self.patch_size = patch_size
+        self.dim = dim
+        self.grid = img_size // patch_size
         self.patch_embed = PatchEmbed(patch_size, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        self.pos_embed = nn.Parameter(nn.init.trunc_normal_(torch.zeros(1, 1 + self.grid ** 2, dim), std=0.02))
-        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in torch.linspace(0, drop_path, depth).tolist())
+        pos_embed = torch.zeros(1, 1 + self.grid ** 2, dim)
+        self.pos_embed = nn.Parameter(nn.init.trunc_normal_(pos_embed, std=0.02))
+        rates = torch.linspace(0, drop_path, depth).tolist()         # stochastic depth, rising
+        self.blocks = nn.ModuleList(Block(dim, heads, p) for p in rates)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.grad_ckpt = False                                       # C.set_grad_checkpointing
         trunc_init(self)
@@ -278,7 +316,8 @@ class ViT(nn.Module):
         x = self.patch_embed(x) + self.patch_pos_embed(gh, gw)       # (B, N, D)
         if ids_keep is not None:                                     # patch drop: keep a subset
             x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
+        cls = self.cls_token + self.pos_embed[:, :1]
+        x = torch.cat([cls.expand(x.shape[0], -1, -1), x], dim=1)
         x = C.run_blocks(self.blocks, x, self.grad_ckpt)
         return self.norm(x) if norm else x
 
@@ -291,15 +330,18 @@ def make_vit(a):
 
 
 def random_masking(n, grid, ratio, device=None):
-    """MSN's patch drop: each of n anchor views keeps int(N (1 - ratio)) of its N = grid^2 patches,
-    drawn uniformly (indices ascending); the others never enter the encoder. -> ids_keep (n, n_keep)."""
+    """MSN's patch drop: each of n anchor views keeps int(N (1 - ratio)) of its N = grid^2
+    patches, drawn uniformly (indices ascending); the others never enter the encoder.
+    Returns ids_keep (n, n_keep)."""
     N = grid * grid
-    return torch.rand(n, N, device=device).argsort(1)[:, :int(N * (1 - ratio))].sort(1).values
+    shuffled = torch.rand(n, N, device=device).argsort(1)         # a random permutation per view
+    kept = shuffled[:, :int(N * (1 - ratio))]                        # its first n_keep patches
+    return kept.sort(1).values
 
 
 def make_target(net):
-    """f_theta_bar: a copy of f_theta without gradients and with drop path off in every block, so its
-    targets are deterministic in train mode (its BatchNorm keeps batch statistics, as official)."""
+    """f_theta_bar: a copy of f_theta without gradients and with drop path off in every block, so
+    its targets are deterministic in train mode (its BatchNorm keeps batch statistics: official)."""
     target = copy.deepcopy(net).requires_grad_(False)
     for m in target.modules():
         if isinstance(m, Block):
@@ -309,18 +351,20 @@ def make_target(net):
 
 @torch.no_grad()
 def ema_update(target, online, m):
-    """theta_bar <- m theta_bar + (1 - m) theta, every parameter (BatchNorm buffers are the target's own)."""
-    torch._foreach_lerp_(list(target.parameters()), [p.detach() for p in online.parameters()], 1.0 - m)
+    """theta_bar <- m theta_bar + (1 - m) theta, every parameter (BatchNorm buffers: its own)."""
+    online = [p.detach() for p in online.parameters()]
+    torch._foreach_lerp_(list(target.parameters()), online, 1.0 - m)
 
 
 def ema_start(m, steps, horizon):
-    """The first EMA momentum: m, lowered where its horizon 1 / (1 - m) exceeds `horizon` x steps (the short-run rule:
-    recipes.scale_recipe; the same lines in each EMA method's file, pinned equal by tests/test_common.py)."""
+    """The first EMA momentum: m, lowered where its horizon 1 / (1 - m) exceeds `horizon` x steps
+    (the short-run rule: recipes.scale_recipe; the same lines in each EMA method's file, pinned
+    equal by tests/test_common.py)."""
     return min(m, 1 - 1 / max(1.0, horizon * steps)) if horizon else m
 
 
 def linear_schedule(step, total, start, end):
-    """The EMA momentum m: start -> end linearly over `total` steps (official momentum_scheduler)."""
+    """The EMA momentum m: start -> end linearly over `total` steps (the official scheduler)."""
     return start + (end - start) * min(1.0, step / max(1, total))
 
 
@@ -351,7 +395,7 @@ class MSN(nn.Module):
         nn.init.uniform_(self.prototypes, -a.head_dim ** -0.5, a.head_dim ** -0.5)
 
     def forward(self, rand_views, focal_views, ids_keep):
-        """rand_views (R*B, 3, S, S) masked by ids_keep, focal_views (F*B, 3, s, s) or None.
+        """rand_views (R*B, 3, S, S) masked by ids_keep, focal_views (Nf*B, 3, s, s) or None.
         Returns anchor embeddings z (M*B, d), view-major."""
         z = [self.net(rand_views, ids_keep)]                          # head per resolution group
         if focal_views is not None:
@@ -383,7 +427,8 @@ def sinkhorn(P, iters=3):
     return (Q * B).T                                                 # (B, K), rows sum to 1
 
 
-def msn_loss(anchor, target, prototypes, tau=0.1, tau_plus=0.025, me_max_weight=1.0, sinkhorn_iters=3):
+def msn_loss(anchor, target, prototypes, tau=0.1, tau_plus=0.025, me_max_weight=1.0,
+             sinkhorn_iters=3):
     """MSN objective, Eq. (2) with the official Sinkhorn targets. Returns (loss, parts).
 
     anchor (M*B, d): projected anchor views z_{i,m}, view-major (row m*B + i);
@@ -391,7 +436,7 @@ def msn_loss(anchor, target, prototypes, tau=0.1, tau_plus=0.025, me_max_weight=
     prototypes (K, d): q. All cosine similarities (z and q L2-normalised).
       p_{i,m} = softmax(<z_{i,m}, q> / tau)                                          (M*B, K)
       p+_i    = Sinkhorn(softmax(<z+_i, q> / tau_plus))            stop-gradient       (B, K)
-      CE      = (1 / MB) sum_{i,m} H(p+_i, p_{i,m}),  H(a, b) = -sum_k a_k log b_k     mean over rows
+      CE      = (1 / MB) sum_{i,m} H(p+_i, p_{i,m}),  H(a, b) = -sum_k a_k log b_k   row mean
       p_bar   = mean of p_{i,m} over all rows of all processes                         (K,)
       ME-MAX  = sum_k p_bar_k log p_bar_k + log K  (= log K - H(p_bar) >= 0)
       loss    = CE + me_max_weight * ME-MAX
@@ -406,7 +451,7 @@ def msn_loss(anchor, target, prototypes, tau=0.1, tau_plus=0.025, me_max_weight=
         n_proto = torch.zeros(K, device=p_plus.device).scatter_(0, p_plus.argmax(-1), 1.0).sum()
         p_plus = p_plus.repeat(anchor.shape[0] // target.shape[0], 1)                   # (M*B, K)
     ce = -(p_plus * log_p).sum(dim=-1).mean()
-    p_bar = C.all_reduce_mean(log_p.exp().mean(dim=0))                                 # (K,)
+    p_bar = C.all_gather(log_p.exp().mean(dim=0)[None]).mean(0)             # (K,): over the global batch
     me_max = (p_bar * torch.log(p_bar)).sum() + math.log(K)
     loss = ce + me_max_weight * me_max
     return loss, {"loss": loss.detach(), "ce": ce.detach(), "me_max": me_max.detach(),
@@ -414,21 +459,24 @@ def msn_loss(anchor, target, prototypes, tau=0.1, tau_plus=0.025, me_max_weight=
 
 
 # ----------------------------------------------------------------------------------------------
-# Data: 1 target + R random anchors at img_size, F focal anchors at focal_size
+# Data: 1 target + R random anchors at img_size, Nf focal anchors at focal_size
 # ----------------------------------------------------------------------------------------------
 def view_specs(a):
-    """(size, crop scale, count) of each view group, in view order: target + R random anchors, F focal."""
-    return [(a.img_size, a.rand_scale, 1 + a.rand_views), (a.focal_size, a.focal_scale, a.focal_views)]
+    """(size, crop scale, count) of each view group, in view order: target + R random anchors,
+    Nf focal."""
+    return [(a.img_size, a.rand_scale, 1 + a.rand_views),
+            (a.focal_size, a.focal_scale, a.focal_views)]
 
 
 class MultiView:
-    """PIL image -> [target, rand_1..rand_R, focal_1..focal_F] uint8 tensors (official transforms)."""
+    """PIL image -> [target, rand_1..rand_R, focal_1..focal_Nf] uint8 tensors (official ops)."""
 
     def __init__(self, a):
         from torchvision import transforms as T
         def view(size, scale):                                       # --gpu-aug: colour in the loop
             color = [] if a.gpu_aug else [C.color_augment()]
-            return T.Compose([T.RandomResizedCrop(size, scale=scale), T.RandomHorizontalFlip(), *color, C.to_uint8])
+            crop = T.RandomResizedCrop(size, scale=scale)
+            return T.Compose([crop, T.RandomHorizontalFlip(), *color, C.to_uint8])
         self.views = []
         for size, scale, n in view_specs(a):
             self.views += [view(size, scale)] * n                    # one transform per group, applied n times
@@ -437,44 +485,50 @@ class MultiView:
         return [t(img) for t in self.views]
 
 
+
 # ----------------------------------------------------------------------------------------------
 # The training step: views -> networks -> loss, forward and backward
 # ----------------------------------------------------------------------------------------------
-def train_step(online, target, x_target, x_rand, x_focal, ids_keep, a, micro=None,
+def train_step(online, target_net, x_target, x_rand, x_focal, ids_keep, a, micro=None,
                autocast=contextlib.nullcontext(), scale=None, ddp=None):
     """One MSN step on this process's B images; gradients are left in the online parameters.
 
-    x_target (B, 3, S, S): the target view, seen ONLY by the target network f_theta_bar, unmasked,
-      without gradient;
+    x_target (B, 3, S, S): the target view, seen ONLY by the target network f_theta_bar
+      (target_net), unmasked, without gradient;
     x_rand (R, B, 3, S, S): random anchors, masked by ids_keep (R, B, n_keep) (kept patch indices);
-    x_focal (F, B, 3, s, s) or None: focal anchors, unmasked. Anchors go to the online network.
-    online: MSN (or its DDP / compiled wrapper); target: Net. micro: images per forward/backward
+    x_focal (Nf, B, 3, s, s) or None: focal anchors, unmasked. Anchors go to the online f_theta.
+    online: MSN (or its DDP / compiled wrapper); target_net: Net. micro: images per forward/backward
     (Sinkhorn and ME-MAX stay over the whole batch: C.gradient_cache). Returns (loss, parts).
     """
     B = x_target.shape[0]
-    micro, scale = micro or B, scale or (lambda t: t)
-    q = C.unwrap(online).prototypes.float()                             # prototypes (K, d)
-    with torch.no_grad(), autocast:                                     # target view -> f_theta_bar only
-        z_plus = torch.cat([target(x_target[i:i + micro]) for i in range(0, B, micro)]).float()  # (B, d)
+    micro = micro or B
+    scale = scale or (lambda t: t)
+    q = C.unwrap(online).prototypes.float()                          # prototypes (K, d)
+    with torch.no_grad(), autocast:                                  # target view -> f_theta_bar only
+        z_plus = torch.cat([target_net(x_target[i:i + micro]) for i in range(0, B, micro)]).float()  # (B, d)
 
-    def anchors(sl):                                                    # anchor views -> f_theta: (M*b, d)
+    def anchors(sl):                                                 # anchor views -> f_theta: (M*b, d)
+        focal = x_focal[:, sl].flatten(0, 1) if x_focal is not None else None
         with autocast:
-            return online(x_rand[:, sl].flatten(0, 1), x_focal[:, sl].flatten(0, 1) if x_focal is not None else None,
-                          ids_keep[:, sl].flatten(0, 1)).float()        # view-major
+            z = online(x_rand[:, sl].flatten(0, 1), focal, ids_keep[:, sl].flatten(0, 1))
+        return z.float()                                             # view-major
 
-    if micro >= B:                                                      # the paper's step, one pass
-        loss, parts = msn_loss(anchors(slice(None)), z_plus, q, a.tau, a.tau_plus, a.me_max_weight, a.sinkhorn_iters)
-        scale(loss).backward()                                          # loss = CE + ME-MAX, Eq. (2)
+    def loss_of(z):                                                  # Eq. (2), z view-major (M*B, d)
+        return msn_loss(z, z_plus, q, a.tau, a.tau_plus, a.me_max_weight, a.sinkhorn_iters)
+
+    if micro >= B:                                                   # the paper's step, one pass
+        loss, parts = loss_of(anchors(slice(None)))
+        scale(loss).backward()                                       # loss = CE + ME-MAX
         return loss.detach(), parts
     # Micro-batches: Sinkhorn and ME-MAX couple the whole batch, so the gradient cache computes the
-    # same loss and gradient (tests/test_step.py); the anchors are passed image-major (b, M, d).
-    def forward(sl, local):
-        z = anchors(sl)
-        return None, z.view(-1, ids_keep[:, sl].shape[1], z.shape[-1]).transpose(0, 1), {}
+    # same loss and gradient (tests/test_step.py); it takes the anchors image-major (b, M, d).
+    M = ids_keep.shape[0] + (x_focal.shape[0] if x_focal is not None else 0)
 
-    def coupled(z):                                                     # (B, M, d) -> view-major (M*B, d)
-        return msn_loss(z.transpose(0, 1).reshape(-1, z.shape[-1]), z_plus, q, a.tau, a.tau_plus,
-                        a.me_max_weight, a.sinkhorn_iters)
+    def forward(sl, local):
+        return None, anchors(sl).view(M, -1, q.shape[-1]).transpose(0, 1), {}
+
+    def coupled(z):                                                  # (B, M, d) -> view-major (M*B, d)
+        return loss_of(z.transpose(0, 1).reshape(-1, z.shape[-1]))
 
     return C.gradient_cache(forward, coupled, B, micro, scale, ddp)
 
@@ -482,91 +536,123 @@ def train_step(online, target, x_target, x_rand, x_focal, ids_keep, a, micro=Non
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
+def loader_and_views(args, run, dataset, per):
+    """The training loader and views(batch): its batch as the step's views on the device,
+    normalised: x_target (B, 3, S, S), x_rand (R, B, 3, S, S), x_focal (Nf, B, 3, s, s) or None.
+    The performance flags act here only: --gpu-aug runs the colour ops batched on the device, one
+    call per view size, compiled on CUDA (else in the PIL workers); --gpu-decode has the workers
+    read the files and draw MultiView's boxes and flips, which the device applies to the decoded
+    JPEGs."""
+    color = None
+    if args.gpu_aug:
+        color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
+
+    def prep(v):                                                     # (n B, 3, S, S) uint8 -> normalised
+        return color(v, normalize=True) if color else C.normalize(v)
+    if args.gpu_decode:
+        if not args.gpu_aug:
+            raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, "
+                              "colour runs on the device")
+        G = C.optional("gpu_decode", "--gpu-decode needs gpu_decode.py next to this file")
+        boxes = G.Boxes(view_specs(args))
+        views = C.Views(G.encoded(dataset), boxes, args.seed)
+        loader = C.make_loader(views, per, args.workers, args.seed, collate=G.collate)
+
+        def to_device(batch):                                        # decoded, cropped and flipped there
+            return G.views(batch, run.device, boxes.sizes, dataset)
+    else:
+        views = C.Views(dataset, MultiView(args), args.seed)
+        loader = C.make_loader(views, per, args.workers, args.seed)
+
+        def to_device(batch):
+            return [v.to(run.device, non_blocking=True) for v in batch]
+
+    def views(batch):
+        v = to_device(batch)
+        R, B = args.rand_views, v[0].shape[0]
+        x = prep(torch.cat(v[:1 + R])).unflatten(0, (1 + R, B))     # target and random anchors: one size
+        x_focal = prep(torch.cat(v[1 + R:])).unflatten(0, (-1, B)) if args.focal_views else None
+        return x[0], x[1:], x_focal
+    return loader, views
+
+
 def train(args):
     run = H.setup(args, "msn")
-    if args.gpu_aug:                                         # colour ops batched on the device, compiled on CUDA
-        color_augment = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
     dev, R = run.device, args.rand_views
-    grid = args.img_size // args.patch_size                            # of a random anchor
-    H.check_mask_ratio(args.mask_ratio, lambda: grid * grid - random_masking(1, grid, args.mask_ratio).shape[1],
-                       grid * grid, need_masked=False)                 # no patch drop (0) is valid
-    per, micro = H.batch_plan(args, run, 1024, f"Sinkhorn targets and the ME-MAX mean are statistics of the "
-                              f"global batch; with {args.batch_size} images against {args.num_prototypes} "
-                              "prototypes the targets flatten and the prototype marginal is noisier",
-                              batchnorm="the projection head's")
+    grid = args.img_size // args.patch_size                          # of a random anchor
+    def dropped():
+        return grid * grid - random_masking(1, grid, args.mask_ratio).shape[1]
+    H.check_mask_ratio(args.mask_ratio, dropped, grid * grid, need_masked=False)   # 0: valid
+    weakens = (f"Sinkhorn targets and the ME-MAX mean are statistics of the global batch; with "
+               f"{args.batch_size} images against {args.num_prototypes} prototypes the targets "
+               "flatten and the prototype marginal is noisier")
+    per, micro = H.batch_plan(args, run, 1024, weakens, batchnorm="the projection head's")
     dataset = C.image_dataset(args.data, "train", skip_unreadable=True, holdout=args.holdout)
-    if args.gpu_decode:                                              # workers read files and draw the boxes
-        if not args.gpu_aug:
-            raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, colour runs on "
-                              "the device")
-        G = C.optional("gpu_decode", "--gpu-decode needs gpu_decode.py next to this file")
-        boxes = G.Boxes(view_specs(args))                            # MultiView's crops and flips
-        loader = C.make_loader(C.Views(G.encoded(dataset), boxes, args.seed), per, args.workers, args.seed,
-                               collate=G.collate)
-    else:
-        loader = C.make_loader(C.Views(dataset, MultiView(args), args.seed), per, args.workers, args.seed)
+    loader, views = loader_and_views(args, run, dataset, per)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
     sched = int(args.ipe_scale * total)                              # schedules over 1.25x, stop at 80%
-    m0 = ema_start(args.ema[0], total, args.ema_horizon)           # short runs: horizon <= a share of the run
+    m0 = ema_start(args.ema[0], total, args.ema_horizon)             # short runs: horizon <= a share of the run
 
     model = MSN(args).to(dev)                                        # seeded in setup: same on all ranks
     if args.init and not run.resuming:                               # --init: start from these weights
         E = C.optional("eval_linear", "--init needs eval_linear.py next to this file")
         E.init_weights(args.init, model, model.net.encoder, "msn")
-    target = make_target(model.net)                                  # f_theta_bar: EMA of f_theta, no drop path
+    target_net = make_target(model.net)                              # f_theta_bar: a copy, no drop path
     if run.world > 1 and dev.type == "cuda":
-        model, target = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (model, target))
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        target_net = nn.SyncBatchNorm.convert_sync_batchnorm(target_net)
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, args.lr, args.weight_decay, args.betas, dev, no_decay)
-    start = H.resume_run(run, "msn", args, model, opt, target, data={"train": dataset})   # global step
+    start = H.resume_run(run, "msn", args, model, opt, target_net, data={"train": dataset})   # global step
     online, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
-    target_fwd = torch.compile(target) if args.compile else target
+    target_fwd = torch.compile(target_net) if args.compile else target_net
+
+    def save(step, **kw):                                            # the checkpoint; snapshot=True: the encoder
+        C.save_run(run, "msn", args, step // ipe, step, target_net.encoder, model, opt, target_net,
+                   **kw)
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
-    if log.done:                                                    # a finished or stopped run, rerun
+    if log.done:                                                     # a finished or stopped run, rerun
         return
+    lr_rule = f"--preset {args.preset}: recipes.py" if args.preset else "absolute, as official"
+    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps ({args.epochs} epochs; "
+             f"schedules span {sched}), {1 + R + args.focal_views} views/image; lr "
+             f"{args.start_lr:g} -> {args.lr:g} -> {args.min_lr:g} ({lr_rule}); EMA momentum "
+             f"{m0:g} -> {args.ema[1]:g}")
     knn = None
-    if H.knn_wanted(args):                                           # --knn, --eval-every: the k-NN monitor
+    if H.knn_wanted(args):                                           # --knn, --eval-every: eval_linear's k-NN
         E = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py next to this file")
-        knn = E.KNNMonitor(args, run, log, target.encoder, "msn", "target encoder")
-    def save(step, **kw):                                            # the checkpoint (snapshot=True: the encoder)
-        C.save_run(run, "msn", args, step // ipe, step, target.encoder, model, opt, target, **kw)
-    C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps ({args.epochs} epochs; schedules span "
-             f"{sched}), {1 + R + args.focal_views} views/image; lr {args.start_lr:g} -> {args.lr:g} -> "
-             f"{args.min_lr:g} (absolute; " + (f"--preset {args.preset}: recipes.scale_recipe's rules)" if args.preset
-                                               else "not scaled with the batch, as official); EMA momentum "
-             f"{m0:g} -> {args.ema[1]:g}"))
+        knn = E.KNNMonitor(args, run, log, target_net.encoder, "msn", "target encoder")
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
-        model.train(), target.train()                                # official target uses batch BN stats
-        for it, (views, _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
+        model.train()
+        target_net.train()                                           # official: batch BN statistics
+        for it, (batch, _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
             step = epoch * ipe + it
-            lr = C.cosine_schedule(step, sched, args.lr, args.min_lr, args.warmup_epochs * ipe, args.start_lr)
+            warmup = args.warmup_epochs * ipe
+            lr = C.cosine_schedule(step, sched, args.lr, args.min_lr, warmup, args.start_lr)
             wd = C.cosine_schedule(step, sched, args.weight_decay, args.final_weight_decay)
             m = linear_schedule(step, sched, m0, args.ema[1])
             C.set_hparams(opt, lr, wd)
-
-            views = (G.views(views, dev, boxes.sizes, dataset) if args.gpu_decode   # decoded, cropped, flipped here
-                     else [v.to(dev, non_blocking=True) for v in views])
-            B = views[0].shape[0]                                     # one call per view size: (n * B, 3, S, S)
-            prep = (lambda v: color_augment(v, normalize=True)) if args.gpu_aug else C.normalize
-            x = prep(torch.cat(views[:1 + R])).unflatten(0, (1 + R, B))
-            x_target, x_rand = x[0], x[1:]                           # (B, ...), (R, B, ...)
-            x_focal = prep(torch.cat(views[1 + R:])).unflatten(0, (-1, B)) if args.focal_views else None
-            ids_keep = random_masking(R * B, model.net.encoder.grid, args.mask_ratio, device=dev)
+            x_target, x_rand, x_focal = views(batch)                 # (B, ...), (R, B, ...), (Nf, B, ...)
+            B = x_target.shape[0]
+            ids_keep = random_masking(R * B, grid, args.mask_ratio, device=dev).view(R, B, -1)
             opt.zero_grad(set_to_none=True)
-            loss, parts = train_step(online, target_fwd, x_target, x_rand, x_focal, ids_keep.view(R, B, -1), args,
+            loss, parts = train_step(online, target_fwd, x_target, x_rand, x_focal, ids_keep, args,
                                      micro, run.autocast, run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.net.parameters(), args.clip_grad)
-            ema_update(target, model.net, m)
-            if C.end_step(run, log, save, step + 1, epoch, parts, lr=lr, wd=wd, mom=m):
-                return                                              # preempted, --stop-step: saved
-            if knn and knn.due(step + 1):                               # --eval-every
+            ema_update(target_net, model.net, m)
+            stop = C.end_step(run, log, save, step=step + 1, epoch=epoch, parts=parts,
+                              lr=lr, wd=wd, mom=m)                   # log, NaN watch, save when due
+            if stop:
+                return                                               # preempted, --stop-step: saved
+            if knn and knn.due(step + 1):                            # --eval-every
                 knn(step + 1)
         save((epoch + 1) * ipe)
 
     if knn:                                                          # after the final checkpoint: a stop
         knn.final(log.end)                                           # signal now ends the program at once
+
 
 if __name__ == "__main__":
     H.main(train, Args)

@@ -49,6 +49,40 @@ def apply(cls, given, name, error):
     return {**named[name], **given, "preset": name}
 
 
+def explain(cls, name, args):
+    """The run's plan for --preset `name`: one line per flag the preset sets, its value in this run and the rule
+    behind it (a flag given on the command line wins, said so). The rules: scale_recipe's, and the method's own
+    (its Args.RULES)."""
+    literal = cls.SYNTHETIC if name == "synthetic" else getattr(cls, "PRESETS", {}).get(name, {})
+    d = {f.name: f.default for f in dataclasses.fields(cls)}
+    inputs = {k: getattr(args, k) for k in ("epochs", "batch_size", "img_size", "patch_size")
+              if getattr(args, k, None) is not None}
+    derived = presets(cls, inputs).get(name, {})
+    factor, batch = literal.get("lr_factor", 1.0), inputs.get("batch_size")
+    rules = {"lr": f"the official {d.get('lr')} for {d['batch_size']} images, per image (x {batch} / "
+                   f"{d['batch_size']}) x lr_factor {factor:g} (scripts/lr_sweep.py, held-out images)",
+             "blr": f"the official blr {d.get('blr')} (per image already) x lr_factor {factor:g}",
+             "warmup_epochs": f"the official warm-up's share of the run ({d.get('warmup_epochs')} of "
+                              f"{d.get('epochs')} epochs)",
+             "ema_horizon": f"the EMA horizon 1 / (1 - m) at most {SHORT_EMA:g} of the run's steps",
+             "mask_unit": f"the official {d.get('mask_unit')} x {d.get('patch_size')} px mask blocks x img / "
+                          f"{OFFICIAL_IMG}, in patches"}
+    rules["min_lr"] = rules["lr"].replace(f"the official {d.get('lr')}", f"the official end {d.get('min_lr')}")
+    rules |= getattr(cls, "RULES", {})
+    lines = [f"--preset {name} (recipes.py) sets:"]
+    own = "the synthetic config's" if name == "synthetic" else "the preset's (its budget)"
+    for k, v in derived.items():
+        if k == "preset" or not hasattr(args, k):
+            continue
+        why = rules.get(k) if k in rules else own if k in literal else "scale_recipe"
+        now, v = getattr(args, k), literal.get(k, v)                # a given flag: not the preset's
+        if now != v:
+            why = f"given on the command line (the preset's: {v})"
+        lines.append(f"  --{k.replace('_', '-')} {' '.join(map(str, now)) if isinstance(now, tuple) else now}: "
+                     f"{why}")
+    return "\n".join(lines)
+
+
 def describe(cls):
     """--help's closing lines: every preset's values."""
     def show(d):

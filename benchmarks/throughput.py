@@ -122,8 +122,7 @@ def setup(method, a, dev):
         proj = (N + 1) * lin(D, args.proj_hidden, args.proj_hidden, args.proj_dim)
         logits = 2 * N * N * args.proj_dim                      # each image's patch-to-patch similarities
         flops = (3 * B * (blocks(D, depth, N + 1) + proj) + 2 * B * embed(D, N, p) + 2 * B * logits
-                 + B * (blocks(D, depth, N + 1) + embed(D, N, p) + proj)                           # teacher
-                 + B * logits)                    # the logged symmetry: masked outputs' cosines, no grad
+                 + B * (blocks(D, depth, N + 1) + embed(D, N, p) + proj))   # teacher; `sym`: log steps only
 
         us = u8(B)
 

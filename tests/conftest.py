@@ -6,6 +6,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "scripts"))             # the tools a user runs on a checkpoint
 
 
 @pytest.fixture(autouse=True)

@@ -183,7 +183,8 @@ def test_knn_without_a_val_split_or_with_a_val_class_train_lacks_is_refused_at_s
     ("siammae", dict(decoder_dim=16, decoder_heads=3), "--decoder-dim 16 is not divisible by --decoder-heads 3"),
     ("siammae", dict(gap=(0, 3)), "--gap must be 1 <= min <= max frames (0 pairs a frame with itself), got (0, 3)"),
     ("siammae", dict(gap=(5, 3)), "--gap must be 1 <= min <= max frames"),
-    ("cmae", dict(decoder_depth=0), "--decoder-depth must be >= 1 (with no decoder block a masked patch's"),
+    ("cmae", dict(decoder_depth=0), "--decoder-depth must be >= 1 (a masked patch sees the visible ones only through "
+                                    "them), got 0"),
     ("can", dict(decoder_depth=0), "--decoder-depth must be >= 1"),
     ("siammae", dict(decoder_depth=-1), "--decoder-depth must be >= 1"),
     ("msn", dict(ipe_scale=0.5), "--ipe-scale must be >= 1 (the schedules span ipe-scale x the run"),

@@ -181,7 +181,7 @@ def _gather_worker(rank, world):
     y = C.all_gather(x)                                                    # (6, 2)
     w = torch.arange(12.0).view(6, 2) * (rank + 1)                          # rank-specific loss
     (y * w).sum().backward()
-    m = C.all_reduce_mean(x.sum(0))
+    m = C.all_gather(x.sum(0)[None]).mean(0)                              # MSN's mean over ranks
     z = C.all_gather(x, grad=False)                                        # CMAE's targets: no autograd
     return y.detach(), x.grad, m.detach(), (z, z.requires_grad)
 

@@ -98,7 +98,8 @@ def test_student_gradients_mask_token_and_teacher_stop_gradient():
 
 def test_the_logged_symmetry_measures_read_the_students_outputs_and_table():
     """`rpb` is the max |b| of the STUDENT's bias table (the one trained at --rel-pos-lr; the teacher's lags it by the
-    EMA horizon) and `sym` the masked_symmetry of the student's outputs, as train_step returns them."""
+    EMA horizon) and `sym` the masked_symmetry of the student's outputs, as train_step returns them on a log step
+    (diagnose=True: the loop's log.due); on the others the step computes neither (its time is the objective's)."""
     a = tiny_args("/tmp/unused", drop_path=0.0)
     torch.manual_seed(0)
     student = conmim.Net(a)
@@ -107,10 +108,20 @@ def test_the_logged_symmetry_measures_read_the_students_outputs_and_table():
         student.encoder.rel_pos_bias.relative_position_bias_table.normal_(0, 0.5)   # the teacher's stays at 0
     x_w, x_s, mask = torch.randn(8, 3, 16, 16), torch.randn(8, 3, 16, 16), conmim.random_masking(8, 4, 0.75, 1)
     _, parts = conmim.train_step(student, teacher, x_w, x_s, mask, a)
+    assert set(parts) == {"loss"}
+    _, parts = conmim.train_step(student, teacher, x_w, x_s, mask, a, diagnose=True)
     table = student.encoder.rel_pos_bias.relative_position_bias_table
     assert parts["rpb"].item() == table.abs().max().item() > 0.5
     with torch.no_grad():
         assert parts["sym"].item() == pytest.approx(conmim.masked_symmetry(student(x_w, mask), mask).item(), abs=1e-6)
+
+
+def test_a_run_logging_every_few_steps_logs_the_symmetry_on_its_log_steps(tmp_path):
+    """The loop's steps between log steps report fewer parts (no `sym`, `rpb`): the run goes on (the non-finite
+    watch sees the loss and the gradient norm of every step) and each logged record has both."""
+    conmim.train(tiny_args(tmp_path, log_every=3, epochs=2, steps_per_epoch=3))
+    recs = [json.loads(line) for line in open(tmp_path / "log.jsonl") if '"loss"' in line]
+    assert [r["step"] for r in recs] == [3, 6] and all("sym" in r and "rpb" in r for r in recs)
 
 
 def _ddp_worker(rank, world, s, t, mask):

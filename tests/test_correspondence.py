@@ -1,4 +1,4 @@
-"""eval_correspondence.py and the synthetic clips' ground-truth motion: oracles with known answers
+"""scripts/eval_correspondence.py and the synthetic clips' ground-truth motion: oracles with known answers
 (a translated textured frame: its raw pixels find every source, noise finds ~chance, "no motion" none),
 the truth itself (f1 warped by it reproduces f2), and a run on a tiny SiamMAE checkpoint."""
 import json

@@ -460,7 +460,7 @@ def test_evaluate_reports_the_mean_over_objects_and_checks_its_flags(tmp_path, m
                                    "F_mean": 40.0, "JF_mean": 45.0}
     for _ in range(2):                                                  # twice into the same --output
         run(output=str(tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path / "out")) == ["a", "b"]
+    assert sorted(os.listdir(tmp_path / "out")) == [".lock", "a", "b"]                   # held while it wrote
     for kw, match in [(dict(ckpt=None), r"--ckpt \(or a baseline: --pixels, --copy-first\) and --data are required"),
                       (dict(data=None), "and --data are required"),
                       (dict(topk=0), "--topk must be positive"), (dict(radius=0.0), "--radius must be positive"),

@@ -479,7 +479,7 @@ def test_a_resumed_run_refuses_data_that_changed_in_one_line(tmp_path):
         run(output_dir=str(tmp_path / "h"), holdout=3)
 
 
-_HOLD = ("import os, sys, time, harness as H; f = H.lock_output_dir(sys.argv[1]); "
+_HOLD = ("import os, sys, time, harness as H; f = H.claim_dir(sys.argv[1], \"--output-dir\"); "
          "open(os.path.join(sys.argv[1], f'checkpoint.pth.tmp.{os.getpid()}'), 'w').write('half written'); "
          "print('locked', flush=True); time.sleep(120)")
 

@@ -1,10 +1,9 @@
-"""The house's floors: common.py (the training kit) imports nothing of the repository but synthetic.py (for --data
-synthetic); harness.py (the run harness) imports common.py and, where present, optional modules: recipes.py (the
-presets; it imports nothing of the repository), and for a flag or an environment tensorboard_log.py (--tensorboard)
-and slurm.py (an srun step without torchrun), which import only common.py; nothing above them; neither imports a
-method file, an evaluation script or another optional helper (gpu_aug.py, gpu_decode.py are imported by the files
-that use them, for their flag); the evaluation scripts import no method file except eval_correspondence (SiamMAE's
-decoder is what it measures); and neither shared module names a method's own flag."""
+"""The house's floors: common.py (the training kit) imports nothing of the repository but, for --data synthetic,
+synthetic.py; harness.py (the run harness) imports common.py and, for --preset / --help, recipes.py (which imports
+nothing of the repository); nothing above them; neither imports a method file, an evaluation script or another
+optional helper (gpu_aug.py, gpu_decode.py, eval_linear.py are read by the files that use them, for their flag);
+the evaluation scripts import no method file (scripts/ may: eval_correspondence.py reads SiamMAE's decoder); and
+neither shared module names a method's own flag."""
 import ast
 import os
 
@@ -12,8 +11,8 @@ import pytest
 
 from helpers import ROOT
 
-HIGHER = {"msn", "cmae", "conmim", "can", "siammae", "eval_linear", "eval_finetune", "eval_video",
-          "eval_correspondence", "gpu_aug", "gpu_decode"}
+HIGHER = {"msn", "cmae", "conmim", "can", "siammae", "eval_linear", "eval_finetune", "eval_video", "gpu_aug",
+          "gpu_decode"}
 
 
 def imported(path):
@@ -37,13 +36,12 @@ def test_common_imports_nothing_above_it():
 def test_the_harness_imports_only_common_below_it():
     """One way: method files -> harness -> common, never back (no circle, no arrow up)."""
     assert "common" in imported("harness.py") and not imported("harness.py") & HIGHER, imported("harness.py") & HIGHER
-    repo = HIGHER | {"harness", "common", "synthetic", "recipes", "slurm", "tensorboard_log"}
-    assert imported("slurm.py") & repo == imported("tensorboard_log.py") & repo == {"common"}
-    assert not imported("recipes.py") & repo
+    repo = HIGHER | {"harness", "common", "synthetic", "recipes"}
+    assert imported("harness.py") & repo == {"common", "recipes"} and not imported("recipes.py") & repo
 
 
-@pytest.mark.parametrize("path", ["gpu_aug.py", "gpu_decode.py", "synthetic.py", "slurm.py", "recipes.py",
-                                  "tensorboard_log.py", "eval_linear.py", "eval_finetune.py", "eval_video.py"])
+@pytest.mark.parametrize("path", ["gpu_aug.py", "gpu_decode.py", "synthetic.py", "recipes.py", "eval_linear.py",
+                                  "eval_finetune.py", "eval_video.py"])
 def test_helpers_and_evaluations_import_no_method_file(path):
     assert not imported(path) & {"msn", "cmae", "conmim", "can", "siammae"}
 
@@ -98,3 +96,17 @@ def test_a_flag_that_several_scripts_declare_has_one_group_and_range_in_all():
     assert {"batch_size", "patch_size", "weight_decay", "mask_ratio", "ckpt"} <= set(shared)
     for name, copies in shared.items():
         assert len(set(copies.values())) == 1, (name, copies)
+
+
+@pytest.mark.parametrize("path", ["msn.py", "cmae.py", "conmim.py", "can.py", "siammae.py"])
+def test_a_method_files_code_keeps_within_100_columns(path):
+    """The method files are read beside their papers: a line's code (all before its trailing comment, docstrings
+    included) at most 100 columns; ruff's 120 leave room for a shape comment beside it (ruff.toml)."""
+    import io
+    import tokenize
+    src = open(os.path.join(ROOT, path)).read()
+    comment = {t.start[0]: t.start[1] for t in tokenize.generate_tokens(io.StringIO(src).readline)
+               if t.type == tokenize.COMMENT}
+    wide = [(i, len(line[:comment.get(i)].rstrip())) for i, line in enumerate(src.splitlines(), 1)
+            if len(line[:comment.get(i)].rstrip()) > 100]
+    assert not wide, wide

@@ -469,3 +469,29 @@ def test_the_reconstruction_picture_shows_the_last_batch_through_the_trained_mod
     if method == "can":
         torch.testing.assert_close(patches(rows[3]), torch.where(m, 0.0, pred / a.sigma_max))
     assert len(rows) == (4 if method == "can" else 3)
+
+
+@pytest.mark.parametrize("method,says", [("msn", "EMA momentum 0."), ("cmae", "EMA momentum 0."),
+                                         ("conmim", "teacher momentum 0.")])
+@pytest.mark.parametrize("preset", [False, True])
+def test_the_printed_plan_names_the_ema_momentum_with_or_without_a_preset(method, says, preset, tmp_path, capsys,
+                                                                           monkeypatch):
+    """Each EMA method's plan line says the momentum schedule it trains with; under a preset too (MSN's line lost it
+    there: the conditional expression that chose the lr's wording swallowed the rest). A preset's run also prints
+    one block of what the preset set and the rule behind each value."""
+    import harness as H
+    mod, make, _ = CASES[method]
+    monkeypatch.setattr(mod, "train_step", lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+    args = H.parse_args(mod.Args, ["--data", "synthetic", "--output-dir", str(tmp_path), "--no-knn", "--workers",
+                                   "0", "--model", "nano", "--img-size", "16", "--batch-size", "8"]) if preset \
+        else make(tmp_path)
+    with pytest.raises(KeyboardInterrupt):                            # the plan is printed before the first step
+        mod.train(args)
+    out = capsys.readouterr().out
+    plan = [line for line in out.splitlines() if " steps/epoch, " in line]
+    assert len(plan) == 1 and says in plan[0], plan
+    block = "--preset synthetic (recipes.py) sets:" in out
+    assert block == preset
+    if preset:
+        assert "  --model nano: given on the command line (the preset's: micro)" in out
+        assert "  --ema-horizon 0.02: the EMA horizon 1 / (1 - m) at most 0.02 of the run's steps" in out

@@ -13,7 +13,7 @@ Methods and their probes:
           training on a fixed batch
   CMAE    the same, with each EMA target taken from another image
 SiamMAE's probe (f1 replaced by another clip's
-frame) runs on a trained checkpoint in eval_correspondence.py: measured, it does NOT need f1 at CPU
+frame) runs on a trained checkpoint in scripts/eval_correspondence.py: measured, it does NOT need f1 at CPU
 scale (docs/RESULTS.md), so it is not asserted here.
 """
 import math

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import common as C
-import slurm
+import harness as H
 from helpers import ROOT, free_port, torchrun
 from test_faults import CAN_CLI
 
@@ -55,33 +55,33 @@ def free_derived_port():
 # An srun task's variables (a pure function of the environment)
 # ----------------------------------------------------------------------------------------------
 def test_an_srun_task_gets_rank_world_local_rank_and_the_rendezvous():
-    env = slurm.srun_env(slurm_vars(5, world=16, job=123456, nodes="gpu07", per_node=8))   # MASTER_ADDR: as exported
+    env = H.srun_env(slurm_vars(5, world=16, job=123456, nodes="gpu07", per_node=8))   # MASTER_ADDR: as exported
     assert env == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "MASTER_PORT": str(20000 + 123456 % 20000),
                    "LOCAL_WORLD_SIZE": "8"}
-    second_node = slurm.srun_env(slurm_vars(13, world=16, job=123456, per_node=8))
+    second_node = H.srun_env(slurm_vars(13, world=16, job=123456, per_node=8))
     assert (second_node["RANK"], second_node["LOCAL_RANK"]) == ("13", "5")        # device by local rank, data by rank
-    assert slurm.srun_env({**slurm_vars(0, job=9), "MASTER_PORT": "1234"})["MASTER_PORT"] == "1234"
-    assert slurm.srun_env({**slurm_vars(0, world=2), "SLURM_STEP_TASKS_PER_NODE": "2(x3)"})["LOCAL_WORLD_SIZE"] == "2"
+    assert H.srun_env({**slurm_vars(0, job=9), "MASTER_PORT": "1234"})["MASTER_PORT"] == "1234"
+    assert H.srun_env({**slurm_vars(0, world=2), "SLURM_STEP_TASKS_PER_NODE": "2(x3)"})["LOCAL_WORLD_SIZE"] == "2"
 
 
 def test_an_srun_step_inside_a_larger_job_takes_the_steps_task_count():
     """`srun -n 2` inside an 8-task allocation: SLURM_NTASKS is the job's 8, SLURM_STEP_NUM_TASKS the step's 2; the
     process group is the step's (reading the job's first, each task waited for 6 ranks that never came)."""
-    env = slurm.srun_env({**slurm_vars(1, world=2), "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "8"})
+    env = H.srun_env({**slurm_vars(1, world=2), "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "8"})
     assert (env["WORLD_SIZE"], env["RANK"], env["LOCAL_WORLD_SIZE"]) == ("2", "1", "2")
 
 
 def test_torchrun_wins_and_a_single_process_stays_single():
     both = {**slurm_vars(3, world=4), "WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3"}
-    assert slurm.srun_env(both) == {} and slurm.srun_env({}) == {}              # torchrun inside an sbatch / srun step
-    assert slurm.srun_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}) == {}   # not an srun step
-    assert slurm.srun_env(slurm_vars(0, world=1)) == {}                         # srun -n 1: one process, no group
+    assert H.srun_env(both) == {} and H.srun_env({}) == {}              # torchrun inside an sbatch / srun step
+    assert H.srun_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}) == {}   # not an srun step
+    assert H.srun_env(slurm_vars(0, world=1)) == {}                         # srun -n 1: one process, no group
 
 
 def test_an_srun_step_without_master_addr_is_one_line():
     env = {k: v for k, v in slurm_vars(1).items() if k != "MASTER_ADDR"}
     with pytest.raises(C.UserError, match="needs MASTER_ADDR.*scontrol show hostnames.*scripts/train.sbatch"):
-        slurm.srun_env(env)
+        H.srun_env(env)
 
 
 # ----------------------------------------------------------------------------------------------

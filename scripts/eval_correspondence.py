@@ -1,7 +1,7 @@
 """Does SiamMAE learn correspondence? Measured against the synthetic clips' ground-truth motion.
 
-  python eval_correspondence.py --ckpt runs/siammae/checkpoint.pth                 # trained
-  python eval_correspondence.py --ckpt runs/siammae/checkpoint.pth --random-init   # same ViT at init
+  python scripts/eval_correspondence.py --ckpt runs/siammae/checkpoint.pth                 # trained
+  python scripts/eval_correspondence.py --ckpt runs/siammae/checkpoint.pth --random-init   # same ViT at init
 
 SiamMAE's decoder predicts a later frame f2 from a few of its own patches and the whole earlier
 frame f1; the paper's claim is that this teaches the encoder where things went. The synthetic val
@@ -35,28 +35,34 @@ Output: one JSON line per gap and a summary line; --output FILE also writes them
 """
 import json
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import common as C
-import harness as H
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common as C  # noqa: E402
+import harness as H  # noqa: E402
 
 
 @dataclass
 class Args:
     """Correspondence of a SiamMAE checkpoint against the synthetic clips' true motion."""
     ckpt: str = H.arg(None, "siammae checkpoint.pth (trained with --data synthetic)", group="model")
-    random_init: bool = H.arg(False, "the same model at its initialisation (run's seed)", group="model")
-    gaps: tuple = H.arg((4, 8), "frame gaps to measure, one or more (the synthetic config trains on 2..8)",
-                        group="data", nargs="+")
+    random_init: bool = H.arg(False, "the same model at its initialisation (run's seed)",
+                              group="model")
+    gaps: tuple = H.arg((4, 8), "frame gaps to measure, one or more (the synthetic config trains "
+                        "on 2..8)", group="data", nargs="+")
     videos: int = H.arg(20, "synthetic val clips", group="data", positive=True)
-    pairs: int = H.arg(4, "pairs per clip and gap (start frames drawn with --seed)", group="data", positive=True)
+    pairs: int = H.arg(4, "pairs per clip and gap (start frames drawn with --seed)",
+                       group="data", positive=True)
     seed: int = H.arg(0, "random seed", group="run control", min=0)
     output: str = H.arg(None, "also write the JSON lines here", group="run control")
-    device: str = H.arg(None, "cpu | cuda | cuda:N (default: cuda if available)", group="run control")
+    device: str = H.arg(None, "cpu | cuda | cuda:N (default: cuda if available)",
+                        group="run control")
 
 
 # ----------------------------------------------------------------------------------------------
