@@ -116,6 +116,10 @@ class Args(H.RunArgs):
     gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with "
                           "CUDA; --no-gpu-aug keeps it in the CPU workers)",
                           group="views and masking")
+    resident: int = H.arg(0, "decode the training images once into S x S uint8 on the device "
+                          "and cut every view there (gpu_data.py; 0 = off; needs --gpu-aug): "
+                          "small datasets (CIFAR-10 at 32, Tiny-ImageNet at 64)",
+                          group="views and masking", min=0)
     knn: bool = H.arg(None, "k-NN of the evaluated encoder at step 0 and at the end (default: on "
                       "for synthetic; eval_linear.py's)", group="run control")
     eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) "
@@ -128,13 +132,14 @@ class Args(H.RunArgs):
     # <= ~45 min alone on 2 CPU cores) or the sweep's (lr_factor; docs/RESULTS.md). `--preset small`: 32-px
     # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
     # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
-    # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs).
+    # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs),
+    # the images decoded once on the GPU and the views cut there (--resident 32, gpu_data.py).
     PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=6,
                              batch_size=256, decoder_dim=128, decoder_depth=2, decoder_heads=4,
                              proj_hidden=512, workers=2, log_every=20),
                "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=16,
                            batch_size=512, decoder_dim=128, decoder_depth=2, decoder_heads=4,
-                           proj_hidden=512, micro_batch=0)}
+                           proj_hidden=512, micro_batch=0, resident=32, gpu_aug=True)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=64,
                      decoder_dim=64, decoder_depth=2, decoder_heads=4, proj_hidden=256, proj_dim=64,
                      crop_scale=(0.3, 1.0), workers=2, log_every=20, steps_per_epoch=35)
@@ -439,6 +444,15 @@ class TwoViews:
         return self.view(img), self.view(img)
 
 
+def resident_views(a):
+    """--resident: TwoViews' geometry cut from the device store (gpu_data.py): two bicubic
+    RandomResizedCrop boxes + flips per image, drawn per (seed, epoch, image)."""
+    def make(store, idx, epoch):                                     # -> the workers' (v1, v2) uint8
+        boxes, flips = store.draw(epoch, 0, 2, a.crop_scale)        # (N, 2, 4), (N, 2)
+        v = store.crops(idx, boxes[idx], flips[idx], a.img_size, "bicubic")   # (2, B, 3, S, S)
+        return v[0], v[1]
+    return make
+
 
 # ----------------------------------------------------------------------------------------------
 # The training step: views -> noise, masks -> network -> losses, forward and backward
@@ -500,9 +514,14 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
 def loader_and_views(args, run, dataset, per):
     """The training loader and views(batch): its two views of each image as x (2, B, 3, H, W) on the
     device, clean (no noise yet), normalised, after their colour ops: batched on the device with
-    --gpu-aug (one call for both views, compiled on CUDA), else in the PIL workers."""
-    views = C.Views(dataset, TwoViews(args), args.seed)
-    loader = C.make_loader(views, per, args.workers, args.seed)
+    --gpu-aug (one call for both views, compiled on CUDA), else in the PIL workers. --resident: the
+    views cut on the device from the images decoded there once (gpu_data.py), no workers."""
+    if args.resident:
+        G = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
+        loader = G.loader(dataset, args, run, per, resident_views(args))
+    else:
+        loader = C.make_loader(C.Views(dataset, TwoViews(args), args.seed), per,
+                               args.workers, args.seed)
     color = None
     if args.gpu_aug:
         color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")

@@ -134,6 +134,10 @@ class Args(H.RunArgs):
     gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with "
                           "CUDA; --no-gpu-aug keeps it in the CPU workers)",
                           group="views and masking")
+    resident: int = H.arg(0, "decode the training images once into S x S uint8 on the device "
+                          "and cut every view there (gpu_data.py; 0 = off; needs --gpu-aug): "
+                          "small datasets (CIFAR-10 at 32, Tiny-ImageNet at 64)",
+                          group="views and masking", min=0)
     knn: bool = H.arg(None, "k-NN of the evaluated encoder at step 0 and at the end (default: on "
                       "for synthetic; eval_linear.py's)", group="run control")
     eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) "
@@ -148,14 +152,16 @@ class Args(H.RunArgs):
     # <= ~45 min alone on 2 CPU cores) or the sweep's (lr_factor; docs/RESULTS.md). `--preset small`: 32-px
     # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
     # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
-    # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs).
+    # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs),
+    # the images decoded once on the GPU and the views cut there (--resident 32, gpu_data.py).
     # Sweep (held-out k-NN): x1 28.5, x4 28.0; in those 350-step runs the InfoNCE stays at or above chance, the
     # whole preset's leaves it after ~500 steps. rel_pos_lr (the rule for that symmetric start, docs/RESULTS.md):
     # x300 breaks it within ~40 steps where x30 had not after 40 (held-out 150-step probes).
     PRESETS = {"small": dict(lr_factor=1, rel_pos_lr=300, model="micro", patch_size=4, img_size=32,
                              epochs=6, batch_size=256, proj_hidden=512, workers=2, log_every=20),
                "gpu": dict(lr_factor=1, rel_pos_lr=300, model="tiny", patch_size=4, img_size=32,
-                           epochs=16, batch_size=512, proj_hidden=512, micro_batch=0)}
+                           epochs=16, batch_size=512, proj_hidden=512, micro_batch=0, resident=32,
+                           gpu_aug=True)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, epochs=8, batch_size=32,
                      proj_hidden=256, proj_dim=64, drop_path=0.0, crop_scale=(0.3, 1.0), workers=2,
                      log_every=20, steps_per_epoch=100)
@@ -494,6 +500,16 @@ class WeakStrongViews:
         return C.to_uint8(img), C.to_uint8(self.strong(img))               # (student, teacher)
 
 
+def resident_views(a):
+    """--resident: WeakStrongViews' geometry cut from the device store (gpu_data.py): one bicubic
+    RandomResizedCrop box + flip per image, drawn per (seed, epoch, image); both views are that crop
+    (the strong one gets STRONG in the loop)."""
+    def make(store, idx, epoch):                                     # -> the workers' (weak, strong)
+        boxes, flips = store.draw(epoch, 0, 1, a.crop_scale)        # (N, 1, 4), (N, 1)
+        v = store.crops(idx, boxes[idx], flips[idx], a.img_size, "bicubic")[0]   # (B, 3, S, S)
+        return v, v
+    return make
+
 
 # ----------------------------------------------------------------------------------------------
 # The training step: views -> networks -> loss, forward and backward
@@ -537,9 +553,14 @@ def train_step(student, teacher, x_weak, x_strong, mask, a, micro=None,
 def loader_and_views(args, run, dataset, per):
     """The training loader and views(batch): its batch as (x_weak, x_strong), each (B, 3, H, W) on
     the device, normalised, the strong view after its photometric ops (STRONG): batched on the
-    device with --gpu-aug (compiled on CUDA), else in the PIL workers."""
-    views = C.Views(dataset, WeakStrongViews(args), args.seed)
-    loader = C.make_loader(views, per, args.workers, args.seed)
+    device with --gpu-aug (compiled on CUDA), else in the PIL workers. --resident: the crop cut on
+    the device from the images decoded there once (gpu_data.py), no workers."""
+    if args.resident:
+        G = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
+        loader = G.loader(dataset, args, run, per, resident_views(args))
+    else:
+        views = C.Views(dataset, WeakStrongViews(args), args.seed)
+        loader = C.make_loader(views, per, args.workers, args.seed)
     color = None
     if args.gpu_aug:
         color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")

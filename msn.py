@@ -141,6 +141,10 @@ class Args(H.RunArgs):
     gpu_aug: bool = H.arg(None, "photometric augmentation batched on the device (default: on with "
                           "CUDA; --no-gpu-aug keeps it in the CPU workers)",
                           group="views and masking")
+    resident: int = H.arg(0, "decode the training images once into S x S uint8 on the device "
+                          "and cut every view there (gpu_data.py; 0 = off; needs --gpu-aug): "
+                          "small datasets (CIFAR-10 at 32, Tiny-ImageNet at 64)",
+                          group="views and masking", min=0)
     gpu_decode: bool = H.arg(False, "decode JPEGs, crop and flip on the device (gpu_decode.py; "
                              "needs --gpu-aug): the workers only read files, for hosts whose CPUs "
                              "cannot feed the GPU", group="views and masking")
@@ -166,11 +170,13 @@ class Args(H.RunArgs):
     # ~45-50 min alone on 2 CPU cores) or the sweep's (lr_factor; docs/RESULTS.md). `--preset small`: 32-px
     # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
     # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
-    # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs).
+    # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs),
+    # the images decoded once on the GPU and the views cut there (--resident 32, gpu_data.py).
     PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=4,
                              batch_size=256, head_hidden=512, workers=2, log_every=20),
                "gpu": dict(lr_factor=4, model="tiny", patch_size=4, img_size=32, epochs=5,
-                           batch_size=512, head_hidden=512, micro_batch=0)}
+                           batch_size=512, head_hidden=512, micro_batch=0, resident=32,
+                           gpu_aug=True)}
     SYNTHETIC = dict(model="micro", patch_size=4, img_size=32, focal_views=4, epochs=8,
                      batch_size=64, head_hidden=256, head_dim=64, num_prototypes=64, workers=2,
                      log_every=20, steps_per_epoch=40)
@@ -485,6 +491,18 @@ class MultiView:
         return [t(img) for t in self.views]
 
 
+def resident_views(a):
+    """--resident: MultiView's geometry cut from the device store (gpu_data.py): per view group,
+    its RandomResizedCrop boxes (bilinear) + flips, drawn per (seed, epoch, image, group)."""
+    def make(store, idx, epoch):                                     # -> the workers' list of views
+        views = []
+        for key, (size, scale, n) in enumerate(view_specs(a)):
+            if n:
+                boxes, flips = store.draw(epoch, key, n, scale)     # (N, n, 4), (N, n)
+                views += store.crops(idx, boxes[idx], flips[idx], size, "bilinear").unbind(0)
+        return views
+    return make
+
 
 # ----------------------------------------------------------------------------------------------
 # The training step: views -> networks -> loss, forward and backward
@@ -542,14 +560,22 @@ def loader_and_views(args, run, dataset, per):
     The performance flags act here only: --gpu-aug runs the colour ops batched on the device, one
     call per view size, compiled on CUDA (else in the PIL workers); --gpu-decode has the workers
     read the files and draw MultiView's boxes and flips, which the device applies to the decoded
-    JPEGs."""
+    JPEGs; --resident cuts the views on the device from the images decoded there once."""
     color = None
     if args.gpu_aug:
         color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
 
     def prep(v):                                                     # (n B, 3, S, S) uint8 -> normalised
         return color(v, normalize=True) if color else C.normalize(v)
-    if args.gpu_decode:
+    if args.resident:                                                # decoded once on the device
+        if args.gpu_decode:
+            raise C.UserError("--resident and --gpu-decode: choose one (both decode on the device)")
+        G = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
+        loader = G.loader(dataset, args, run, per, resident_views(args))
+
+        def to_device(batch):
+            return batch
+    elif args.gpu_decode:
         if not args.gpu_aug:
             raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, "
                               "colour runs on the device")

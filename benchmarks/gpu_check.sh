@@ -6,9 +6,15 @@
 #   bash benchmarks/gpu_check.sh probe                          # call 1: where the real loop loses time (cap 420)
 #   bash benchmarks/gpu_check.sh cuda-eager cuda-compiled       # call 2: tests/test_cuda.py, eager tests first
 #   bash benchmarks/gpu_check.sh realstep aug                   # call 3 (or later windows: tests, cifar, step, ...)
+#   bash benchmarks/gpu_check.sh datapath                       # one call: the data path (gpu_data.py, the probe)
 #   probe      benchmarks/loop_probe.py on CIFAR-10 at --preset gpu: the step with and without the loop's colour
 #              augmentation, the augmentation per view / per size / compiled (at 32 px and at 224 / 96 px), the
 #              real loop as it is / without augmentation / on a fixed batch, host syncs per step, a profile (cap 420)
+#   datapath   the data path, decisive items first, each capped: the host (cores, memory); the loop of each image
+#              method at --preset gpu with its images on the device (--resident 32) against its PIL workers (15)
+#              (the step with and without the augmentation; the GPU's busy time by its kernels alone); CMAE
+#              compiled; CAN's CIFAR-10 k-NN after MINUTES (default 2) of the resident preset; the worker count swept
+#              for CAN; MSN's augmentation at 224 px; aten ops per step (cap 580)
 #   cuda-eager     tests/test_cuda.py without the tests that compile (cap 120)
 #   cuda-compiled  tests/test_cuda.py's compiling tests: compiled step and augmentation, the sync-free steps (cap 300)
 #   realstep   throughput.py --preset gpu --gpu-aug: the step WITH the loop's augmentation that the cifar part's
@@ -26,16 +32,16 @@
 #   e2e        e2e.py (the real train(), compiled): MSN without and with --gpu-decode
 #   e2e-rest   e2e.py: CMAE, ConMIM, CAN, SiamMAE
 # SMALL=1 shrinks every size (nano models, a few steps, a generated 3-class fixture for cifar and probe, aug on
-# ConMIM's view only; no compiled variant of realstep and aug, and the suite is not run) for a dry run on a CPU
+# ConMIM's view only; no compiled variant of realstep, aug and datapath, and the suite is not run) for a dry run on a CPU
 # (tests/test_benchmarks.py runs it). PYTHON picks the interpreter. Numbers go to BENCHMARKS.md and docs/RESULTS.md
 # with the device line each log starts with.
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: bash benchmarks/gpu_check.sh PART [PART ...] (probe cuda-eager cuda-compiled realstep aug tests cifar step compiled data e2e e2e-rest)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: bash benchmarks/gpu_check.sh PART [PART ...] (datapath probe cuda-eager cuda-compiled realstep aug tests cifar step compiled data e2e e2e-rest)" >&2; exit 2; }
 out=${OUT:-gpu_check_out}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-declare -A CAP=([probe]=420 [cuda-eager]=120 [cuda-compiled]=300 [realstep]=240 [aug]=150 [tests]=400 [cifar]=560
+declare -A CAP=([datapath]=580 [probe]=420 [cuda-eager]=120 [cuda-compiled]=300 [realstep]=240 [aug]=150 [tests]=400 [cifar]=560
                 [step]=540 [compiled]=540 [data]=540 [e2e]=540 [e2e-rest]=540)
 
 if [ "${1}" != _one ]; then                      # each part under its own cap, then a summary line per part
@@ -58,10 +64,14 @@ if [ -n "${SMALL:-}" ]; then            # dry run: model, micro-batches (msn cma
         --model nano --img-size 32 --patch-size 16 --workers 2); DATA=(--n-images 16 --images 2 --workers 2 --batches 2)
     PB=8; CIFAR_FLAGS=(--small --workers 0); COMPILED=(); PM=(all)   # eager only (a CPU compile takes minutes), one process
     PROBE=(--small --methods cmae --sections step loop syncs)
+    LP=(benchmarks/loop_probe.py --small); M4=(cmae); WS=(0); CV=(fixed); ITEM=(90 30 10 60 0 0 60)   # 0: the
+    # other parts' dry runs cover it (cifar: gpu_cifar.py; the loop's workers rows)
 else                                    # the recipes (README) and their default micro-batches
     S=small; B=base; MB=(512 512 512 256 512); STEPS=(); E2E=(--n-images 1024 --workers 15); DATA=(--workers 15)
     PB=512; CIFAR_FLAGS=(--workers 15 --minutes "${MINUTES:-2}"); COMPILED=(--compile); PM=(msn cmae conmim can)
     PROBE=(--workers 15)
+    LP=(benchmarks/loop_probe.py --workers 15 --warm 8 --steps 40)             # + --data (the unpacked folder)
+    M4=(msn cmae conmim can); WS=(4 8 15); CV=(compiled); ITEM=(220 90 70 80 110 40 40)
 fi
 dev=$($py -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 {
@@ -102,6 +112,18 @@ for split, n in (('train', 8), ('test', 2)):
 }
 
 case $part in
+    datapath)                          # each item under its own cap (ITEM), the decisive ones first
+        data=$(cifar_data) || { echo "no CIFAR-10 folder" | tee -a "$log"; exit 1; }
+        [ -n "${SMALL:-}" ] || LP+=(--data "$data")
+        item() { local cap=$1; shift; [ "$cap" = 0 ] && return; say timeout -k 5 "$cap" "$@" || echo "item rc $? (cap $cap s)" | tee -a "$log"; }
+        say bash -c "nproc; lscpu | grep -E '^(Model name|Socket|Core|Thread)'; free -g | head -2"
+        item "${ITEM[0]}" $py "${LP[@]}" --sections loop --methods "${M4[@]}" --variants resident workers
+        item "${ITEM[1]}" $py "${LP[@]}" --sections step --methods "${M4[@]}"
+        item "${ITEM[2]}" $py "${LP[@]}" --sections profile --methods "${M4[@]:1}" "${M4[0]}"
+        item "${ITEM[3]}" $py "${LP[@]}" --sections loop --methods cmae --variants "${CV[@]}"
+        item "${ITEM[4]}" $py benchmarks/gpu_cifar.py --data "$data" --out "$out" --methods can "${CIFAR_FLAGS[@]}"
+        item "${ITEM[5]}" $py "${LP[@]}" --sections loop --methods can --variants workers --workers "${WS[@]}"
+        item "${ITEM[6]}" $py "${LP[@]}" --sections aug ops --methods "${M4[-1]}" ;;
     cifar)
         data=$(cifar_data) || { echo "no CIFAR-10 folder" | tee -a "$log"; exit 1; }
         echo "data: $data ($(find "$data/train" -type f | wc -l) train images)" | tee -a "$log"

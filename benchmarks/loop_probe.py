@@ -1,7 +1,7 @@
 """Where a real training run loses time against its step, in one process and one GPU call.
 
   python benchmarks/loop_probe.py --data cifar10 --workers 15                 # --preset gpu, the four image methods
-  python benchmarks/loop_probe.py --data cifar10 --sections loop syncs --methods msn
+  python benchmarks/loop_probe.py --data cifar10 --sections loop --methods can --variants workers --workers 4 8 15
   python benchmarks/loop_probe.py --small                                     # CPU dry run (tests/test_benchmarks.py)
 
 Sections, each guarded (a failing section prints one line and the next runs) and each printing its own table:
@@ -9,15 +9,18 @@ Sections, each guarded (a failing section prints one line and the next runs) and
            augmentation (one call per view size, normalisation inside, compiled on CUDA) and without it
   aug      MSN's augmentation per step three ways: one call per view, eager (the loop before the grouping); one
            call per view size, eager; the same compiled (the loop now) -- at the preset's sizes and at 224 / 96 px
-  loop     the real train() (its loader, workers, augmentation, step, EMA, log), timed over --steps steps after
-           --warm: as it is; without the colour augmentation (the views only normalised); on a fixed batch (the
-           loader's first batch again and again: the loader's cost that data_wait does not see -- its pin-memory
-           thread, the hand-over of each view's tensor, the copies)
+  loop     the real train() (its loader, augmentation, step, EMA, log), timed over --steps steps after --warm:
+           `resident` (--preset gpu's data path: the images on the device, gpu_data.py), `workers N` (the PIL
+           workers, --resident 0, for each N of --workers), `fixed batch` (the workers' first batch again and
+           again, the loader shut down after it: its workers no longer compete for the CPU), `resident, compiled`
+           (the networks compiled, the CUDA default); --variants picks the rows
+  ops      aten ops dispatched in one real loop step (a TorchDispatchMode: a CPU stand-in for kernel launches)
   syncs    host-device syncs inside the loop's steps (torch.cuda.set_sync_debug_mode("warn"), log steps left
            out), counted per step by the innermost file:line of this repository that made them (CUDA only)
-  profile  torch.profiler over --profile-steps steps of the loop: the GPU's busy time (its kernels) against the
-           wall time, and the ops that took most of each (CUDA only)
-Every run is eager (--no-compile), as the preset gpu runs it measured; the colour augmentation compiles on CUDA
+  profile  torch.profiler over --profile-steps steps of the loop: the GPU's busy time, the union of its kernels'
+           intervals (device events only: the profiler also charges each kernel to the CPU op that launched it,
+           which summed twice), against the wall time, and the ops that took most of each (CUDA only)
+The networks run eager (--no-compile) but in `resident, compiled`; the colour augmentation compiles on CUDA
 whatever --compile says. Numbers go to BENCHMARKS.md with the device line printed first.
 """
 import argparse
@@ -33,6 +36,7 @@ import traceback
 import warnings
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -101,7 +105,8 @@ def section_aug(a, dev):
 
 
 class Fixed:
-    """The real loader's first batch, handed out again and again (no workers, no pin-memory thread after it)."""
+    """The real loader's first batch, handed out again and again; the loader's workers are shut down after it, so
+    the timed steps share the CPU with nothing (tests/test_benchmarks.py checks that no worker lives on)."""
 
     def __init__(self, loader):
         self.loader, self.sampler, self.batch_size, self.dataset = loader, loader.sampler, loader.batch_size, \
@@ -111,27 +116,28 @@ class Fixed:
         return len(self.loader)
 
     def __iter__(self):
-        batch = next(iter(self.loader))
+        it = iter(self.loader)
+        batch = next(it)
+        getattr(it, "_shutdown_workers", lambda: None)()         # persistent workers: stop them now
+        self.loader._iterator = None
         while True:
             yield batch
 
 
-def plain_augmenter(compile=False):
-    """The augmentation's stand-in for "without": the views only normalised."""
-    return lambda x, normalize=False, **kw: C.normalize(x) if normalize else x.float() / 255
-
-
-def train(m, a, dev, out, variant="as is", hook=None):
+def train(m, a, dev, out, variant="resident", hook=None):
     """The method's train() for warm + steps steps, logging every --warm steps (each log line one sync, as a real run
     has every --log-every); hook(step, entering) runs as each step's end_step starts and after it. Returns the wall
     seconds per step from the start of step warm's end_step to that of the last step's (its checkpoint left out),
     and the mean data_wait the log reported over those steps."""
     mod = importlib.import_module(m)
     n = a.warm + a.steps
-    argv = ["--data", a.data, "--preset", a.preset, "--output-dir", out, "--no-resume", "--no-compile",
-            "--stop-step", str(n), "--log-every", str(a.warm if hook is None else 10 ** 6), "--workers",
-            str(a.workers), "--save-every-minutes", "0", "--no-knn", "--device", dev.type]
-    argv += ["--batch-size", str(a.batch_size)] + (["--model", "nano", "--img-size", "16"] if a.small else [])
+    workers = variant.split()[1] if variant.startswith("workers") else str(a.workers[-1])
+    argv = ["--data", a.data, "--preset", a.preset, "--output-dir", out, "--no-resume", "--stop-step", str(n),
+            "--log-every", str(a.warm if hook is None else 10 ** 6), "--workers", workers, "--save-every-minutes", "0",
+            "--no-knn", "--device", dev.type, "--batch-size", str(a.batch_size), "--gpu-aug"]
+    argv += ["--compile" if "compiled" in variant else "--no-compile"]
+    argv += ["--resident", str(a.resident) if variant.startswith("resident") else "0"]
+    argv += ["--model", "nano", "--img-size", "16"] if a.small else []
     args = H.parse_args(mod.Args, argv)
     times, real_end, patches = {}, C.end_step, contextlib.ExitStack()
 
@@ -147,8 +153,6 @@ def train(m, a, dev, out, variant="as is", hook=None):
         return stop
     with patches:
         patches.enter_context(patched(C, "end_step", end_step))
-        if variant == "without augmentation":
-            patches.enter_context(patched(GA, "color_augmenter", plain_augmenter))
         if variant == "fixed batch":
             real_loader = C.make_loader
             patches.enter_context(patched(C, "make_loader", lambda *x, **kw: Fixed(real_loader(*x, **kw))))
@@ -172,9 +176,16 @@ def patched(obj, name, value):
 
 def section_loop(a, dev, tmp):
     print("| method | variant | img/s | step ms | data_wait |\n|---|---|---|---|---|")
+    rows = {"resident": ["resident"], "workers": [f"workers {w}" for w in a.workers], "fixed": ["fixed batch"],
+            "compiled": ["resident, compiled"]}
     for m in a.methods:
-        for variant in ("as is", "without augmentation", "fixed batch"):
-            dt, wait = train(m, a, dev, os.path.join(tmp, f"{m}-loop"), variant)
+        for variant in [v for key in a.variants for v in rows[key]]:
+            try:                                                 # a failing row: the next one still runs
+                dt, wait = train(m, a, dev, os.path.join(tmp, f"{m}-loop"), variant)
+            except Exception as e:                               # noqa: BLE001
+                print(f"| {m} | {variant} | FAILED ({type(e).__name__}: {' '.join(str(e).split())[:200]}) |")
+                traceback.print_exc(limit=4)
+                continue
             print(f"| {m} | {variant} | {a.batch_size / dt:.0f} | {1000 * dt:.1f} | {wait:.3f} |", flush=True)
 
 
@@ -233,7 +244,7 @@ def section_profile(a, dev, tmp):
         ev = prof.key_averages()
         def dev_t(e):                                                # us
             return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
-        busy = sum(dev_t(e) for e in ev) / 1000 / k
+        busy = busy_ms(device_intervals(prof.events())) / k
         wall = 1000 * (t[1] - t[0]) / k
         def top(key):
             return ", ".join(f"{e.key[:40]} {key(e) / 1000 / k:.1f}" for e in sorted(ev, key=key, reverse=True)[:4])
@@ -242,25 +253,76 @@ def section_profile(a, dev, tmp):
               flush=True)
 
 
+def device_intervals(events):
+    """(start, end) in us of the profiler's device events (kernels, copies), user annotations left out."""
+    from torch.autograd import DeviceType
+    return [(e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+
+
+def busy_ms(intervals):
+    """The time at least one of the (start, end) us intervals covers, in ms: each kernel counted once, overlapping
+    ones (streams) once together."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1000
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched (a CPU stand-in for a GPU's kernel launches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def section_ops(a, dev, tmp):
+    print("| method | variant | aten ops per step |\n|---|---|---|")
+    for m in a.methods:
+        for variant in ("resident", "fixed batch"):
+            mode, counts = OpCount(), []
+
+            def hook(step, entering):                            # the step after warm: from its end_step's end
+                if step == a.warm and not entering:              # to the next one's start
+                    mode.__enter__()
+                elif step == a.warm + 1 and entering:
+                    mode.__exit__(None, None, None)
+                    counts.append(mode.n)
+            train(m, argparse.Namespace(**{**vars(a), "steps": 1}), dev, os.path.join(tmp, f"{m}-ops"), variant,
+                  hook=hook)
+            print(f"| {m} | {variant} | {counts[0]} |", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=None, help="image folder (CIFAR-10's train/ ...); --small: synthetic")
     p.add_argument("--preset", default="gpu")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--sections", nargs="+", default=["syncs", "loop", "step", "aug", "profile"],   # most decisive first
-                   choices=["step", "aug", "loop", "syncs", "profile"])
+    p.add_argument("--sections", nargs="+", default=["loop", "profile", "step", "ops", "syncs", "aug"],
+                   choices=["step", "aug", "loop", "ops", "syncs", "profile"])             # most decisive first
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--warm", type=int, default=10, help="loop steps before the timed ones (workers start, compiles)")
     p.add_argument("--steps", type=int, default=60, help="timed loop steps")
     p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--warm-steps", type=int, default=5, help="step / aug sections: calls before the timed ones")
     p.add_argument("--timed-steps", type=int, default=20, help="step / aug sections: timed calls")
-    p.add_argument("--workers", type=int, default=min(15, os.cpu_count() or 1))
+    p.add_argument("--workers", type=int, nargs="+", default=[min(15, os.cpu_count() or 1)],
+                   help="the loop's `workers N` rows, one per N (the last: the fixed batch's loader)")
+    p.add_argument("--resident", type=int, default=32, help="the `resident` rows' --resident S")
+    p.add_argument("--variants", nargs="+", default=["resident", "workers", "fixed"],
+                   choices=["resident", "workers", "fixed", "compiled"], help="the loop section's rows")
     p.add_argument("--small", action="store_true", help="CPU dry run: nano models, synthetic data, a few steps")
     a = p.parse_args()
     if a.small:
         a.data, a.preset, a.batch_size, a.warm, a.steps, a.profile_steps = "synthetic", "small", 8, 1, 2, 1
-        a.warm_steps, a.timed_steps, a.workers = 1, 1, 0
+        a.warm_steps, a.timed_steps, a.workers, a.resident = 1, 1, [0], 16
     if not a.data:
         p.error("--data is required (an image folder), or --small")
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.small else "cpu")
@@ -274,6 +336,7 @@ def main():
             try:
                 {"step": lambda: section_step(a, dev), "aug": lambda: section_aug(a, dev),
                  "loop": lambda: section_loop(a, dev, tmp), "syncs": lambda: section_syncs(a, dev, tmp),
+                 "ops": lambda: section_ops(a, dev, tmp),
                  "profile": lambda: section_profile(a, dev, tmp)}[s]()
             except Exception as e:                                   # noqa: BLE001 -- the next section still runs
                 print(f"{s}: FAILED ({type(e).__name__}: {' '.join(str(e).split())[:300]})")

@@ -110,11 +110,12 @@ def test_the_data_benchmark_times_the_same_views_for_ours_and_the_official_recip
 def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     """SMALL=1 benchmarks/gpu_check.sh: the real-data tier on a generated fixture (packed as a .tar.gz, unpacked
     as on the GPU host), each image method's --preset gpu trained with its k-NN monitor, and the step of that
-    preset, with the loop's augmentation; the augmentation against a git revision; the loop probe's sections, each
-    with its table; every part under its cap (cuda-* and tests only run pytest). A GPU call can then fail for GPU
-    reasons only."""
+    preset, with the loop's augmentation; the augmentation against a git revision; the data path's items (the loop
+    probe's sections, each with its table, none cut at its cap); every part under its cap (cuda-* and tests only
+    run pytest; probe runs the loop probe's sections as datapath does). A GPU call can then fail for GPU reasons
+    only."""
     out = tmp_path / "out"
-    parts = ["probe", "realstep", "aug", "cifar"]     # the calls' other parts run pytest: the suite covers them
+    parts = ["datapath", "realstep", "aug", "cifar"]  # the calls' other parts run pytest or the probe's sections
     r = subprocess.run(["bash", "benchmarks/gpu_check.sh", *parts], cwd=ROOT, capture_output=True,
                        text=True, timeout=600, env={**os.environ, "SMALL": "1", "OUT": str(out),
                                                     "PYTHON": sys.executable})
@@ -133,10 +134,11 @@ def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     assert [ln.split("|")[1].strip() for ln in rows] == ["msn", "cmae", "conmim", "can", "siammae"]   # eager only
     assert "no --preset gpu" in rows[-1] and all(float(r.split("|")[2]) > 0 for r in rows[:4])
     assert "| conmim | 224 px |" in (out / "aug.log").read_text()
-    probe = (out / "probe.log").read_text()
-    assert "FAILED" not in probe, probe[-2000:]
-    for section, row in (("step", "| cmae | "), ("loop", "| cmae | fixed batch | "), ("syncs", "CUDA only")):
-        assert f"## {section}" in probe and row in probe.split(f"## {section}")[1], section
+    probe = (out / "datapath.log").read_text()
+    assert "FAILED" not in probe and "item rc" not in probe, probe[-2000:]              # no item failed or ran over
+    assert all(f"## {section}" in probe for section in ("loop", "step", "profile", "ops", "aug"))
+    for row in ("| cmae | resident | ", "| cmae | workers 0 | ", "| cmae | fixed batch | "):
+        assert row in probe, row
 
 
 def test_the_gpu_tiers_knn_is_eval_linears(tmp_path):
@@ -215,3 +217,35 @@ def test_the_revision_compared_against_can_be_imported_by_name(capsys):
     data.aug_against("HEAD", ["cmae"], 2, torch.device("cpu"), compiled=False, rounds=1)
     assert "| cmae |" in capsys.readouterr().out
     assert callable(importlib.import_module("gpu_aug_old").color_augmenter)
+
+
+def test_the_probes_gpu_busy_counts_each_kernel_once():
+    """loop_probe's busy time is the union of the device events' intervals: not the CPU op that launched a kernel
+    (the profiler charges the kernel's time to it too: a sum counted it twice), not a user annotation, two
+    overlapping kernels (streams) once together."""
+    import loop_probe as P
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent as E
+    cuda = dict(device_type=DeviceType.CUDA)
+    events = [E(0, "aten::mm", 1, 0, 100), E(1, "gemm", 1, 10, 60, **cuda), E(2, "add", 1, 50, 80, **cuda),
+              E(3, "## step ##", 1, 0, 500, is_user_annotation=True, **cuda), E(4, "copy", 1, 100, 110, **cuda)]
+    assert P.busy_ms(P.device_intervals(events)) == pytest.approx((70 + 10) / 1000)
+    assert P.busy_ms([]) == 0
+
+
+def test_the_probes_fixed_batch_shuts_the_loaders_workers_down():
+    """The `fixed batch` row times the loop without its loader: after the first batch no worker lives on."""
+    import multiprocessing
+
+    import loop_probe as P
+    class Indices(torch.utils.data.Dataset):                     # the sampler's (index, epoch) -> index
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, pair):
+            return pair[0]
+    loader = C.make_loader(Indices(), 4, 2, 0)
+    it = iter(P.Fixed(loader))
+    first = next(it)
+    assert not multiprocessing.active_children()
+    assert torch.equal(next(it), first)
