@@ -5,12 +5,12 @@ workers' structure and a run resumes exactly."""
 import itertools
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageFilter
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import can
 import cmae
@@ -19,12 +19,15 @@ import conmim
 import gpu_data as G
 import msn
 from ddp import spawn
-from helpers import exact_resume, one_line_error, run_cli
+from helpers import ROOT, exact_resume, one_line_error, run_cli
 from test_can import tiny_args as can_args
 from test_cmae import tiny_args as cmae_args
 from test_conmim import tiny_args as conmim_args
 from test_gpu_aug import _ks
 from test_msn import tiny_args as msn_args
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from loop_probe import OpCount  # noqa: E402  the probe's op count (a CPU stand-in for launches)
 
 MODES = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
 
@@ -105,18 +108,6 @@ def store(root, S=24, seed=0, max_unreadable=1.0):
     return G.Store(ds, S, torch.device("cpu"), 0, seed, max_unreadable)
 
 
-class Count(TorchDispatchMode):
-    """Counts the aten ops dispatched (a CPU stand-in for a GPU's kernel launches)."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can"])
 def test_the_ops_of_a_batch_do_not_grow_with_its_size(method, folder, tmp_path):
     """Each method's resident views of a batch of 4 and of 16 images dispatch the same number of ops (a GPU's
@@ -129,7 +120,7 @@ def test_the_ops_of_a_batch_do_not_grow_with_its_size(method, folder, tmp_path):
     make(s, torch.arange(4), 0)                                                  # the epoch's draw
     counts = []
     for B in (4, 16):
-        with Count() as c:
+        with OpCount() as c:
             make(s, torch.arange(B), 0)
         counts.append(c.n)
     assert counts[0] == counts[1] and counts[0] < 150 * (2 if method == "msn" else 1), counts
