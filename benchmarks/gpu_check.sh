@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_check.sh datapath                       # one call: the data path (gpu_data.py, the probe)
 #   probe      benchmarks/loop_probe.py on CIFAR-10 at --preset gpu: the step with and without the loop's colour
 #              augmentation, the augmentation per view / per size / compiled (at 32 px and at 224 / 96 px), the
-#              real loop as it is / without augmentation / on a fixed batch, host syncs per step, a profile (cap 420)
+#              real loop resident / with its workers / on a fixed batch, aten ops and host syncs per step, the GPU's
+#              busy time by its kernels (cap 420)
 #   datapath   the data path, decisive items first, each capped: the host (cores, memory); the loop of each image
 #              method at --preset gpu with its images on the device (--resident 32) against its PIL workers (15)
 #              (the step with and without the augmentation; the GPU's busy time by its kernels alone); CMAE
