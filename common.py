@@ -36,9 +36,9 @@ def sibling(name):
 
 
 def optional(name, missing=None):
-    """The optional sibling name.py (recipes, synthetic, gpu_aug, gpu_decode, eval_linear: each for a flag), read from
-    the file beside this one and from nowhere else (a namesake on the path, such as a project's recipes/ package, is
-    not it). Where it was not copied along: None, or the one-line error `missing` when given."""
+    """The optional sibling name.py (recipes, synthetic, gpu_aug, gpu_decode, gpu_data, eval_linear: each for a flag),
+    read from the file beside this one and from nowhere else (a namesake on the path, such as a project's recipes/
+    package, is not it). Where it was not copied along: None, or the one-line error `missing` when given."""
     path = sibling(name)
     mod = sys.modules.get(name)
     if mod is not None and os.path.realpath(getattr(mod, "__file__", None) or "") == path:
@@ -489,14 +489,19 @@ def ignore_stop_signals(_worker_id=None):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
-def make_loader(dataset, batch_size, workers, seed, collate=None):
-    """The training loader: shuffled, full batches only (the last partial one is dropped)."""
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    sampler = EpochSampler(dataset, world, rank, shuffle=True, seed=seed, drop_last=True)
+def epoch_sampler(dataset, batch_size, seed):
+    """The training order (EpochSampler): shuffled, this process's share, full batches of batch_size only."""
+    sampler = EpochSampler(dataset, world_size(), rank(), shuffle=True, seed=seed, drop_last=True)
     if len(sampler) < batch_size:
         raise UserError(f"dataset has {len(dataset)} images: too few for --batch-size {batch_size} "
-                        f"x {world} process(es); lower --batch-size")
+                        f"x {world_size()} process(es); lower --batch-size")
     sampler.batch = batch_size
+    return sampler
+
+
+def make_loader(dataset, batch_size, workers, seed, collate=None):
+    """The training loader: epoch_sampler's order, full batches only (the last partial one is dropped)."""
+    sampler = epoch_sampler(dataset, batch_size, seed)
     return torch.utils.data.DataLoader(          # own generator: iterating never touches the global RNG
         dataset, batch_size, sampler=sampler, num_workers=workers, pin_memory=torch.cuda.is_available(),
         drop_last=True, persistent_workers=workers > 0, generator=torch.Generator(), collate_fn=collate,
@@ -640,7 +645,10 @@ def keep_aside(path):
     """Rename path to its name and modification time (log.20261128-153000.jsonl), never over another file."""
     base, ext = os.path.splitext(path)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
-    moved = next(m for i in itertools.count() if not os.path.exists(m := f"{base}.{stamp}{f'-{i}' * bool(i)}{ext}"))
+    moved, i = f"{base}.{stamp}{ext}", 0
+    while os.path.exists(moved):                                     # never over another kept file
+        i += 1
+        moved = f"{base}.{stamp}-{i}{ext}"
     os.replace(path, moved)
     return moved
 

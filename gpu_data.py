@@ -174,12 +174,7 @@ class Loader:
     make(store, idx, epoch) -> the method's batch, as its workers' collate would give it (uint8 views)."""
 
     def __init__(self, store, batch_size, seed, make):
-        world, rank = C.world_size(), C.rank()
-        self.sampler = C.EpochSampler(store.dataset, world, rank, shuffle=True, seed=seed, drop_last=True)
-        if len(self.sampler) < batch_size:
-            raise C.UserError(f"dataset has {len(store)} images: too few for --batch-size {batch_size} "
-                              f"x {world} process(es); lower --batch-size")
-        self.sampler.batch = batch_size
+        self.sampler = C.epoch_sampler(store.dataset, batch_size, seed)     # the workers' loader's order
         self.store, self.batch_size, self.dataset, self.make = store, batch_size, store.dataset, make
 
     def __len__(self):

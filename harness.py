@@ -214,8 +214,9 @@ def setup(args, method):
         print(f"{method}: {world} process(es) on {device}, precision {precision}, torch.compile "
               f"{'on' if args.compile else 'off'}{aug}, output {out}")
         print(json.dumps(dataclasses.asdict(args)))
-        if getattr(args, "preset", None) and C.optional("recipes"):          # what it set, and why
-            print(C.optional("recipes").explain(type(args), args.preset, args))
+        recipes = C.optional("recipes") if getattr(args, "preset", None) else None
+        if recipes:                                                         # what the preset set, and why
+            print(recipes.explain(type(args), args.preset, args))
         with open(os.path.join(out, "args.json"), "w") as f:                      # the run's flags, readable
             json.dump(dataclasses.asdict(args), f, indent=1)
         if getattr(args, "tensorboard", False):
