@@ -20,8 +20,9 @@ measures the memory) and the step is exact: InfoNCE stays over the global 2 x ba
 Files. This file, common.py (the training kit: schedules, the optimiser step, micro-batches, data,
 checkpoints, the log) and harness.py (the command line, launching, resume, preemption) train the
 paper's recipe on an image folder. Beside them, for a flag: recipes.py (--preset, and with
-synthetic.py --data synthetic), eval_linear.py (--init, --knn, --eval-every), gpu_aug.py (the colour
-ops on the GPU, default on CUDA; without it they run in the workers).
+synthetic.py --data synthetic), weights.py (--init), eval_linear.py and weights.py (--knn,
+--eval-every), gpu_aug.py (the colour ops on the GPU, default on CUDA; without it they run in the
+workers).
 
 Paper -> code (follows the paper).
   Two views, independent 50% masks ............ TwoViews, random_masking per view
@@ -82,7 +83,7 @@ class Args(H.RunArgs):
     model: str = H.arg("base", "ViT size: nano|micro|tiny|small|base|large", group="model")
     init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the "
                       "official MSN file, an MAE-style 'model' dict or a timm / DeiT state dict "
-                      "(read by eval_linear.py)", group="model")
+                      "(read by weights.py)", group="model")
     patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
     img_size: int = H.arg(224, "training image size (px)", group="data", positive=True)
     epochs: int = H.arg(800, "training epochs (the schedules span them)",
@@ -573,8 +574,8 @@ def train(args):
 
     model = CAN(args).to(dev)                                        # seeded in setup: all ranks
     if args.init and not run.resuming:                               # --init: start from these weights
-        E = C.optional("eval_linear", "--init needs eval_linear.py next to this file")
-        E.init_weights(args.init, model, model.encoder, "can")
+        weights = C.optional("weights", "--init needs weights.py next to this file")
+        weights.init_weights(args.init, model, model.encoder, "can")
     if run.world > 1 and dev.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     C.set_grad_checkpointing(model, args.grad_ckpt)
@@ -591,8 +592,9 @@ def train(args):
     C.print0(f"{len(dataset)} images, {ipe} steps/epoch, {total} steps, lr {peak_lr:.3g}{why}")
     knn = None
     if H.knn_wanted(args):                                           # --knn, --eval-every: eval_linear's k-NN
-        E = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py next to this file")
-        knn = E.KNNMonitor(args, run, log, model.encoder, "can", "encoder")
+        eval_linear = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py and "
+                                 "weights.py next to this file")
+        knn = eval_linear.KNNMonitor(args, run, log, model.encoder, "can", "encoder")
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train()

@@ -36,9 +36,9 @@ def sibling(name):
 
 
 def optional(name, missing=None):
-    """The optional sibling name.py (recipes, synthetic, gpu_aug, gpu_decode, gpu_data, eval_linear: each for a flag),
-    read from the file beside this one and from nowhere else (a namesake on the path, such as a project's recipes/
-    package, is not it). Where it was not copied along: None, or the one-line error `missing` when given."""
+    """The optional sibling name.py (recipes, synthetic, gpu_aug, gpu_decode, gpu_data, weights, eval_linear: each for a
+    flag), read from the file beside this one and from nowhere else (a namesake on the path, such as a project's
+    recipes/ package, is not it). Where it was not copied along: None, or the one-line error `missing` when given."""
     path = sibling(name)
     mod = sys.modules.get(name)
     if mod is not None and os.path.realpath(getattr(mod, "__file__", None) or "") == path:
@@ -47,7 +47,10 @@ def optional(name, missing=None):
         spec = importlib.util.spec_from_file_location(name, path)
         _OPTIONAL[name] = importlib.util.module_from_spec(spec)
         sys.modules.setdefault(name, _OPTIONAL[name])              # unless a namesake holds the name
-        spec.loader.exec_module(_OPTIONAL[name])
+        try:
+            spec.loader.exec_module(_OPTIONAL[name])
+        except ModuleNotFoundError as e:                         # a module it imports was not copied along
+            raise UserError(f"{name}.py needs {e.name}.py next to it") from None
     if name not in _OPTIONAL and missing:
         raise UserError(missing)
     return _OPTIONAL.get(name)

@@ -18,8 +18,9 @@ memory). The loss is per image, so accumulation is exact by construction.
 Files. This file, common.py (the training kit: schedules, the optimiser step, micro-batches, data,
 checkpoints, the log) and harness.py (the command line, launching, resume, preemption) train the
 official recipe on an image folder. Beside them, for a flag: recipes.py (--preset, and with
-synthetic.py --data synthetic), eval_linear.py (--init, --knn, --eval-every), gpu_aug.py (the strong
-view's colour ops on the GPU, default on CUDA; without it they run in the workers).
+synthetic.py --data synthetic), weights.py (--init), eval_linear.py and weights.py (--knn,
+--eval-every), gpu_aug.py (the strong view's colour ops on the GPU, default on CUDA; without it
+they run in the workers).
 
 Paper -> code (the paper's terms).
   Corrupted input x^: masked patches -> [MASK] ...... random_masking, Net.mask_token,
@@ -96,7 +97,7 @@ class Args(H.RunArgs):
     model: str = H.arg("base", "ViT size: nano|micro|tiny|small|base|large", group="model")
     init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the "
                       "official MSN file, an MAE-style 'model' dict or a timm / DeiT state dict "
-                      "(read by eval_linear.py)", group="model")
+                      "(read by weights.py)", group="model")
     patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
     img_size: int = H.arg(224, "training image size (px)", group="data", positive=True)
     epochs: int = H.arg(800, "training epochs (the schedules span them)",
@@ -590,8 +591,8 @@ def train(args):
 
     student = Net(args).to(dev)                                      # f; seeded in setup: all ranks
     if args.init and not run.resuming:                               # --init: start from these weights
-        E = C.optional("eval_linear", "--init needs eval_linear.py next to this file")
-        E.init_weights(args.init, student, student.encoder, "conmim")
+        weights = C.optional("weights", "--init needs weights.py next to this file")
+        weights.init_weights(args.init, student, student.encoder, "conmim")
     teacher = make_teacher(student)                                  # f': an EMA copy, no drop path
     C.set_grad_checkpointing(student, args.grad_ckpt)
     opt = make_optimizer(student, args, dev)
@@ -610,8 +611,9 @@ def train(args):
              f"{lr_rule}); teacher momentum {m0:g} -> {args.ema[1]:g}")
     knn = None
     if H.knn_wanted(args):                                           # --knn, --eval-every: eval_linear's k-NN
-        E = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py next to this file")
-        knn = E.KNNMonitor(args, run, log, teacher.encoder, "conmim", "teacher encoder")
+        eval_linear = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py and "
+                                 "weights.py next to this file")
+        knn = eval_linear.KNNMonitor(args, run, log, teacher.encoder, "conmim", "teacher encoder")
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         student.train()

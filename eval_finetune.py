@@ -60,7 +60,8 @@ import torch.nn.functional as F
 
 import common as C
 import harness as H
-import eval_linear as E
+import eval_linear
+import weights
 
 RECIPES = {  # per-method defaults of the fields left at None
     "mae": dict(blr=5e-4, lr=None, warmup_epochs=5, warmup_lr=0.0, layer_decay=0.65),
@@ -248,7 +249,7 @@ def evaluate(model, val, size, a, run):
     """Top-1 / top-5 (%) and the mean cross-entropy (no smoothing, as MAE's evaluate) on val/, each process
     a strided share, sums over processes."""
     model.eval()
-    share = torch.utils.data.Subset(C.Views(val, E.eval_transform(size, a.data == "synthetic")),
+    share = torch.utils.data.Subset(C.Views(val, eval_linear.eval_transform(size, a.data == "synthetic")),
                                     range(run.rank, len(val), run.world))
     hits = torch.zeros(4, device=run.device)                       # top-1, top-5, count, summed loss
     for x, y in torch.utils.data.DataLoader(share, a.eval_batch, num_workers=a.workers):
@@ -277,7 +278,7 @@ def finetune(args):
     if not -1 <= args.randaug_magnitude <= 30:
         raise C.UserError(f"--randaug-magnitude must be in 0..30 (RandAugment's 31 bins) or -1 (off), got "
                           f"{args.randaug_magnitude}")
-    enc, ckpt = E.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size, args.drop_path,
+    enc, ckpt = weights.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size, args.drop_path,
                                 per_block_rel_pos=True)
     recipe = args.recipe or METHOD_RECIPE.get(ckpt["method"], "mae")
     if recipe not in RECIPES:
@@ -296,19 +297,19 @@ def finetune(args):
         args.layer_decay = SMALL_LAYER_DECAY.get(recipe, rec["layer_decay"]) if small else rec["layer_decay"]
     if not 0 <= args.layer_decay <= 1:
         raise C.UserError(f"--layer-decay must be in [0, 1], got {args.layer_decay}")
-    size = E.check_size(enc, args.img_size or ckpt["vit"]["img_size"])
+    size = weights.check_size(enc, args.img_size or ckpt["vit"]["img_size"])
     if size % enc.patch_size:
         raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size {enc.patch_size}")
-    if not args.holdout:                                             # the folder evaluated, as resolved (a rerun
-        args.split = E.eval_split(args.data, args.split)             # naming the default --split val is the same)
+    if not args.holdout:            # the folder evaluated, as resolved (naming the default --split val is the same)
+        args.split = eval_linear.eval_split(args.data, args.split)
     run = H.setup(args, "finetune")
     per, micro = H.batch_plan(args, run, 1024, "the recipe's lr and its batch statistics (MixUp per process batch) "
                               "were tuned at 1024")
-    train, val, _ = E.splits(args.data, True, args.split, args.holdout)   # sorted names, val's within train's:
-    if len(val.classes) != len(train.classes):                          # the same count = the same classes
+    train, val, _ = eval_linear.splits(args.data, True, args.split, args.holdout)
+    if len(val.classes) != len(train.classes):      # names sorted, val's within train's: same count = same classes
         raise C.UserError(f"--data {args.data}: val/ must have the same classes as train/ for top-1 (train "
                           f"{len(train.classes)}, val {len(val.classes)})")
-    E.check_readable(val, args.workers)                             # an unreadable val/ image: now, not after an epoch
+    eval_linear.check_readable(val, args.workers)                  # an unreadable val/ image: now, not after an epoch
     if args.labels_per_class:
         labelled(train, args.labels_per_class)
     loader = C.make_loader(C.Views(train, train_transform(args, size), args.seed), per, args.workers, args.seed)
@@ -326,7 +327,7 @@ def finetune(args):
     log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
     def save(step, **kw):                                            # the checkpoint (snapshot=True: the encoder)
         C.save_run(run, "finetune", args, step // ipe, step, model.encoder, model, opt, **kw)
-    where = E.eval_split(args.data, args.split, args.holdout)
+    where = eval_linear.eval_split(args.data, args.split, args.holdout)
     why = ([f"{args.lr:g}"] if args.lr else [f"blr {args.blr:g}", f"{args.batch_size} / 256"]) \
         + ([f"lr-factor {args.lr_factor:g}"] if args.lr_factor != 1 else [])      # what the printed lr is
     C.print0(f"fine-tuning {ckpt['method']} ({'random init' if args.random_init else args.ckpt}), recipe {recipe}: "

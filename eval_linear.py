@@ -45,9 +45,7 @@ cyanure's solver (tol 1e-3, at most 300 epochs) is replaced by L-BFGS on the sam
 import contextlib
 import hashlib
 import json
-import math
 import os
-import re
 import time
 from dataclasses import dataclass, replace
 
@@ -57,9 +55,9 @@ import torch.nn.functional as F
 
 import common as C
 import harness as H
+import weights
 
-DEFAULT_POOL = {"msn": "cls-prenorm", "cmae": "mean", "conmim": "mean", "can": "mean", "siammae": "mean",
-                "finetune": "mean"}                              # eval_finetune's head reads the mean patch token
+POOLS = ("cls", "cls-prenorm", "mean")
 
 
 @dataclass
@@ -108,227 +106,6 @@ class Args:
     cache: bool = H.arg(True, "cache features next to the checkpoint", group="run control")
 
 
-# ----------------------------------------------------------------------------------------------
-# The evaluated encoder: a plain ViT with timm's key names, rebuilt from any checkpoint's `vit`
-# config (each method file has its own training ViT; tests/test_interop.py pins that they agree)
-# ----------------------------------------------------------------------------------------------
-SIZES = {"nano": (64, 2, 2), "micro": (128, 4, 4), "tiny": (192, 12, 3), "small": (384, 12, 6),
-         "base": (768, 12, 12), "large": (1024, 24, 16)}                # width, depth, heads
-HEADS = {192: 3, 384: 6, 768: 12, 1024: 16}                            # timm's ViT-Ti/S/B/L
-POOLS = ("cls", "cls-prenorm", "mean")
-
-
-class Attention(nn.Module):
-    """qkv_bias "qkv": one qkv bias (timm ViT); "qv": BEiT's learned q and v biases, k bias 0.
-    rel_pos: this block's own BEiT relative position bias table (fine-tuning expands the shared one)."""
-
-    def __init__(self, dim, heads, qkv_bias="qkv", rel_pos=None):
-        super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim, bias=qkv_bias == "qkv"), nn.Linear(dim, dim)
-        if qkv_bias == "qv":
-            self.q_bias, self.v_bias = nn.Parameter(torch.zeros(dim)), nn.Parameter(torch.zeros(dim))
-        if rel_pos is not None:                                      # timm Beit's per-block names
-            self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * rel_pos - 1) ** 2 + 3, heads))
-            self.register_buffer("relative_position_index", relative_position_index(rel_pos), persistent=False)
-
-    def forward(self, x, bias=None):                                 # (B, T, D), bias (heads, T, T)
-        B, T, D = x.shape
-        b = self.qkv.bias if self.qkv.bias is not None else torch.cat((self.q_bias, torch.zeros_like(self.v_bias),
-                                                                       self.v_bias))
-        q, k, v = F.linear(x, self.qkv.weight, b).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        if hasattr(self, "relative_position_bias_table"):
-            bias = relative_bias(self.relative_position_bias_table, self.relative_position_index)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype).unsqueeze(0))
-        return self.proj(out.transpose(1, 2).reshape(B, T, D))
-
-
-def relative_position_index(grid):
-    """BEiT's index (1 + N, 1 + N) into the ((2g - 1)^2 + 3)-row table (same as conmim.py's)."""
-    yx = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")).flatten(1)
-    rel = (yx[:, :, None] - yx[:, None, :]).permute(1, 2, 0) + (grid - 1)
-    n_rel = (2 * grid - 1) ** 2 + 3
-    index = torch.zeros(grid * grid + 1, grid * grid + 1, dtype=torch.long)
-    index[1:, 1:] = rel[..., 0] * (2 * grid - 1) + rel[..., 1]
-    index[0, :], index[:, 0], index[0, 0] = n_rel - 3, n_rel - 2, n_rel - 1
-    return index
-
-
-def relative_bias(table, index):
-    """(heads, 1 + N, 1 + N) attention bias: the table's row for each token pair's relative offset."""
-    n = index.shape[0]
-    return table[index.view(-1)].view(n, n, -1).permute(2, 0, 1)
-
-
-class RelativePositionBias(nn.Module):
-    def __init__(self, grid, heads):
-        super().__init__()
-        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * grid - 1) ** 2 + 3, heads))
-        self.register_buffer("relative_position_index", relative_position_index(grid), persistent=False)
-
-    def forward(self):                                               # (heads, 1 + N, 1 + N)
-        return relative_bias(self.relative_position_bias_table, self.relative_position_index)
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
-def drop_path(x, p, training):
-    """Stochastic depth: zero a sample's residual branch with probability p, rescale the rest."""
-    if p == 0.0 or not training:
-        return x
-    return x * x.new_empty(x.shape[0], 1, 1).bernoulli_(1 - p) / (1 - p)
-
-
-class Block(nn.Module):
-    """Pre-norm block; drop_path: stochastic depth (used by eval_finetune.py only); layer_scale: BEiT's
-    gamma_1 / gamma_2 (None: none); qkv_bias / rel_pos: see Attention."""
-
-    def __init__(self, dim, heads, mlp_ratio=4.0, drop_path=0.0, layer_scale=None, qkv_bias="qkv", rel_pos=None):
-        super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads, qkv_bias, rel_pos)
-        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, int(dim * mlp_ratio))
-        if layer_scale is not None:
-            self.gamma_1 = nn.Parameter(torch.full((dim,), float(layer_scale)))
-            self.gamma_2 = nn.Parameter(torch.full((dim,), float(layer_scale)))
-        self.drop_path = drop_path
-
-    def forward(self, x, bias=None):
-        a = self.attn(self.norm1(x), bias)
-        if hasattr(self, "gamma_1"):
-            a = self.gamma_1 * a
-        x = x + drop_path(a, self.drop_path, self.training)
-        m = self.mlp(self.norm2(x))
-        if hasattr(self, "gamma_2"):
-            m = self.gamma_2 * m
-        return x + drop_path(m, self.drop_path, self.training)
-
-
-class PatchEmbed(nn.Module):
-    def __init__(self, patch_size, dim):
-        super().__init__()
-        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
-
-    def forward(self, x):
-        return self.proj(x).flatten(2).transpose(1, 2)
-
-
-def sincos_pos_embed(dim, grid):
-    """MAE's fixed 2-D sin-cos table (grid*grid, dim): [x sin, x cos, y sin, y cos]."""
-    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
-    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
-                            indexing="ij")
-    return torch.cat([f(p.flatten()[:, None] * omega[None]) for p in (xs, ys) for f in (torch.sin, torch.cos)],
-                     1).float()
-
-
-class ViT(nn.Module):
-    """forward(x, norm=True) -> (B, 1+N, D), [CLS] first. The position table is a parameter here
-    (a checkpoint's fixed sin-cos buffer loads into it), interpolated bicubically at other sizes.
-    BEiT (ConMIM): pos_embed "none", rel_pos_bias "shared" (one table, pre-training's layout, key
-    rel_pos_bias.*) or "block" (one per block, fine-tuning's: load_encoder(per_block_rel_pos=True)
-    copies the shared table into every block, as BEiT's run_class_finetuning), layer_scale, qkv_bias
-    "qv"; such an encoder takes only its training image size (the bias is tied to the patch grid).
-    --random-init draws the weights as the method's own ViT does (init "trunc": DeiT / MSN,
-    "xavier": MAE / CMAE / CAN / SiamMAE, "beit": ConMIM), in the same order, for the run's seed: the
-    run's own initial encoder for MSN, CMAE and ConMIM; CAN's and SiamMAE's training models draw the
-    whole model at once (MAE's initialize_weights), so there it is another draw of the same
-    initialisation (a run's first checkpoint, --stop-step 1 at lr 0, holds its own start)."""
-
-    def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, mlp_ratio=4.0,
-                 pos_embed="learned", init="trunc", drop_path=0.0, rel_pos_bias=None, layer_scale=None,
-                 qkv_bias="qkv", **_):
-        super().__init__()
-        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
-                           mlp_ratio=mlp_ratio, pos_embed="none" if pos_embed == "none" else "learned", init=init)
-        if pos_embed == "none":
-            self.config.update(rel_pos_bias=rel_pos_bias, layer_scale=layer_scale, qkv_bias=qkv_bias)
-        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
-        self.patch_embed = PatchEmbed(patch_size, dim)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        if pos_embed != "none":
-            self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid ** 2, dim))
-            if pos_embed == "sincos":
-                self.pos_embed.data[0, 1:] = sincos_pos_embed(dim, self.grid)
-            else:
-                self.init_token(self.pos_embed, init)
-        if rel_pos_bias == "shared":
-            self.rel_pos_bias = RelativePositionBias(self.grid, heads)
-        block_rel = self.grid if rel_pos_bias == "block" else None
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, p, layer_scale, qkv_bias, block_rel)
-                                    for p in torch.linspace(0, drop_path, depth).tolist())
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Conv2d)):
-                conv = isinstance(m, nn.Conv2d)
-                if init == "beit":
-                    nn.init.trunc_normal_(m.weight, std=0.02, a=-0.02, b=0.02)
-                elif init == "xavier":
-                    nn.init.xavier_uniform_(m.weight.view(m.weight.shape[0], -1) if conv else m.weight)
-                elif conv:
-                    nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
-                else:
-                    nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None and not (conv and init == "xavier"):
-                    nn.init.zeros_(m.bias)
-        self.init_token(self.cls_token, init)
-        if init == "beit":                                           # BEiT's fix_init_weight
-            for layer, blk in enumerate(self.blocks, start=1):
-                blk.attn.proj.weight.data.div_(math.sqrt(2.0 * layer))
-                blk.mlp.fc2.weight.data.div_(math.sqrt(2.0 * layer))
-
-    def check_grid(self, gh, gw):
-        """A one-line error where a BEiT encoder gets another patch grid than its training one (its relative
-        position bias is tied to it; BEiT would interpolate the tables, this code does not)."""
-        if not hasattr(self, "pos_embed") and (gh, gw) != (self.grid, self.grid):
-            raise C.UserError(f"this BEiT encoder takes {self.grid * self.patch_size}px images only (its relative "
-                              f"position bias is tied to the {self.grid}x{self.grid} patch grid), got "
-                              f"{gh * self.patch_size}x{gw * self.patch_size}; leave --img-size at the checkpoint's")
-
-    @staticmethod
-    def init_token(t, init):
-        if init == "xavier":
-            nn.init.normal_(t, std=0.02)
-        else:
-            nn.init.trunc_normal_(t, std=0.02, **(dict(a=-0.02, b=0.02) if init == "beit" else {}))
-
-    def forward(self, x, norm=True):
-        gh, gw = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
-        x = self.patch_embed(x)
-        if not hasattr(self, "pos_embed"):                           # BEiT: no position added to any token
-            self.check_grid(gh, gw)
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
-            bias = self.rel_pos_bias() if hasattr(self, "rel_pos_bias") else None
-            x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False), bias)
-            return self.norm(x) if norm else x
-        x = x + resize_pos_embed(self.pos_embed, gh, gw)[:, 1:].to(x.dtype)
-        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
-        x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False))
-        return self.norm(x) if norm else x
-
-
-def resize_pos_embed(pe, gh, gw):
-    """A position table (1, 1 + g * g, D) (the [CLS] row first) for a gh x gw patch grid: the patch rows interpolated
-    bicubically when the grid differs (timm's resample_abs_pos_embed; also --init's), the [CLS] row as it is."""
-    g = math.isqrt(pe.shape[1] - 1)
-    if (gh, gw) == (g, g):
-        return pe
-    grid = pe[:, 1:].reshape(1, g, g, -1).permute(0, 3, 1, 2).float()
-    grid = F.interpolate(grid, size=(gh, gw), mode="bicubic", align_corners=False)
-    return torch.cat([pe[:, :1], grid.permute(0, 2, 3, 1).reshape(1, gh * gw, -1).to(pe.dtype)], dim=1)
-
-
-def check_size(encoder, size):
-    """size, or at start the one-line error the encoder's forward would give (BEiT: its training size only)."""
-    encoder.check_grid(size // encoder.patch_size, size // encoder.patch_size)
-    return size
-
-
 class Pixels(nn.Module):
     """The raw-pixel baseline (--pixels) in the encoder's place: (B, 3, H, W) -> (B, 3HW), the normalised
     image itself (evaluate() centres it by the train split's mean image)."""
@@ -350,161 +127,6 @@ def features_of(encoder, x, how):
         return encoder(x)
     tokens = encoder(x, norm=how != "cls-prenorm")
     return tokens[:, 1:].mean(1) if how == "mean" else tokens[:, 0]
-
-
-# A ViT's own tensors in timm / DeiT / MAE / MSN naming (heads, decoders, prototypes are not).
-VIT_KEY = re.compile(r"cls_token|pos_embed|patch_embed\.proj\.(weight|bias)|norm\.(weight|bias)|"
-                     r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)")
-
-
-def foreign_vit(obj, path):
-    """(layout, ViT state dict in timm's names) of a checkpoint not written here: the official MSN file
-    (`target_encoder`, `module.` prefix), an MAE-style file (`model`: MAE, CAN, DeiT and many MAE
-    derivatives) or a plain timm / DeiT state dict; heads, decoders and optimiser state left out."""
-    if not isinstance(obj, dict):
-        raise C.UserError(f"{path}: not a dict of tensors")
-    layout, sd = next(((k, obj[k]) for k in ("target_encoder", "model") if isinstance(obj.get(k), dict)), ("timm", obj))
-    sd = {k.removeprefix("module."): v for k, v in sd.items() if torch.is_tensor(v)}
-    vit = {k: v for k, v in sd.items() if VIT_KEY.fullmatch(k)}
-    if "cls_token" not in vit or "patch_embed.proj.weight" not in vit or "blocks.0.attn.qkv.weight" not in vit:
-        keys = ", ".join(list(obj)[:6]) + (", ..." if len(obj) > 6 else "")
-        raise C.UserError(f"{path}: unknown checkpoint layout (keys: {keys}); expected this project's format, MSN's "
-                          "target_encoder, an MAE-style 'model' or a timm ViT state dict")
-    return {"target_encoder": "msn", "model": "mae-style"}.get(layout, "timm"), vit
-
-
-def foreign_encoder(obj, path, model=None):
-    """(layout, ViT config, ViT state dict) of a checkpoint not written here (foreign_vit). The architecture comes
-    from the tensor shapes; the heads from --model (else timm's default for the width)."""
-    layout, vit = foreign_vit(obj, path)
-    dim, p = vit["cls_token"].shape[-1], vit["patch_embed.proj.weight"].shape[-1]
-    depth = 1 + max(int(k.split(".")[1]) for k in vit if k.startswith("blocks."))
-    grid = math.isqrt(vit["pos_embed"].shape[1] - 1)
-    if model is not None:
-        if model not in SIZES or SIZES[model][0] != dim:
-            raise C.UserError(f"--model {model} does not match {path} (width {dim})")
-    heads = SIZES[model][2] if model else HEADS.get(dim)
-    if heads is None:
-        raise C.UserError(f"{path}: width {dim} is not a standard ViT size; give --model")
-    config = dict(img_size=grid * p, patch_size=p, dim=dim, depth=depth, heads=heads,
-                  mlp_ratio=vit["blocks.0.mlp.fc1.weight"].shape[0] / dim, pos_embed="learned")
-    return layout, config, vit
-
-
-def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path=0.0, per_block_rel_pos=False,
-                 online=False):
-    """(encoder, checkpoint) of a checkpoint file: this project's format, or (see foreign_encoder)
-    the official MSN layout, an MAE-style `model` dict or a timm/DeiT state dict, whose `method` is
-    then "msn", "mae-style" or "timm". random_init: the same ViT at its default initialisation drawn
-    with the run's seed (weights not loaded). per_block_rel_pos: a BEiT encoder's shared relative
-    position bias becomes one table per block, each a copy (fine-tuning, as BEiT / ConMIM's
-    run_class_finetuning). online: the online network's encoder (online_encoder). In eval mode."""
-    obj = C.load_checkpoint(path, ours=False)
-    if online and not (isinstance(obj, dict) and "method" in obj and "model" in obj):
-        raise C.UserError(f"--online: {path} is not a checkpoint of this project's training scripts (no `model`)")
-    if isinstance(obj, dict) and "method" in obj and "encoder" in obj:
-        ckpt = C.load_checkpoint(path)
-        if online:
-            ckpt["encoder"] = online_encoder(ckpt, path)
-        v = ckpt["vit"]                                              # --model: checked here too
-        if model is not None and SIZES.get(model, ())[:3] != (v["dim"], v["depth"], v["heads"]):
-            raise C.UserError(f"--model {model} does not match {path} (width {v['dim']}, depth {v['depth']})")
-    else:
-        method, config, sd = foreign_encoder(obj, path, model)
-        ckpt = {"method": method, "vit": config, "encoder": sd, "args": {"seed": 0}}
-    if patch_size is not None and patch_size != ckpt["vit"]["patch_size"]:      # any checkpoint
-        raise C.UserError(f"--patch-size {patch_size} does not match {path} (patch {ckpt['vit']['patch_size']})")
-    if ckpt["method"] == "conmim" and ckpt["vit"].get("pos_embed") != "none":
-        print(f"{path}: a ConMIM checkpoint from before its BEiT backbone (learned absolute position "
-              "embeddings, which let its objective be solved by position alone): evaluated as the plain ViT it is")
-    vit, sd = dict(ckpt["vit"]), ckpt["encoder"]
-    if per_block_rel_pos and vit.get("rel_pos_bias") == "shared":
-        vit["rel_pos_bias"] = "block"
-        sd = dict(sd)
-        table = sd.pop("rel_pos_bias.relative_position_bias_table", None)
-        if table is not None:
-            sd |= {f"blocks.{i}.attn.relative_position_bias_table": table.clone() for i in range(vit["depth"])}
-    torch.manual_seed(ckpt["args"].get("seed", 0))
-    enc = ViT(**vit, drop_path=drop_path)
-    if not random_init:
-        bad = next((k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
-        if bad:                                                      # it would score 0 on every metric
-            raise C.UserError(f"{path}: the encoder's {bad} holds NaN or infinite values (a corrupted file, or a "
-                              "diverged run's weights)")
-        try:
-            enc.load_state_dict(sd)
-        except RuntimeError as e:
-            raise C.UserError(f"{path}: the encoder does not fit a ViT ({' '.join(str(e).split())[:300]})") from None
-    return enc.eval(), ckpt
-
-
-def init_weights(path, model, encoder, method):
-    """--init PATH of a training script: the weights its online network starts from at step 0 (before its EMA target
-    is copied from it, so both start there). The encoder (`encoder`, a module of `model`) from any file load_encoder
-    reads: a checkpoint of this project (its evaluated `encoder`; one of the same method also gives the heads,
-    decoders, prototypes of its `model`), the official MSN file, an MAE-style `model` dict, a timm / DeiT state dict.
-    Every encoder tensor must be found with its shape, but a learned position table, interpolated to this patch grid
-    (resize_pos_embed), and a fixed sin-cos one, which stays this model's own; anything else loads where a name and a
-    shape match and starts fresh otherwise. Prints what was loaded, started fresh and was interpolated; an encoder
-    tensor that cannot be used is a one-line error naming its key."""
-    obj = C.load_checkpoint(path, ours=False)
-    at = next(n for n, m in model.named_modules() if m is encoder) + "."     # the encoder's prefix in model
-    if isinstance(obj, dict) and "method" in obj and "encoder" in obj:
-        ckpt = C.load_checkpoint(path)
-        source = dict(ckpt.get("model") or {}) if ckpt["method"] == method else {}
-        source |= {at + k: v for k, v in ckpt["encoder"].items()}    # the evaluated encoder (MSN's, ConMIM's EMA)
-        what = f"a {ckpt['method']} checkpoint, step {ckpt.get('step')}"
-    else:
-        layout, sd = foreign_vit(obj, path)
-        source = {at + k: v for k, v in sd.items()}
-        what = {"msn": "the official MSN layout", "mae-style": "an MAE-style model dict"}.get(layout, "a timm ViT")
-    fixed = {n for n, _ in model.named_buffers()}                    # e.g. a sin-cos table: never learned
-    own, load, fresh, resized = model.state_dict(), {}, [], []
-    for k, v in own.items():
-        src, name = source.get(k), k.removeprefix(at)
-        if src is not None and src.shape != v.shape and k == at + "pos_embed" and k not in fixed:
-            src = resize_pos_embed(src, encoder.grid, encoder.grid)
-            resized.append(f"{name} {math.isqrt(source[k].shape[1] - 1)}^2 -> {encoder.grid}^2")
-        if src is not None and src.shape == v.shape:
-            load[k] = src
-        elif k in fixed:                                             # a fixed table of another grid: this one's own
-            continue
-        elif k.startswith(at):                                       # the encoder must come whole
-            why = f"no {name}" if src is None else f"{name} of shape {tuple(src.shape)}, this model's {tuple(v.shape)}"
-            raise C.UserError(f"--init {path}: its encoder has {why} (another size or architecture)")
-        else:
-            fresh.append(k)
-    extra = sorted(k.removeprefix(at) for k in source if k.startswith(at) and k not in own)
-    if extra:
-        raise C.UserError(f"--init {path}: its encoder has {extra[0]}, which this model lacks ({len(extra)} such "
-                          "tensors: another depth or architecture)")
-    bad = next((k for k, v in load.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
-    if bad:
-        raise C.UserError(f"--init {path}: {bad} holds NaN or infinite values")
-    model.load_state_dict(load, strict=False)
-    path_to_encoder = at.split(".")[:-1]                            # e.g. ["net", "encoder"]
-
-    def count(keys):                                                 # "encoder (42), head (9), prototypes (1)"
-        groups = {"encoder": 0} if any(k.startswith(at) for k in keys) else {}    # the encoder first
-        for k in keys:
-            part = "encoder" if k.startswith(at) else next(p for p in k.split(".") if p not in path_to_encoder)
-            groups[part] = groups.get(part, 0) + 1
-        return ", ".join(f"{g} ({n})" for g, n in groups.items()) or "nothing"
-    C.print0(f"--init {path} ({what}): loaded {count(load)}; fresh: {count(fresh)}"
-             + (f"; interpolated: {', '.join(resized)}" if resized else ""))
-    return load
-
-
-def online_encoder(ckpt, path):
-    """The online network's encoder in a checkpoint's `model` (MSN: net.encoder.*; CMAE, ConMIM, CAN,
-    SiamMAE: encoder.*): the keys under the prefix whose names are exactly those of the evaluated
-    `encoder` (for CMAE, CAN and SiamMAE the same weights: they evaluate the online encoder)."""
-    model, names = ckpt.get("model") or {}, set(ckpt["encoder"])
-    for prefix in sorted({k[:k.index("encoder.") + 8] for k in model if "encoder." in k}):
-        sd = {k[len(prefix):]: v for k, v in model.items() if k.startswith(prefix)}
-        if set(sd) == names:
-            return sd
-    raise C.UserError(f"--online: {path}'s `model` holds no encoder with the evaluated encoder's weights' names")
 
 
 class Progress:
@@ -629,7 +251,7 @@ class KNNMonitor:
 
     def __init__(self, args, run, log, encoder, method, what):
         self.run, self.log, self.encoder, self.what = run, log, encoder, what
-        self.every, self.size, self.pool = args.eval_every, args.img_size, DEFAULT_POOL[method]
+        self.every, self.size, self.pool = args.eval_every, args.img_size, weights.DEFAULT_POOL[method]
         self.synthetic, self.workers = args.data == "synthetic", args.workers
         try:                                                         # the layout, checked before any step
             self.train, self.val, self.to_train = splits(args.data, holdout=args.holdout)
@@ -714,8 +336,8 @@ def features(a, enc, ckpt, split, ds, device):
     cache key holds everything they depend on: the checkpoint file (path, size, mtime), how it is read
     (pooling, size, --random-init, --model, --patch-size) and the split's images (class names and
     file list), so a dataset changed in place is never served another's features and labels."""
-    pool = a.pool or DEFAULT_POOL.get(ckpt["method"], "cls")
-    size = check_size(enc, a.img_size or ckpt["vit"]["img_size"])
+    pool = weights.pool_of(ckpt, a.pool)
+    size = weights.check_size(enc, a.img_size or ckpt["vit"]["img_size"])
     if a.pixels:
         a = replace(a, cache=False)                  # no checkpoint to cache next to; cheap to redo
     st = os.stat(a.ckpt) if a.ckpt else None
@@ -873,46 +495,9 @@ def embed(a, enc, ckpt, device):
     names = [os.path.relpath(p, a.data) for p, _ in getattr(ds, "samples", [])] or [str(i) for i in range(len(ds))]
     with open(os.path.join(a.output, "files.txt"), "w") as f:
         f.writelines(n + "\n" for n in names)
-    C.print0(f"features of {len(ds)} images ({tuple(feats.shape)}, pooling {a.pool or DEFAULT_POOL.get(ckpt['method'])}"
+    C.print0(f"features of {len(ds)} images ({tuple(feats.shape)}, pooling {weights.pool_of(ckpt, a.pool)}"
              f") -> {a.output}/features.npy, files.txt")
     return {"images": len(ds), "dim": feats.shape[1], "output": a.output}
-
-
-TIMM_NAMES = {192: "tiny", 384: "small", 768: "base", 1024: "large"}
-
-
-def export(a, enc, ckpt):
-    """--export OUT: the evaluated encoder alone, as encoder.pth (and encoder.safetensors where the safetensors package
-    is installed), and config.json: how to rebuild it in timm (`timm.create_model(**config["timm"])`, then
-    load_state_dict), its pooling and the preprocessing (mean / std, size)."""
-    _lock = H.claim_dir(a.export, "--export")                       # held while the export writes
-    v, pool = ckpt["vit"], a.pool or DEFAULT_POOL.get(ckpt["method"], "cls")
-    beit = v.get("pos_embed") == "none"
-    name = "beit_base_patch16_224" if beit else f"vit_{TIMM_NAMES.get(v['dim'], 'small')}_patch16_224"  # resized
-    timm = dict(model_name=name, pretrained=False, num_classes=0, img_size=v["img_size"], patch_size=v["patch_size"],
-                embed_dim=v["dim"], depth=v["depth"], num_heads=v["heads"], mlp_ratio=v["mlp_ratio"])
-    if beit:                                                         # ConMIM's: BEiT's shared relative bias
-        timm |= dict(use_abs_pos_emb=False, use_rel_pos_bias=False, use_shared_rel_pos_bias=True,
-                     init_values=v["layer_scale"], global_pool="token")
-        how = "vit.forward_features(x)[:, 1:].mean(1)" if pool == "mean" else "vit(x)"
-    else:                                                            # timm's "avg" without fc_norm: our "mean"
-        timm |= dict(global_pool="avg" if pool == "mean" else "token", fc_norm=False)
-        how = "vit(x) with vit.norm = torch.nn.Identity()" if pool == "cls-prenorm" else "vit(x)"
-    sd = {k: t.contiguous() for k, t in enc.state_dict().items()}
-    C.save_checkpoint(os.path.join(a.export, "encoder.pth"), sd)
-    try:
-        from safetensors.torch import save_file
-        save_file(sd, os.path.join(a.export, "encoder.safetensors"))
-    except ImportError:                                              # optional: never required
-        pass
-    config = {"method": ckpt["method"], "step": ckpt.get("step"), "ckpt": os.path.abspath(a.ckpt), "pool": pool,
-              "features": how, "timm": timm, "img_size": v["img_size"], "mean": C.IMAGENET_MEAN, "std": C.IMAGENET_STD,
-              "resize": "bicubic to img_size * 256 / 224, centre crop img_size (eval_linear.eval_transform)",
-              "vit": v}
-    with open(os.path.join(a.export, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    C.print0(f"the {ckpt['method']} encoder -> {a.export}: encoder.pth, config.json (timm: {name}, pooling {pool})")
-    return config
 
 
 def evaluate(a):
@@ -933,7 +518,7 @@ def evaluate(a):
         raise C.UserError("--online reads a checkpoint's trained online network: not with --random-init or --pixels")
     device = H.resolve_device(a.device)
     enc, ckpt = (Pixels(), {"method": "pixels", "vit": {"img_size": a.img_size}}) if a.pixels else \
-        load_encoder(a.ckpt, a.random_init, a.model, a.patch_size, online=a.online)
+        weights.load_encoder(a.ckpt, a.random_init, a.model, a.patch_size, online=a.online)
     trained = ckpt.get("args", {}).get("holdout", 0) if "encoder" in ckpt and not a.random_init else a.holdout
     if a.holdout and trained != a.holdout:           # the held-out images must be ones it never trained on
         raise C.UserError(f"--holdout {a.holdout}: {a.ckpt} was trained with --holdout {trained}"
@@ -944,7 +529,7 @@ def evaluate(a):
     if a.subset_file and a.mode not in ("lowshot", "all"):
         raise C.UserError(f"--subset-file is read by --mode lowshot or all, not {a.mode}")
     if a.export:
-        return export(a, enc, ckpt)
+        return weights.export(a.export, enc, ckpt, weights.pool_of(ckpt, a.pool), a.ckpt)
     if a.mode == "embed":
         return embed(a, enc, ckpt, device)
     train, val, val_to_train = splits(a.data, split=a.split, holdout=a.holdout)   # layout checked before any extraction
@@ -961,7 +546,7 @@ def evaluate(a):
     nc = len(train.classes)
     res = {"method": ckpt["method"], "ckpt": a.ckpt, "random_init": a.random_init, "online": a.online,
            "split": eval_split(a.data, a.split, a.holdout),
-           "pool": a.pool or DEFAULT_POOL.get(ckpt["method"], "cls"),
+           "pool": weights.pool_of(ckpt, a.pool),
            "train_classes": len(train.classes), "val_classes": len(val.classes)}
     if a.mode in ("knn", "all"):
         res.update(knn(ftr, ytr, fva, yva, nc, a.k, a.temperature))

@@ -89,7 +89,7 @@ from PIL import Image
 
 import common as C
 import harness as H
-from eval_linear import load_encoder
+from weights import load_encoder
 
 
 TASKS = ("davis", "vip", "jhmdb")

@@ -271,6 +271,7 @@ def resume_run(run, method, args, model, optimizer, target=None, data=None):
         return 0
     ckpt = C.load_checkpoint(run.ckpt, method)
     old = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["args"].items()}
+    old = getattr(args, "upgrade", dict)(old)                        # a renamed flag of an older checkpoint
     may = RUN_ONLY | getattr(args, "RUN_ONLY", set())
     changed = {k: f"--{k.replace('_', '-')} {old[k]} -> {v}" for k, v in vars(args).items()
                if k in old and old[k] != v and k not in may}

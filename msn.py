@@ -22,8 +22,9 @@ measures the memory) and the step is exact: Sinkhorn and ME-MAX stay over the gl
 Files. This file, common.py (the training kit: schedules, the optimiser step, micro-batches, data,
 checkpoints, the log) and harness.py (the command line, launching, resume, preemption) train the
 official recipe on an image folder. Beside them, for a flag: recipes.py (--preset, and with
-synthetic.py --data synthetic), eval_linear.py (--init, --knn, --eval-every), gpu_aug.py (the colour
-ops on the GPU, default on CUDA; without it they run in the workers), gpu_decode.py (--gpu-decode).
+synthetic.py --data synthetic), weights.py (--init), eval_linear.py and weights.py (--knn,
+--eval-every), gpu_aug.py (the colour ops on the GPU, default on CUDA; without it they run in the
+workers), gpu_decode.py (--gpu-decode).
 
 Paper -> code.
   Views x+ (target), x_1..x_M (anchors), Sec 3.1 .... MultiView (data section)
@@ -96,7 +97,7 @@ class Args(H.RunArgs):
     model: str = H.arg("small", "ViT size: nano|micro|tiny|small|base|large", group="model")
     init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the "
                       "official MSN file, an MAE-style 'model' dict or a timm / DeiT state dict "
-                      "(read by eval_linear.py)", group="model")
+                      "(read by weights.py)", group="model")
     patch_size: int = H.arg(16, "ViT patch size (px)", group="model", positive=True)
     img_size: int = H.arg(224, "target / random anchor view size", group="data", positive=True)
     epochs: int = H.arg(800, "training epochs (the schedules span them)",
@@ -622,8 +623,8 @@ def train(args):
 
     model = MSN(args).to(dev)                                        # seeded in setup: same on all ranks
     if args.init and not run.resuming:                               # --init: start from these weights
-        E = C.optional("eval_linear", "--init needs eval_linear.py next to this file")
-        E.init_weights(args.init, model, model.net.encoder, "msn")
+        weights = C.optional("weights", "--init needs weights.py next to this file")
+        weights.init_weights(args.init, model, model.net.encoder, "msn")
     target_net = make_target(model.net)                              # f_theta_bar: a copy, no drop path
     if run.world > 1 and dev.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -647,8 +648,9 @@ def train(args):
              f"{m0:g} -> {args.ema[1]:g}")
     knn = None
     if H.knn_wanted(args):                                           # --knn, --eval-every: eval_linear's k-NN
-        E = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py next to this file")
-        knn = E.KNNMonitor(args, run, log, target_net.encoder, "msn", "target encoder")
+        eval_linear = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py and "
+                                 "weights.py next to this file")
+        knn = eval_linear.KNNMonitor(args, run, log, target_net.encoder, "msn", "target encoder")
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
         model.train()

@@ -19,7 +19,7 @@ depth (Kinetics frame folders; a DAVIS root trains on its train list).
 Files. This file, common.py (the training kit: schedules, the optimiser step, micro-batches, data,
 checkpoints, the log) and harness.py (the command line, launching, resume, preemption) train the
 paper's recipe on a folder of videos. Beside them, for a flag: recipes.py (--preset, and with
-synthetic.py --data synthetic), eval_linear.py (--init).
+synthetic.py --data synthetic), weights.py (--init).
 
 Paper -> code.
   Frame pair, gap 4..48, same crop + flip .... FramePair
@@ -93,7 +93,7 @@ class Args(H.RunArgs):
     drop_path: float = H.arg(0.0, "stochastic depth rate of the last block", group="model", min=0)
     init: str = H.arg(None, "start from these weights at step 0: a checkpoint of this project, the "
                       "official MSN file, an MAE-style 'model' dict or a timm / DeiT state dict "
-                      "(read by eval_linear.py)", group="model")
+                      "(read by weights.py)", group="model")
     weight_init: str = H.arg("xavier", "the initialisation drawn otherwise: xavier (MAE's) | trunc "
                              "(trunc-normal 0.02, DeiT)", group="model")
     probe_every: int = H.arg(200, "steps between f1 probes (how much the decoder reads f1; 0 = "
@@ -110,6 +110,13 @@ class Args(H.RunArgs):
                      decoder_dim=64, decoder_depth=2, decoder_heads=4, gap=(2, 8), workers=2,
                      log_every=20)
     RUN_ONLY = {"probe_every"}                                       # a resumed run may change it (harness.resume_run)
+
+    @staticmethod
+    def upgrade(old):
+        """A checkpoint's args from before --weight-init, when --init named the scheme: as now."""
+        if old.get("init") in ("xavier", "trunc") and "weight_init" not in old:
+            return {**old, "weight_init": old["init"], "init": None}
+        return old
 
     def check(self):
         """harness.validate's rules for SiamMAE's own flags."""
@@ -659,8 +666,8 @@ def train(args):
 
     model = SiamMAE(args).to(dev)                                    # seeded in setup: all ranks
     if args.init and not run.resuming:                               # --init: start from these weights
-        E = C.optional("eval_linear", "--init needs eval_linear.py next to this file")
-        E.init_weights(args.init, model, model.encoder, "siammae")
+        weights = C.optional("weights", "--init needs weights.py next to this file")
+        weights.init_weights(args.init, model, model.encoder, "siammae")
     C.set_grad_checkpointing(model, args.grad_ckpt)
     opt = C.make_optimizer(model, peak_lr, args.weight_decay, args.betas, dev)
     start = H.resume_run(run, "siammae", args, model, opt, data={"train": dataset})   # global step

@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 import common as C  # noqa: E402
 import harness as H  # noqa: E402
 import eval_linear as E  # noqa: E402
+import weights  # noqa: E402
 
 LABEL = {"msn": "MSN (EMA target)", "cmae": "CMAE (online)", "conmim": "ConMIM (EMA teacher)", "can": "CAN (online)"}
 SMALL = ["--model", "nano", "--batch-size", "8", "--epochs", "1", "--log-every", "1", "--device", "cpu"]
@@ -91,8 +92,8 @@ def features(a, images, ckpt=None, online=False, pixels=False):
     evaluated encoder (online: its online network's) with its method's default pooling, bf16 on CUDA; or the raw
     pixels centred by the train mean. Equal to eval_linear's (tests/test_benchmarks.py)."""
     dev = H.resolve_device(a.device)
-    enc, c = (E.Pixels(), {"method": "pixels"}) if pixels else E.load_encoder(ckpt, online=online)
-    enc, pool = enc.to(dev), E.DEFAULT_POOL.get(c["method"], "cls")
+    enc, c = (E.Pixels(), {"method": "pixels"}) if pixels else weights.load_encoder(ckpt, online=online)
+    enc, pool = enc.to(dev), weights.DEFAULT_POOL.get(c["method"], "cls")
     amp = torch.autocast("cuda", torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     feats = [E.extract_features(enc, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), 1024), dev,
                                 lambda e, x: E.features_of(e, x, pool), amp)[0] for x, y in images[:2]]

@@ -21,11 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
 import eval_finetune as FT  # noqa: E402
 import eval_linear as E  # noqa: E402
+import weights  # noqa: E402
 
 
 @torch.no_grad()
 def probe(ckpt, data, images=250, random_init=False, split=None):
-    enc, c = E.load_encoder(ckpt, random_init, per_block_rel_pos=True)
+    enc, c = weights.load_encoder(ckpt, random_init, per_block_rel_pos=True)
     out = {"ckpt": ckpt, "random_init": random_init, "method": c["method"]}
     if not random_init:
         sd, got = c["encoder"], enc.state_dict()

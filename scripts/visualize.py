@@ -9,8 +9,9 @@ Rows, each image a column (the evaluation's resize and centre crop, at the run's
   reconstruction         the decoder's prediction at the masked patches, the visible ones as given (CMAE, CAN, SiamMAE)
   attention              the evaluated encoder's last block, averaged over heads: from the [CLS] token (MSN, which is
                          evaluated on it), or from the patches on average (the mean-token methods), over the image
-MSN and ConMIM reconstruct nothing (their objectives compare features): input and attention only. Any checkpoint
-eval_linear.py reads (the official MSN file, MAE-style, timm) gives input and attention. Pictures are written with
+MSN and ConMIM reconstruct nothing (their objectives compare features): input and attention only. Any file
+weights.py reads (a --keep-every snapshot, an --export, the official MSN file, MAE-style, timm) gives input and
+attention. Pictures are written with
 PIL (common.save_image_grid); nothing else is needed. Prints the path.
 """
 import argparse
@@ -27,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common as C  # noqa: E402
 import eval_linear as E  # noqa: E402
+import weights  # noqa: E402
 
 
 @torch.no_grad()
@@ -39,12 +41,13 @@ def attention_weights(enc, x):
     enc(x)
     hook.remove()
     h, (B, T, D) = attn.heads, got["x"].shape
-    bias = attn.qkv.bias if attn.qkv.bias is not None else torch.cat((attn.q_bias, torch.zeros_like(attn.v_bias),
-                                                                      attn.v_bias))
+    bias = attn.qkv.bias
+    if hasattr(attn, "q_bias"):                                            # BEiT: no k bias
+        bias = torch.cat((attn.q_bias, torch.zeros_like(attn.v_bias), attn.v_bias))
     q, k, _ = F.linear(got["x"], attn.qkv.weight, bias).view(B, T, 3, h, D // h).permute(2, 0, 3, 1, 4)
     logits = q @ k.transpose(-1, -2) / math.sqrt(D // h)                     # (B, h, T, T)
     if hasattr(attn, "relative_position_bias_table"):                      # BEiT, a table per block
-        logits = logits + E.relative_bias(attn.relative_position_bias_table, attn.relative_position_index)
+        logits = logits + weights.relative_bias(attn.relative_position_bias_table, attn.relative_position_index)
     elif got["bias"] is not None:                                          # BEiT, the shared table
         logits = logits + got["bias"]
     return logits.softmax(-1)
@@ -66,13 +69,16 @@ def heat(x, a, grid):
 
 
 def method_model(ckpt):
-    """(the method file, its Args, its online network with the checkpoint's weights) of a checkpoint of this
-    project, or None for a foreign file."""
-    if ckpt.get("method") not in ("msn", "cmae", "conmim", "can", "siammae") or not ckpt.get("model"):
+    """(the method file, its Args, its online network with the checkpoint's weights, or None where the file holds
+    the encoder alone: a --keep-every snapshot, an --export) of a file of this project's methods, or None."""
+    if ckpt.get("method") not in ("msn", "cmae", "conmim", "can", "siammae"):
         return None
     mod = importlib.import_module(ckpt["method"])
     names = {f.name for f in dataclasses.fields(mod.Args)}                  # a flag since removed: dropped
     a = mod.Args(**{k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["args"].items() if k in names})
+    a = dataclasses.replace(a, img_size=ckpt["vit"]["img_size"], patch_size=ckpt["vit"]["patch_size"])
+    if not ckpt.get("model"):
+        return mod, a, None
     net = {"msn": lambda: mod.MSN(a), "cmae": lambda: mod.CMAE(a), "conmim": lambda: mod.Net(a),
            "can": lambda: mod.CAN(a), "siammae": lambda: mod.SiamMAE(a)}[ckpt["method"]]()
     net.load_state_dict(ckpt["model"])
@@ -82,8 +88,8 @@ def method_model(ckpt):
 @torch.no_grad()
 def reconstruct(mod, a, net, x, f1=None, seed=0):
     """(masked input, reconstruction) of x (B, 3, S, S) normalised by the method's own masking and decoder; f1:
-    SiamMAE's earlier frame. None where the method reconstructs nothing."""
-    if mod.__name__ not in ("cmae", "can", "siammae"):
+    SiamMAE's earlier frame. None where the method reconstructs nothing or the file has no decoder."""
+    if mod.__name__ not in ("cmae", "can", "siammae") or net is None:
         return None
     p, grid = a.patch_size, a.img_size // a.patch_size
     with torch.random.fork_rng(devices=[]):
@@ -111,10 +117,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="the masks' draw")
     a = p.parse_args(argv)
     try:
-        enc, ckpt = E.load_encoder(a.ckpt)
+        enc, ckpt = weights.load_encoder(a.ckpt)
         built = method_model(ckpt)
         size = ckpt["vit"]["img_size"]
-        pool = E.DEFAULT_POOL.get(ckpt["method"], "cls")
+        pool = weights.pool_of(ckpt)
         if ckpt["method"] == "siammae":
             mod, margs, net = built
             pairs = mod.probe_pairs(mod.video_dataset(a.data), margs, a.images)
@@ -131,7 +137,7 @@ def main(argv=None):
     rows, labels = ([f1], ["f1 (context)"]) if f1 is not None else ([], [])
     rows.append(x)
     labels.append("f2 (input)" if f1 is not None else "input")
-    pictures = reconstruct(*built, x, f1, a.seed) if built else None
+    pictures = reconstruct(*built, x, f1, a.seed) if built else None    # None: the encoder alone
     if pictures:
         rows += list(pictures)
         labels += ["masked input", "reconstruction"]

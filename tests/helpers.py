@@ -60,10 +60,10 @@ def exact_resume(train, make_args, tmp_path, method, keys):
 def vit_checkpoint(path, method, **vit):
     """A checkpoint in this project's format holding only a randomly initialised tiny ViT encoder (seed 0),
     for the evaluation scripts; `method` picks their per-method defaults (pooling, fine-tuning recipe)."""
-    import eval_linear as E
+    import weights as W
     vit = dict(dict(img_size=16, patch_size=4, dim=32, depth=1, heads=2), **vit)
     torch.manual_seed(0)
-    C.save_checkpoint(str(path), {"method": method, "vit": vit, "encoder": E.ViT(**vit).state_dict(),
+    C.save_checkpoint(str(path), {"method": method, "vit": vit, "encoder": W.ViT(**vit).state_dict(),
                                   "args": {"seed": 0}, "epoch": 1, "step": 1})
     return str(path)
 

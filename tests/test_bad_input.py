@@ -15,6 +15,7 @@ import common as C
 import harness as H
 import synthetic as S
 import eval_linear as E
+import weights as W
 from helpers import one_line_error, run_cli
 from test_can import tiny_args
 from test_faults import CAN_CLI
@@ -27,7 +28,7 @@ def _png(path, i, split="train"):
 
 def _timm_ckpt(path):
     torch.manual_seed(0)
-    torch.save(E.ViT(16, 4, 192, 1, 3).state_dict(), path)        # a timm-layout ViT-Ti-width file
+    torch.save(W.ViT(16, 4, 192, 1, 3).state_dict(), path)        # a timm-layout ViT-Ti-width file
     return str(path)
 
 
@@ -47,7 +48,7 @@ def test_eval_matches_val_classes_to_train_by_name(tmp_path):
         shutil.copy(tmp_path / "d" / "train" / "b" / f"{i}.png", tmp_path / "d" / "val" / "b")
     res = _eval(tmp_path, tmp_path / "d", k=1)
     assert res["knn_top1"] == 100.0 and res["train_classes"] == 2 and res["val_classes"] == 1
-    enc, _ = E.load_encoder(_timm_ckpt(tmp_path / "w.pth"))         # the training scripts' k-NN monitor too
+    enc, _ = W.load_encoder(_timm_ckpt(tmp_path / "w.pth"))         # the training scripts' k-NN monitor too
     from helpers import knn_monitor
     assert knn_monitor(enc, str(tmp_path / "d"), 16)[0](1)["knn_top1"] == _eval(tmp_path, tmp_path / "d",
                                                                                pool="mean")["knn_top1"]

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import common as C
 import synthetic as S
 import eval_linear as E
+import weights as W
 from helpers import one_line_error, run_cli, vit_checkpoint
 
 
@@ -165,9 +166,9 @@ def test_a_bad_subset_file_stops_before_any_feature_is_extracted(tmp_path, monke
 
 
 def test_msn_features_are_the_cls_token_before_the_final_norm():
-    enc = E.ViT(16, 4, 32, 2, 2).eval()
+    enc = W.ViT(16, 4, 32, 2, 2).eval()
     x = torch.randn(3, 3, 16, 16)
-    assert E.DEFAULT_POOL["msn"] == "cls-prenorm"
+    assert W.DEFAULT_POOL["msn"] == "cls-prenorm"
     torch.testing.assert_close(E.features_of(enc, x, "cls-prenorm"), enc(x, norm=False)[:, 0])
     torch.testing.assert_close(E.features_of(enc, x, "cls"), enc.norm(enc(x, norm=False))[:, 0])
 
@@ -207,7 +208,7 @@ def test_each_method_checkpoint_evaluates(method, tmp_path):
                        **TINY[method]))
     ckpt = str(tmp_path / "run" / "checkpoint.pth")
     res = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="all", workers=0, k=3, linear_epochs=2, seeds=2))
-    assert res["method"] == method and res["pool"] == E.DEFAULT_POOL[method]
+    assert res["method"] == method and res["pool"] == W.DEFAULT_POOL[method]
     for k in ("knn_top1", "linear_top1", "lowshot_1shot_mean"):
         assert 0 <= res[k] <= 100
     (tmp_path / "subset.txt").write_text("c0/0.png\nc1/0.png\nc2/0.png\nc0/1.png\nc1/1.png\nc2/1.png\n")
@@ -267,12 +268,12 @@ def test_online_reads_the_online_networks_encoder(method, prefix, tmp_path):
                        batch_size=4, workers=0, knn=False, warmup_epochs=0, **TINY[method]))
     path = str(tmp_path / "run" / "checkpoint.pth")
     ckpt = C.load_checkpoint(path)
-    online, _ = E.load_encoder(path, online=True)
-    hand = E.ViT(**ckpt["vit"])
+    online, _ = W.load_encoder(path, online=True)
+    hand = W.ViT(**ckpt["vit"])
     hand.load_state_dict({k[len(prefix):]: v for k, v in ckpt["model"].items() if k.startswith(prefix)})
     for k, v in hand.state_dict().items():
         assert torch.equal(online.state_dict()[k], v), k
-    evaluated, _ = E.load_encoder(path)
+    evaluated, _ = W.load_encoder(path)
     same = all(torch.equal(evaluated.state_dict()[k], v) for k, v in hand.state_dict().items())
     assert same == (method == "cmae")
     a = E.evaluate(E.Args(ckpt=path, data=data, workers=0, k=3, online=True))
@@ -282,7 +283,7 @@ def test_online_reads_the_online_networks_encoder(method, prefix, tmp_path):
         with pytest.raises(C.UserError, match="--online reads"):
             E.evaluate(E.Args(**{**dict(ckpt=path, data=data, workers=0, online=True), **bad}))
     with pytest.raises(C.UserError, match="--online: .* is not a checkpoint of this project's training scripts"):
-        E.load_encoder(vit_checkpoint(tmp_path / "c.pth", "cmae"), online=True)
+        W.load_encoder(vit_checkpoint(tmp_path / "c.pth", "cmae"), online=True)
 
 
 def test_bad_checkpoints(tmp_path):
@@ -322,11 +323,11 @@ def test_a_folder_without_train_or_val_is_an_error_before_any_feature(tmp_path):
 def test_model_and_patch_size_flags_are_checked_against_this_projects_checkpoints_too(tmp_path):
     """--model / --patch-size were checked for foreign checkpoints only and silently ignored for ours."""
     ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae", dim=64, depth=2, heads=2)     # the 'nano' size
-    assert E.load_encoder(ckpt, model="nano", patch_size=4)[1]["vit"]["dim"] == 64
+    assert W.load_encoder(ckpt, model="nano", patch_size=4)[1]["vit"]["dim"] == 64
     with pytest.raises(C.UserError, match="--model tiny does not match"):
-        E.load_encoder(ckpt, model="tiny")
+        W.load_encoder(ckpt, model="tiny")
     with pytest.raises(C.UserError, match="--patch-size 8 does not match"):
-        E.load_encoder(ckpt, patch_size=8)
+        W.load_encoder(ckpt, patch_size=8)
 
 
 def test_knn_predict_matches_naive():
@@ -369,7 +370,7 @@ def test_knn_monitor_is_the_evaluations_knn_on_the_folder(method, how, tmp_path,
     data = tiny_folder(tmp_path / "d")
     shutil.rmtree(tmp_path / "d" / "val" / "c0")
     torch.manual_seed(0)
-    enc = E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2).eval()
+    enc = W.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2).eval()
     tf = E.eval_transform(16)
 
     def feats(split):
@@ -454,7 +455,7 @@ def test_the_default_pooling_of_each_method_reaches_the_features(method, tmp_pat
     PATCH tokens ([CLS] left out); evaluate() without --pool extracts exactly that."""
     data = tiny_folder(tmp_path / "data")
     ckpt = vit_checkpoint(tmp_path / "c.pth", method)
-    enc, ck = E.load_encoder(ckpt)
+    enc, ck = W.load_encoder(ckpt)
     val = C.image_dataset(data, "val")
     f, _ = E.features(E.Args(ckpt=ckpt, data=data, workers=0, cache=False), enc, ck, "val", val, torch.device("cpu"))
     x = torch.stack([C.normalize(E.eval_transform(16)(val.load(i)[0])) for i in range(len(val))])
@@ -477,7 +478,7 @@ def test_eval_transform_is_resize_256_over_224_bicubic_then_centre_crop():
 
 
 def test_features_are_extracted_in_eval_mode_without_drop_path():
-    enc = E.ViT(16, 4, 32, 2, 2, drop_path=0.5).train()
+    enc = W.ViT(16, 4, 32, 2, 2, drop_path=0.5).train()
     batch = [(torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8), torch.arange(3))]
     pool = lambda e, x: E.features_of(e, x, "cls")                                     # noqa: E731
     f1, y = E.extract_features(enc, batch, torch.device("cpu"), pool)
@@ -491,8 +492,8 @@ def test_the_evaluation_vit_interpolates_its_position_table_bicubically():
     """At another image size the learned table's patch part is resized bicubically (timm / DeiT's
     resample_abs_pos_embed, MSN's interpolate_pos_encoding); [CLS]'s entry is kept."""
     torch.manual_seed(0)
-    vit = E.ViT(16, 4, 32, 1, 2).eval()
-    big = E.ViT(24, 4, 32, 1, 2).eval()
+    vit = W.ViT(16, 4, 32, 1, 2).eval()
+    big = W.ViT(24, 4, 32, 1, 2).eval()
     sd = vit.state_dict()
     pe = sd["pos_embed"][:, 1:].reshape(1, 4, 4, 32).permute(0, 3, 1, 2)
     pe = F.interpolate(pe, size=(6, 6), mode="bicubic", align_corners=False).permute(0, 2, 3, 1).reshape(1, 36, 32)
@@ -506,11 +507,11 @@ def test_model_flag_sets_the_heads_of_a_foreign_checkpoint(tmp_path):
     """--model picks timm's heads for the size (ViT-Ti: 3), as does the width alone; the features equal
     the saved ViT's."""
     torch.manual_seed(0)
-    enc = E.ViT(16, 4, 192, 1, 3).eval()
+    enc = W.ViT(16, 4, 192, 1, 3).eval()
     torch.save(enc.state_dict(), tmp_path / "w.pth")
     x = torch.randn(2, 3, 16, 16)
     for model in (None, "tiny"):
-        loaded, ck = E.load_encoder(str(tmp_path / "w.pth"), model=model)
+        loaded, ck = W.load_encoder(str(tmp_path / "w.pth"), model=model)
         assert ck["vit"]["heads"] == 3
         with torch.no_grad():
             torch.testing.assert_close(loaded(x), enc(x))
@@ -522,12 +523,12 @@ def test_random_init_is_drawn_with_the_runs_seed_whatever_the_global_rng(tmp_pat
     ck["args"]["seed"] = 5
     torch.save(ck, ckpt)
     torch.manual_seed(123)
-    a, _ = E.load_encoder(ckpt, random_init=True)
+    a, _ = W.load_encoder(ckpt, random_init=True)
     torch.manual_seed(0)
-    ref = E.ViT(**ck["vit"])
+    ref = W.ViT(**ck["vit"])
     assert not all(torch.equal(v, ref.state_dict()[k]) for k, v in a.state_dict().items())   # not seed 0 (or 123)
     torch.manual_seed(5)
-    ref = E.ViT(**ck["vit"])
+    ref = W.ViT(**ck["vit"])
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in a.state_dict().items())
 
 
@@ -540,7 +541,7 @@ def test_a_rewritten_checkpoint_of_the_same_size_gets_fresh_features(tmp_path):
     C.save_checkpoint(ckpt, raw)
     a = E.Args(ckpt=ckpt, data=data, workers=0)
     val = C.image_dataset(data, "val")
-    enc, ck = E.load_encoder(ckpt)
+    enc, ck = W.load_encoder(ckpt)
     f1, _ = E.features(a, enc, ck, "val", val, torch.device("cpu"))
     size = os.path.getsize(ckpt)
     for v in raw["encoder"].values():
@@ -548,7 +549,7 @@ def test_a_rewritten_checkpoint_of_the_same_size_gets_fresh_features(tmp_path):
     C.save_checkpoint(ckpt, raw)
     os.utime(ckpt, ns=(os.stat(ckpt).st_atime_ns, os.stat(ckpt).st_mtime_ns + 10**9))
     assert os.path.getsize(ckpt) == size
-    enc, ck = E.load_encoder(ckpt)
+    enc, ck = W.load_encoder(ckpt)
     f2, _ = E.features(a, enc, ck, "val", val, torch.device("cpu"))
     assert not torch.allclose(f1, f2)
 
@@ -560,7 +561,7 @@ def test_a_dataset_changed_in_place_gets_fresh_features_and_labels(tmp_path):
     data = tiny_folder(tmp_path / "data")
     ckpt = vit_checkpoint(tmp_path / "c.pth", "can")
     a = E.Args(ckpt=ckpt, data=data, workers=0)
-    enc, ck = E.load_encoder(ckpt)
+    enc, ck = W.load_encoder(ckpt)
     def feats():
         return E.features(a, enc, ck, "val", C.image_dataset(data, "val"), torch.device("cpu"))
     f1, y1 = feats()
@@ -629,7 +630,7 @@ def test_a_test_folder_is_evaluated_where_there_is_no_val(tmp_path, monkeypatch)
     queries, real = [], E.knn
     monkeypatch.setattr(E, "knn", lambda *a, **kw: (queries.append(len(a[2])), real(*a, **kw))[1])
     from helpers import knn_monitor
-    knn_monitor(E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), data, 16)[0](1)
+    knn_monitor(W.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), data, 16)[0](1)
     assert queries == [9]                                         # the monitor queries test/'s 9 images
     shutil.copytree(os.path.join(data, "test"), os.path.join(data, "val"))
     assert E.eval_split(data) == "val" and E.eval_split(data, "test") == "test"
@@ -681,6 +682,6 @@ def test_random_init_is_the_runs_own_initial_encoder_except_can_and_siammae(meth
     mod, tiny = importlib.import_module(method), importlib.import_module(f"test_{method}").tiny_args
     mod.train(tiny(tmp_path, stop_step=1))
     path = str(tmp_path / "checkpoint.pth")
-    start, (enc, _) = C.load_checkpoint(path)["encoder"], E.load_encoder(path, random_init=True)
+    start, (enc, _) = C.load_checkpoint(path)["encoder"], W.load_encoder(path, random_init=True)
     diff = max((enc.state_dict()[k] - v.float()).abs().max().item() for k, v in start.items())
     assert (diff < 1e-6) == (method not in ("can", "siammae")), diff

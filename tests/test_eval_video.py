@@ -13,7 +13,7 @@ from PIL import Image
 
 import common as C
 import synthetic as S
-import eval_linear as E
+import weights
 import eval_video as V
 from helpers import one_line_error, run_cli
 
@@ -119,7 +119,7 @@ def test_static_clip_at_davis_geometry_keeps_labels_in_place():
     yy, xx = np.mgrid[:H, :W]
     gt[((yy - 200) / 120) ** 2 + ((xx - 250) / 180) ** 2 < 1] = 1                 # ellipse
     gt[250:430, 500:780] = 2                                                      # rectangle
-    enc = E.ViT(224, 16, 32, 1, 2).eval()
+    enc = weights.ViT(224, 16, 32, 1, 2).eval()
     pred, per_obj = V.evaluate_video(enc, [frame] * 3, [gt] * 3, V.Args(topk=1), 480, torch.device("cpu"))
     jf = 100 * np.mean([(j + f) / 2 for j, f in per_obj.values()])
     assert sorted(per_obj) == [1, 2] and jf >= 90, per_obj
@@ -365,7 +365,7 @@ def test_frame_features_are_the_normalised_patch_tokens_of_the_resized_cropped_f
     """Short side to --short-side (bilinear, sizes rounded), crop to a multiple of the patch at the
     bottom / right, the last layer's normed patch tokens ([CLS] dropped), L2-normalised."""
     torch.manual_seed(0)
-    enc = E.ViT(16, 4, 32, 1, 2).eval()
+    enc = weights.ViT(16, 4, 32, 1, 2).eval()
     im = Image.fromarray(np.random.default_rng(0).integers(0, 256, (23, 45, 3), dtype=np.uint8))
     assert V.resize_short(im, 30, Image.NEAREST).size == (59, 30)       # 45 x 30 / 23 = 58.7 -> 59
     f = V.frame_features(enc, [im], 30, torch.device("cpu"))
@@ -382,7 +382,7 @@ def test_the_davis_void_label_is_not_an_object():
     gt[8:20, 8:20] = 1
     gt[:, 28:] = 255
     frames = [Image.fromarray(np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8))] * 3
-    _, per_obj = V.evaluate_video(E.ViT(16, 4, 32, 1, 2).eval(), frames, [gt] * 3, V.Args(topk=1), 0,
+    _, per_obj = V.evaluate_video(weights.ViT(16, 4, 32, 1, 2).eval(), frames, [gt] * 3, V.Args(topk=1), 0,
                                   torch.device("cpu"))
     assert sorted(per_obj) == [1]
 

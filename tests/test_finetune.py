@@ -15,6 +15,7 @@ import common as C
 import harness as H
 import eval_finetune as FT
 import eval_linear as E
+import weights as W
 from helpers import ROOT, exact_resume, one_line_error, run_cli, vit_checkpoint
 
 DECAY = 0.65
@@ -24,7 +25,7 @@ def test_layer_decay_assigns_the_official_layer_ids_and_scales():
     """4 blocks: cls_token, pos_embed, patch_embed -> 0; blocks.i -> i+1; fc_norm, head -> 5 (MAE's
     get_layer_id_for_vit, BEiT's get_num_layer_for_vit); scale 0.65^(5 - id); no decay on 1-d
     tensors, biases, pos_embed, cls_token; the unused final norm is frozen."""
-    model = FT.Classifier(E.ViT(16, 4, 32, 4, 2), 10)
+    model = FT.Classifier(W.ViT(16, 4, 32, 4, 2), 10)
     ids = {"encoder.cls_token": 0, "encoder.pos_embed": 0, "encoder.patch_embed.proj.weight": 0,
            "encoder.patch_embed.proj.bias": 0, "encoder.blocks.0.attn.qkv.weight": 1, "encoder.blocks.0.norm1.bias": 1,
            "encoder.blocks.2.mlp.fc1.weight": 3, "encoder.blocks.3.mlp.fc2.bias": 4, "fc_norm.weight": 5,
@@ -49,7 +50,7 @@ def test_head_and_pooling_follow_the_recipe():
     """logits = head(fc_norm(mean of the encoder's patch tokens WITHOUT its final norm)); head
     trunc-normal std 2e-5, bias 0; fc_norm a fresh LayerNorm."""
     torch.manual_seed(0)
-    enc = E.ViT(16, 4, 64, 2, 2).eval()
+    enc = W.ViT(16, 4, 64, 2, 2).eval()
     model = FT.Classifier(enc, 1000).eval()
     x = torch.randn(3, 3, 16, 16)
     ref = model.head(F.layer_norm(enc(x, norm=False)[:, 1:].mean(1), (64,), eps=1e-6))
@@ -121,7 +122,7 @@ def test_resume_is_exact_and_the_run_reports_top1(tmp_path, pretrained):
         assert [r["epoch"] for r in vals] == [0, 1]
         assert recs[-1]["best_top1"] == round(max(r["val_top1"] for r in vals), 2)   # across the resume
         assert recs[-1]["last_top1"] == round(vals[-1]["val_top1"], 2)
-    assert E.load_encoder(str(tmp_path / "full" / "checkpoint.pth"))[1]["method"] == "finetune"   # evaluable
+    assert W.load_encoder(str(tmp_path / "full" / "checkpoint.pth"))[1]["method"] == "finetune"   # evaluable
     log = tmp_path / "full" / "log.jsonl"                            # rerun after the end: nothing to train,
     with open(log, "a") as f:                                        # best read back from the log (a planted
         f.write(json.dumps({"epoch": 0, "val_top1": 99.0, "val_top5": 99.0}) + "\n")   # record proves it)
@@ -139,7 +140,7 @@ def test_evaluate_reports_top1_top5_and_cross_entropy_over_every_val_image():
     must switch off)."""
     torch.manual_seed(0)
     _, val, _ = E.splits("synthetic")
-    model = FT.Classifier(E.ViT(img_size=16, patch_size=4, dim=32, depth=2, heads=2, drop_path=0.5), len(val.classes))
+    model = FT.Classifier(W.ViT(img_size=16, patch_size=4, dim=32, depth=2, heads=2, drop_path=0.5), len(val.classes))
     torch.nn.init.normal_(model.head.weight, std=0.5)
     run = H.argparse.Namespace(rank=0, world=1, device=torch.device("cpu"), autocast=C.contextlib.nullcontext())
     top1, top5, loss = FT.evaluate(model, val, 16, FT.Args(data="synthetic", workers=0, eval_batch=300), run)
@@ -281,7 +282,7 @@ def test_each_process_evaluates_its_strided_share_of_val(monkeypatch):
     """With 2 processes, rank r scores images r, r + 2, ...: the two shares' sums are the one-process sums."""
     torch.manual_seed(0)
     _, val, _ = E.splits("synthetic")
-    model = FT.Classifier(E.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), len(val.classes))
+    model = FT.Classifier(W.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), len(val.classes))
     sums = []
     monkeypatch.setattr(C, "all_reduce_sum_", lambda h: (sums.append(h.clone()), h)[1])
     for rank, world in ((0, 1), (0, 2), (1, 2)):
@@ -542,14 +543,14 @@ def test_the_fine_tuning_probe_reports_what_fine_tuning_starts_from(tmp_path, mo
     pre, init = probe.main([ckpt, "--data", data, "--images", "6"])
     assert pre["loaded_exactly"] is True and "loaded_exactly" not in init and init["random_init"]
     assert pre["gamma_mean"] == pytest.approx(0.1) and -1 <= pre["fc_norm_cosine"] <= 1
-    real = E.load_encoder
+    real = W.load_encoder
 
     def one_block_off(*a, **kw):
         enc, ck = real(*a, **kw)
         with torch.no_grad():
             enc.blocks[1].attn.relative_position_bias_table.add_(1.0)
         return enc, ck
-    monkeypatch.setattr(E, "load_encoder", one_block_off)
+    monkeypatch.setattr(W, "load_encoder", one_block_off)
     assert probe.probe(ckpt, data, 6)["loaded_exactly"] is False
 
 

@@ -11,6 +11,7 @@ import torch
 import common as C
 import synthetic as S
 import eval_linear as E
+import weights as W
 import eval_video as V
 import msn
 from helpers import ROOT, one_line_error, run_cli
@@ -59,7 +60,7 @@ def test_every_checkpoint_encoder_has_timm_keys_only(method, tmp_path):
     assert set(ckpt["encoder"]) == (beit_keys(2) if beit else timm_keys(2))     # no mask token, no head
     pytest.importorskip("timm")
     from timm.models.vision_transformer import VisionTransformer
-    enc = E.ViT(**ckpt["vit"]).eval()
+    enc = W.ViT(**ckpt["vit"]).eval()
     enc.load_state_dict(ckpt["encoder"])
     tm = (timm_beit() if beit else
           VisionTransformer(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=2, num_classes=0).eval())
@@ -80,15 +81,15 @@ def test_conmim_encoder_is_timm_beit_shared_and_per_block(tmp_path):
     C.save_checkpoint(str(tmp_path / "c.pth"), {"method": "conmim", "vit": enc.config, "encoder": enc.state_dict(),
                                                 "args": {"seed": 0}, "epoch": 1, "step": 1})
     x = torch.randn(2, 3, 16, 16)
-    shared, _ = E.load_encoder(str(tmp_path / "c.pth"))
-    block, _ = E.load_encoder(str(tmp_path / "c.pth"), per_block_rel_pos=True)
+    shared, _ = W.load_encoder(str(tmp_path / "c.pth"))
+    block, _ = W.load_encoder(str(tmp_path / "c.pth"), per_block_rel_pos=True)
     assert set(block.state_dict()) == beit_keys(2, shared=False)
     for enc_ in (shared, block):                                    # the bias is tied to the grid: other sizes refused
         with pytest.raises(C.UserError, match="takes 16px images only"):
-            E.check_size(enc_, 24)                                  # at start (eval_linear, eval_finetune)
+            W.check_size(enc_, 24)                                  # at start (eval_linear, eval_finetune)
         with pytest.raises(C.UserError, match="got 16x24"):
             enc_(torch.zeros(1, 3, 16, 24))                         # in forward (a non-square video frame)
-    assert E.check_size(shared, 16) == 16
+    assert W.check_size(shared, 16) == 16
     with torch.no_grad():
         ref = enc(x)
         torch.testing.assert_close(shared(x), ref, atol=1e-5, rtol=1e-5)
@@ -99,7 +100,7 @@ def test_conmim_encoder_is_timm_beit_shared_and_per_block(tmp_path):
             torch.testing.assert_close(tm.forward_features(x), ref, atol=1e-5, rtol=1e-5)
 
 
-VITS = ["msn", "cmae", "can", "siammae", "eval_linear"]          # the ViT family (ConMIM's BEiT: above)
+VITS = ["msn", "cmae", "can", "siammae", "weights"]          # the ViT family (ConMIM's BEiT: above)
 
 
 @pytest.mark.parametrize("src", VITS)
@@ -147,14 +148,14 @@ def test_conmim_checkpoints_from_before_the_beit_backbone_still_load_for_evaluat
     import conmim
     from test_conmim import tiny_args
     torch.manual_seed(0)
-    plain = E.ViT(16, 4, 64, 2, 2, init="beit").eval()              # the old ConMIM encoder
+    plain = W.ViT(16, 4, 64, 2, 2, init="beit").eval()              # the old ConMIM encoder
     vit = {k: v for k, v in plain.config.items() if k != "init"} | {"mask_token": True}
     mask_token = torch.randn(1, 1, 64)
     old = {"method": "conmim", "vit": vit, "args": {"seed": 0}, "epoch": 1, "step": 1,
            "encoder": plain.state_dict() | {"mask_token": mask_token},
            "model": {"encoder." + k: v for k, v in plain.state_dict().items()} | {"encoder.mask_token": mask_token}}
     torch.save(old, tmp_path / "old.pth")
-    enc, _ = E.load_encoder(str(tmp_path / "old.pth"))
+    enc, _ = W.load_encoder(str(tmp_path / "old.pth"))
     assert "from before its BEiT backbone" in capsys.readouterr().out
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(enc(x), plain(x))
@@ -183,31 +184,31 @@ def _layouts(enc):
 @pytest.mark.parametrize("layout", ["msn", "mae-style", "timm"])
 def test_foreign_layouts_load_with_the_same_features(layout, tmp_path):
     torch.manual_seed(1)
-    enc = E.ViT(16, 4, 192, 2, 3).eval()                            # width 192: timm's ViT-Ti heads (3)
+    enc = W.ViT(16, 4, 192, 2, 3).eval()                            # width 192: timm's ViT-Ti heads (3)
     torch.save(_layouts(enc)[layout], tmp_path / "w.pth")
-    loaded, ckpt = E.load_encoder(str(tmp_path / "w.pth"))
+    loaded, ckpt = W.load_encoder(str(tmp_path / "w.pth"))
     assert ckpt["method"] == layout and ckpt["vit"]["img_size"] == 16 and ckpt["vit"]["patch_size"] == 4
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(loaded(x), enc(x))
     with pytest.raises(C.UserError, match="--model small does not match"):
-        E.load_encoder(str(tmp_path / "w.pth"), model="small")
+        W.load_encoder(str(tmp_path / "w.pth"), model="small")
     with pytest.raises(C.UserError, match="--patch-size 16 does not match"):
-        E.load_encoder(str(tmp_path / "w.pth"), patch_size=16)
+        W.load_encoder(str(tmp_path / "w.pth"), patch_size=16)
 
 
 def test_nonstandard_width_needs_model_flag(tmp_path):
-    enc = E.ViT(16, 4, 64, 2, 2).eval()
+    enc = W.ViT(16, 4, 64, 2, 2).eval()
     torch.save(enc.state_dict(), tmp_path / "w.pth")
     with pytest.raises(C.UserError, match="give --model"):
-        E.load_encoder(str(tmp_path / "w.pth"))
-    loaded, _ = E.load_encoder(str(tmp_path / "w.pth"), model="nano")
+        W.load_encoder(str(tmp_path / "w.pth"))
+    loaded, _ = W.load_encoder(str(tmp_path / "w.pth"), model="nano")
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(loaded(x), enc(x))
 
 
 def test_eval_linear_and_eval_video_read_foreign_checkpoints(tmp_path, monkeypatch):
     torch.manual_seed(2)
-    enc = E.ViT(16, 4, 192, 1, 3).eval()
+    enc = W.ViT(16, 4, 192, 1, 3).eval()
     lay = _layouts(enc)
     torch.save(lay["msn"], tmp_path / "msn.pth")
     data = tiny_folder(tmp_path / "data")
@@ -238,9 +239,9 @@ def test_a_foreign_file_missing_a_vit_tensor_or_not_a_dict_is_a_one_line_error()
     sd = msn.ViT(16, 4, 32, 2, 2).state_dict()
     for missing in ("cls_token", "patch_embed.proj.weight", "blocks.0.attn.qkv.weight"):
         with pytest.raises(C.UserError, match="unknown checkpoint layout"):
-            E.foreign_encoder({k: v for k, v in sd.items() if k != missing}, "f.pth")
+            W.read_foreign({k: v for k, v in sd.items() if k != missing}, "f.pth")
     with pytest.raises(C.UserError, match="not a dict of tensors"):
-        E.foreign_encoder([torch.zeros(1)], "f.pth")
+        W.read_foreign([torch.zeros(1)], "f.pth")
 
 
 def top_level_imports(path):
@@ -304,10 +305,15 @@ def test_a_method_file_and_common_train_on_an_image_folder_without_the_rest(tmp_
     assert set(os.listdir(proj)) - {"__pycache__"} == copied
     assert C.load_checkpoint(str(tmp_path / "out" / "checkpoint.pth"), "can")["step"] == 2
     (proj / "recipes").mkdir()                                       # a project's folder of that name is not it
-    for flag, needs in ((["--knn"], "--knn / --eval-every need"), (["--init", "x.pth"], "--init needs")):
+    for flag, needs in ((["--knn"], "--knn / --eval-every need eval_linear.py and"),
+                        (["--init", "x.pth"], "--init needs")):
         r = run_cli("can.py", "--data", str(tmp_path / "imgs"), *tiny, *flag, "--output-dir", str(tmp_path / flag[0]),
                     cwd=str(proj))
-        assert r.returncode == 2 and r.stderr.strip() == f"error: {needs} eval_linear.py next to this file", r.stderr
+        assert r.returncode == 2 and r.stderr.strip() == f"error: {needs} weights.py next to this file", r.stderr
+    shutil.copy(os.path.join(ROOT, "eval_linear.py"), proj / "eval_linear.py")     # one of the two: the other named
+    r = run_cli("can.py", "--data", str(tmp_path / "imgs"), *tiny, "--knn", "--output-dir", str(tmp_path / "k"),
+                cwd=str(proj))
+    assert r.returncode == 2 and r.stderr.strip() == "error: eval_linear.py needs weights.py next to it", r.stderr
     r = run_cli("can.py", "--data", str(tmp_path / "imgs"), "--preset", "small", cwd=str(proj))
     assert r.returncode == 2 and "(--preset, --data synthetic) need recipes.py next to this file" in r.stderr
     r = run_cli("can.py", "--data", str(tmp_path / "imgs"), *tiny, "--tensorboard", "--output-dir",

@@ -1,7 +1,8 @@
 """The house's floors: common.py (the training kit) imports nothing of the repository but, for --data synthetic,
 synthetic.py; harness.py (the run harness) imports common.py and, for --preset / --help, recipes.py (which imports
 nothing of the repository); nothing above them; neither imports a method file, an evaluation script or another
-optional helper (gpu_aug.py, gpu_decode.py, eval_linear.py are read by the files that use them, for their flag);
+optional helper (gpu_aug.py, gpu_decode.py, weights.py, eval_linear.py are read by the files that use them, for their
+flag); weights.py (every weights file read and written) imports common.py alone, and the evaluations import it;
 the evaluation scripts import no method file (scripts/ may: eval_correspondence.py reads SiamMAE's decoder); and
 neither shared module names a method's own flag."""
 import ast
@@ -12,7 +13,7 @@ import pytest
 from helpers import ROOT
 
 HIGHER = {"msn", "cmae", "conmim", "can", "siammae", "eval_linear", "eval_finetune", "eval_video", "gpu_aug",
-          "gpu_decode"}
+          "gpu_decode", "weights"}
 
 
 def imported(path):
@@ -31,6 +32,16 @@ def imported(path):
 
 def test_common_imports_nothing_above_it():
     assert imported("common.py") & (HIGHER | {"harness", "synthetic"}) == {"synthetic"}, imported("common.py")
+
+
+def test_the_weights_module_imports_only_common_and_every_reader_of_weights_imports_it():
+    """One module reads and writes weights: it stands on common.py alone (no evaluation, no method file), and every
+    tool that takes a weights file reaches it (the evaluations, visualize, the methods' --init)."""
+    repo = HIGHER | {"harness", "common", "synthetic", "recipes"}
+    assert imported("weights.py") & repo == {"common"}, imported("weights.py") & repo
+    for path in ("eval_linear.py", "eval_finetune.py", "eval_video.py", "scripts/visualize.py", "msn.py", "cmae.py",
+                 "conmim.py", "can.py", "siammae.py"):
+        assert "weights" in imported(path), path
 
 
 def test_the_harness_imports_only_common_below_it():

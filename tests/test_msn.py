@@ -10,7 +10,7 @@ import torch
 
 import common as C
 import synthetic as S
-import eval_linear as E
+import weights as W
 import msn
 from ddp import spawn
 from helpers import exact_resume, run_cli, torchrun
@@ -176,7 +176,7 @@ def test_end_to_end_checkpoint_and_resume(tmp_path, gpu_aug):
     assert set(ck) >= {"method", "args", "epoch", "step", "encoder", "model", "target", "optimizer", "scaler", "rng"}
     for k, v in ck["encoder"].items():
         assert torch.equal(v, ck["target"]["encoder." + k])
-    enc = E.ViT(**ck["vit"])                                       # the evaluation rebuilds it
+    enc = W.ViT(**ck["vit"])                                       # the evaluation rebuilds it
     enc.load_state_dict(ck["encoder"])
     log = (tmp_path / "full" / "log.jsonl").read_text().splitlines()
     assert len(log) == 4 and '"ce"' in log[0] and '"lr"' in log[0]

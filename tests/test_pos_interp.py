@@ -1,5 +1,5 @@
 """Position-embedding interpolation on non-square inputs, for every ViT copy that interpolates its
-table (eval_linear's, which eval_video.py and eval_finetune.py use, and MSN's, for its focal views).
+table (weights.py's, which the evaluations use, and MSN's, for its focal views).
 Every DAVIS / VIP / JHMDB frame is non-square: a height / width swap would scramble every
 propagation silently. The reference is independent of torch's F.interpolate: a loop-based bicubic
 (Keys' cubic convolution, a = -0.75, half-pixel centres, edge clamped, as PyTorch's and timm's
@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-import eval_linear as E
+
+import weights as W
 import msn
 
-COPIES = {"eval_linear": lambda g, p, d: E.ViT(g * p, p, d, 1, 2),
+COPIES = {"weights": lambda g, p, d: W.ViT(g * p, p, d, 1, 2),
           "msn": lambda g, p, d: msn.ViT(g * p, p, d, 1, 2)}
 
 

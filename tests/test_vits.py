@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import can
 import cmae
 import conmim
-import eval_linear as E
+import weights as W
 import msn
 import siammae
 
@@ -70,7 +70,7 @@ def test_patchify_roundtrip(method, p, h):
     assert torch.allclose(mod.unnorm_pix(n, y * 3 + 1), y * 3 + 1, atol=1e-4)
 
 
-@pytest.mark.parametrize("method", MAE + ["eval_linear"])
+@pytest.mark.parametrize("method", MAE + ["weights"])
 def test_sincos_matches_formula(method):
     dim, grid = 16, 3
     pe = importlib.import_module(method).sincos_pos_embed(dim, grid)
@@ -106,7 +106,7 @@ def test_msn_interpolates_position_embeddings_for_focal_views():
     with torch.no_grad():                                         # a constant table stays constant
         vit.pos_embed[:, 1:] = torch.arange(32.0)
     assert torch.allclose(vit.patch_pos_embed(2, 2), torch.arange(32.0).expand(1, 4, 32), atol=1e-4)
-    vit = E.ViT(32, 8, 32, 2, 2).eval()                          # the evaluation's copy too
+    vit = W.ViT(32, 8, 32, 2, 2).eval()                          # the evaluation's copy too
     assert vit(torch.randn(3, 3, 16, 16)).shape == (3, 5, 32)
 
 
@@ -119,7 +119,7 @@ def test_msn_focal_position_embeddings_follow_the_official_interpolation():
     torch.testing.assert_close(vit.patch_pos_embed(6, 6), ref)
 
 
-@pytest.mark.parametrize("mod", ALL + [E], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("mod", ALL + [W], ids=lambda m: m.__name__)
 def test_stochastic_depth_rises_linearly_and_wraps_both_residual_branches(mod, monkeypatch):
     """DeiT / MAE / BEiT: block i drops at rate linspace(0, p, depth)[i], and both the attention and the MLP
     branch go through drop_path: with every branch dropped, each block is the identity."""
@@ -131,7 +131,7 @@ def test_stochastic_depth_rises_linearly_and_wraps_both_residual_branches(mod, m
         assert torch.equal(blk(x), x)
 
 
-@pytest.mark.parametrize("mod", ALL + [E], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("mod", ALL + [W], ids=lambda m: m.__name__)
 def test_norm_false_returns_the_tokens_before_the_final_norm(mod):
     """norm=False (MSN's evaluations, CMAE's target, the fine-tuning pooling) skips only the final norm."""
     vit = mod.ViT(16, 8, 32, 2, 2).eval()
@@ -169,7 +169,7 @@ def test_conmim_mask_token_replaces_masked_patches():
 
 def test_beit_relative_position_index_against_a_loop():
     """BEiT's index: token (y1, x1) -> (y2, x2) reads row (y1 - y2 + g - 1) (2g - 1) + (x1 - x2 + g - 1);
-    CLS -> token, token -> CLS, CLS -> CLS the last three rows (conmim.py and eval_linear.py alike)."""
+    CLS -> token, token -> CLS, CLS -> CLS the last three rows (conmim.py and weights.py alike)."""
     g = 3
     n_rel = (2 * g - 1) ** 2 + 3
     ref = torch.zeros(g * g + 1, g * g + 1, dtype=torch.long)
@@ -179,7 +179,7 @@ def test_beit_relative_position_index_against_a_loop():
             ref[1 + i, 1 + j] = (y1 - y2 + g - 1) * (2 * g - 1) + (x1 - x2 + g - 1)
     ref[0, 1:], ref[1:, 0], ref[0, 0] = n_rel - 3, n_rel - 2, n_rel - 1
     assert torch.equal(conmim.relative_position_index(g), ref)
-    assert torch.equal(E.relative_position_index(g), ref)
+    assert torch.equal(W.relative_position_index(g), ref)
     assert conmim.ViT(24, 8, 16, 1, 2).rel_pos_bias.relative_position_bias_table.shape == (n_rel, 2)
 
 
@@ -216,7 +216,7 @@ def test_each_method_initialises_its_vit_as_its_official_code():
         torch.manual_seed(0)
         a = mod.ViT(32, 8, 64, 2, 2)
         torch.manual_seed(0)
-        b = E.ViT(**a.config)
+        b = W.ViT(**a.config)
         for k, v in a.state_dict().items():
             assert torch.equal(v, b.state_dict()[k]), (mod.__name__, k)
     w = conmim.ViT(32, 8, 64, 2, 2).blocks[1].mlp.fc2.weight

@@ -12,6 +12,7 @@ import cmae
 import common as C
 import conmim
 import eval_linear as E
+import weights as W
 import msn
 import siammae
 from helpers import vit_checkpoint
@@ -76,7 +77,7 @@ def test_init_takes_the_heads_from_the_online_network_where_names_and_shapes_mat
     path = str(tmp_path / "pre" / "checkpoint.pth")
     src = C.load_checkpoint(path, "msn")
     model = msn.MSN(msn_args(tmp_path, head_dim=8))
-    loaded = E.init_weights(path, model, model.net.encoder, "msn")
+    loaded = W.init_weights(path, model, model.net.encoder, "msn")
     assert torch.equal(model.net.head[0].weight, src["model"]["net.head.0.weight"])
     assert "prototypes" not in loaded and "net.head.6.weight" not in loaded
     out = capsys.readouterr().out
@@ -96,7 +97,7 @@ def test_init_reads_the_released_layouts_and_interpolates_a_learned_position_tab
     every encoder tensor loaded; MSN's learned position table interpolated to the 8 x 8 grid (eval_linear's
     resize_pos_embed), CMAE's fixed sin-cos table its own; the heads start fresh."""
     torch.manual_seed(3)
-    vit = E.ViT(img_size=16, patch_size=4, dim=64, depth=2, heads=2)
+    vit = W.ViT(img_size=16, patch_size=4, dim=64, depth=2, heads=2)
     mod, args, _ = CASES[method]
     for what, obj in _layouts(vit.state_dict()).items():
         torch.save(obj, tmp_path / "w.pth")
@@ -104,10 +105,10 @@ def test_init_reads_the_released_layouts_and_interpolates_a_learned_position_tab
             cmae.CMAE(args(tmp_path, img_size=32, master_size=40))
         enc = model.net.encoder if method == "msn" else model.encoder
         fixed = enc.pos_embed.clone()
-        E.init_weights(str(tmp_path / "w.pth"), model, enc, method)
+        W.init_weights(str(tmp_path / "w.pth"), model, enc, method)
         for k, v in vit.state_dict().items():
             if k == "pos_embed":
-                want = E.resize_pos_embed(v, 8, 8) if method == "msn" else fixed
+                want = W.resize_pos_embed(v, 8, 8) if method == "msn" else fixed
                 torch.testing.assert_close(enc.pos_embed, want)
             else:
                 assert torch.equal(enc.state_dict()[k], v), (what, k)
@@ -125,15 +126,15 @@ def test_init_refuses_an_encoder_it_cannot_use_naming_the_tensor(tmp_path):
                        (dict(dim=64, depth=3, heads=2), "its encoder has blocks.2.attn.proj.bias, which this model "
                                                         "lacks")):
         with pytest.raises(C.UserError, match=match):
-            E.init_weights(vit_checkpoint(tmp_path / "v.pth", "cmae", **vit), model, model.encoder, "can")
+            W.init_weights(vit_checkpoint(tmp_path / "v.pth", "cmae", **vit), model, model.encoder, "can")
     student = conmim.Net(conmim_args(tmp_path))
     with pytest.raises(C.UserError, match="its encoder has no rel_pos_bias.relative_position_bias_table"):
-        E.init_weights(vit_checkpoint(tmp_path / "v.pth", "cmae", dim=64), student, student.encoder, "conmim")
+        W.init_weights(vit_checkpoint(tmp_path / "v.pth", "cmae", dim=64), student, student.encoder, "conmim")
     bad = torch.load(vit_checkpoint(tmp_path / "nan.pth", "cmae", dim=64, depth=2), weights_only=True)
     bad["encoder"]["norm.weight"][0] = float("nan")
     torch.save(bad, tmp_path / "nan.pth")
     with pytest.raises(C.UserError, match="encoder.norm.weight holds NaN"):
-        E.init_weights(str(tmp_path / "nan.pth"), model, model.encoder, "can")
+        W.init_weights(str(tmp_path / "nan.pth"), model, model.encoder, "can")
 
 
 def test_init_is_part_of_the_experiment_and_read_only_when_a_run_starts(tmp_path, capsys):
@@ -168,7 +169,7 @@ def test_embed_writes_the_evaluations_features_of_any_folder_with_its_file_names
     res = E.evaluate(a)
     feats = np.load(tmp_path / "out" / "features.npy")
     files = open(tmp_path / "out" / "files.txt").read().split()
-    enc, ck = E.load_encoder(ckpt)
+    enc, ck = W.load_encoder(ckpt)
     ref, _ = E.features(E.Args(ckpt=ckpt, data=data, cache=False, workers=0), enc, ck, "val",
                         E.splits(data)[1], torch.device("cpu"))
     assert res == {"images": 9, "dim": 32, "output": str(tmp_path / "out")} and feats.dtype == np.float32
@@ -203,7 +204,7 @@ def test_export_writes_the_encoder_alone_that_timm_loads_in_two_lines(method, po
     timm = pytest.importorskip("timm")
     vit = timm.create_model(**json.load(open(tmp_path / "out" / "config.json"))["timm"])
     vit.load_state_dict(torch.load(tmp_path / "out" / "encoder.pth", weights_only=True))
-    enc = E.load_encoder(ckpt)[0]
+    enc = W.load_encoder(ckpt)[0]
     vit.eval()
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
@@ -233,7 +234,7 @@ def test_the_attention_drawn_is_the_one_the_last_block_applies(beit):
     vis = _visualize()
     torch.manual_seed(0)
     kw = dict(pos_embed="none", rel_pos_bias="shared", layer_scale=0.1, qkv_bias="qv", init="beit") if beit else {}
-    enc = E.ViT(img_size=16, patch_size=4, dim=32, depth=2, heads=2, **kw).eval()
+    enc = W.ViT(img_size=16, patch_size=4, dim=32, depth=2, heads=2, **kw).eval()
     if beit:
         torch.nn.init.normal_(enc.rel_pos_bias.relative_position_bias_table)          # a bias that matters
     x = torch.randn(3, 3, 16, 16)

@@ -13,7 +13,7 @@ import can
 import cmae
 import common as C
 import conmim
-import eval_linear as E
+import weights
 import eval_video as V
 import msn
 import siammae
@@ -340,7 +340,7 @@ def test_schedule_directions(tmp_path):
     assert lr[0] < lr[3] and lr[3] > lr[-1] and all(b > a for a, b in zip(mom, mom[1:])) and mom[0] >= 0.996
 
 
-@pytest.mark.parametrize("mod", [msn, cmae, conmim, can, siammae, E], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("mod", [msn, cmae, conmim, can, siammae, weights], ids=lambda m: m.__name__)
 def test_drop_path_keeps_the_expected_activation_and_is_identity_in_eval(mod):
     x = torch.ones(20000, 2, 3)                                           # (B, N, D)
     y = mod.drop_path(x, 0.3, training=True)
