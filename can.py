@@ -370,10 +370,13 @@ class CAN(nn.Module):
         xavier_init(self)                                                     # MAE: the whole model
         nn.init.normal_(self.mask_token, std=0.02)
 
-    def forward(self, x_noisy, sigma, ids_keep, ids_restore):
-        """x_noisy (B, 3, H, W), sigma (B,). Returns x^ (B, N, p*p*3) and u (B, proj_dim)."""
+    def forward(self, x_noisy, sigma, ids_keep, ids_restore, decode=True):
+        """x_noisy (B, 3, H, W), sigma (B,). Returns x^ (B, N, p*p*3) (None if not decode: the
+        gradient cache's embedding pass, which keeps u alone) and u (B, proj_dim)."""
         latent = self.encoder(x_noisy, ids_keep)                              # (B, 1+n_vis, D)
         u = self.projector(latent[:, 1:].mean(1))                             # mean of visible tokens
+        if not decode:
+            return None, u
         t = restore_tokens(self.decoder_embed(latent), self.mask_token, ids_restore)
         t = t + self.decoder_pos_embed + self.noise_embed(sigma)[:, None].to(t.dtype)   # every token
         t = C.run_blocks(self.decoder, t, self.grad_ckpt)
@@ -491,7 +494,7 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
     def forward(sl, local):
         with autocast:
             pred, u = net(rows(x + noise, sl), rows(sigma, sl), rows(ids_keep, sl),
-                          rows(ids_restore, sl))
+                          rows(ids_restore, sl), decode=local)            # no decoder for u alone
         u = u.float().view(2, -1, u.shape[-1]).transpose(0, 1)                # (b, 2, r)
         if not local:
             return None, u, {}

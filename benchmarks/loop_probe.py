@@ -75,7 +75,7 @@ def section_step(a, dev):
                                     precision="bf16" if dev.type == "cuda" else "fp32", compile=False, gpu_aug=aug,
                                     model=None)
             torch.manual_seed(0)
-            step, n, _ = T.setup(m, ns, dev)
+            step, n = T.setup(m, ns, dev)[:2]
             for _ in range(a.warm_steps):
                 step()
             row.append((n / (dt := timed(step, a.timed_steps, dev)), 1000 * dt))

@@ -17,6 +17,13 @@ projectors, decoder linears, MSN's prototypes, CAN's noise-level MLP and the los
 (ConMIM's patch-to-patch, the InfoNCE over the batch) are counted as matrix products on the rows
 they see (a decoder's input projection on the visible tokens); the optimizer and the EMA are not.
 tests/test_benchmarks.py checks the count against torch's FlopCounterMode running each step.
+
+MFU is MODEL-FLOP utilisation: the FLOPs above, what one step of the method computes, over the step's time and
+--peak-tflops, whatever the step runs to get there. Under --micro-batch, MSN, CMAE and CAN run the gradient cache:
+a no-grad forward of what feeds the batch-coupled loss (MSN's anchor views through the encoder and head; CMAE's
+encoder, feature decoder, projector and predictor; CAN's encoder and projector) before the passes with gradient,
+the price of the official global batch on one GPU. That work is in the HARDWARE count, printed beside it with its
+utilisation (HFU); without micro-batches the two are equal (ConMIM and SiamMAE: always).
 """
 import argparse
 import copy
@@ -49,8 +56,9 @@ def lin(*dims):
 
 
 def setup(method, a, dev):
-    """Returns (step(), images per step, FLOPs per step) for the method's default recipe; the step is
-    the method's own train_step (forward + backward, micro-batches, checkpointing) + AdamW + EMA."""
+    """Returns (step(), images per step, model FLOPs per step, hardware FLOPs per step) for the method's default
+    recipe; the step is the method's own train_step (forward + backward, micro-batches, checkpointing) + AdamW +
+    EMA. Hardware = model + the gradient cache's no-grad embedding pass where micro-batches run it."""
     import importlib
     mod = importlib.import_module(method)
     if getattr(a, "preset", None):                     # a small recipe's model, sizes and views (e.g. --preset gpu)
@@ -68,7 +76,7 @@ def setup(method, a, dev):
     comp = (lambda m: torch.compile(m)) if a.compile else (lambda m: m)
     aug = GA.color_augmenter(a.compile or dev.type == "cuda")         # as train() applies it (compiled on CUDA)
     u8 = lambda n, s=S: torch.randint(0, 256, (n, 3, s, s), dtype=torch.uint8, device=dev)   # noqa: E731  uint8 views
-    ema = None
+    ema, extra = None, 0                                 # extra: the gradient cache's embedding pass (forward)
     if method == "msn":
         model = mod.MSN(args).to(dev)
         target = copy.deepcopy(model.net).requires_grad_(False)
@@ -81,6 +89,9 @@ def setup(method, a, dev):
         flops = (B * R * (3 * (blocks(D, depth, nk + 1) + head) + 2 * embed(D, N, p))             # masked views
                  + B * F_ * (3 * (blocks(D, depth, nf + 1) + head) + 2 * embed(D, nf, p))         # focal views
                  + B * (blocks(D, depth, N + 1) + embed(D, N, p) + head))                         # target
+        z = lin(D, args.head_hidden, args.head_hidden, args.head_dim)                    # the anchors' z, no logits
+        extra = B * R * (blocks(D, depth, nk + 1) + z + embed(D, N, p)) + B * F_ * (blocks(D, depth, nf + 1) + z
+                                                                                  + embed(D, nf, p))
         big, focal = u8((1 + R) * B), u8(F_ * B, s=args.focal_size)   # --gpu-aug: as the loader hands them over
 
         def train_step():
@@ -104,6 +115,9 @@ def setup(method, a, dev):
                           + proj + lin(args.proj_dim, args.proj_hidden, args.proj_dim)) + 2 * B * embed(D, N, p)
                  + B * (blocks(D, depth, N + 1) + embed(D, N, p) + proj)                           # target
                  + 2 * 2 * B * B * args.proj_dim)               # InfoNCE logits (B, B): the target side has no grad
+        extra = B * (blocks(D, depth, nk + 1) + embed(D, N, p) + blocks(dd, args.feature_decoder_depth, N + 1)
+                     + (nk + 1) * lin(D, dd) + (N + 1) * lin(dd, D) + proj + lin(args.proj_dim, args.proj_hidden,
+                                                                                 args.proj_dim))   # no pixel decoder
 
         ut = u8(B)
 
@@ -144,6 +158,7 @@ def setup(method, a, dev):
                                                                                            args.proj_dim))
                          + 2 * embed(D, N, p) + (2 + 3) * lin(dd, dd))    # two views; sigma's MLP (its input: no grad)
         flops += 3 * 2 * (2 * B) ** 2 * args.proj_dim                                    # InfoNCE logits (2B, 2B)
+        extra = 2 * B * (blocks(D, depth, nk + 1) + embed(D, N, p) + lin(D, args.proj_hidden, args.proj_dim))
 
         uu = u8(2 * B)
 
@@ -179,7 +194,7 @@ def setup(method, a, dev):
         opt.step()
         if ema:
             ema()
-    return step, B, flops
+    return step, B, flops, flops + (extra if micro < B else 0)
 
 
 def main():
@@ -211,14 +226,15 @@ def main():
     print(f"device: {name}, torch {torch.__version__}, {recipe}, batch {a.batch_size}"
           f"{f' (micro {a.micro_batch})' if a.micro_batch else ''}, {a.precision}{', compile' if a.compile else ''}"
           f"{', grad-ckpt' if a.grad_ckpt else ''}{', gpu-aug' if a.gpu_aug else ''}")
-    print("| method | img/s (pairs/s siammae) | step ms | peak mem GB | TFLOP/step | MFU |")
-    print("|---|---|---|---|---|---|")
+    print("| method | img/s (pairs/s siammae) | step ms | peak mem GB | model TFLOP/step | MFU (model) | hardware "
+          "TFLOP/step | HFU |")
+    print("|---|---|---|---|---|---|---|---|")
     for m in methods:
         if a.preset and a.preset not in recipes.presets(importlib.import_module(m).Args):
-            print(f"| {m} | no --preset {a.preset} | | | | |")
+            print(f"| {m} | no --preset {a.preset} | | | | | | |")
             continue
         torch.manual_seed(0)
-        step, n, flops = setup(m, a, dev)
+        step, n, flops, hw = setup(m, a, dev)
         for _ in range(a.warmup):
             step()
         if dev.type == "cuda":
@@ -231,8 +247,9 @@ def main():
             torch.cuda.synchronize()
         dt = (time.perf_counter() - t) / a.steps
         mem = f"{torch.cuda.max_memory_allocated() / 2**30:.1f}" if dev.type == "cuda" else "n/a"
-        mfu = f"{100 * flops / dt / (a.peak_tflops * 1e12):.1f}%" if dev.type == "cuda" else "n/a"
-        print(f"| {m} | {n / dt:.1f} | {1000 * dt:.0f} | {mem} | {flops / 1e12:.3f} | {mfu} |", flush=True)
+        use = [f"{100 * f / dt / (a.peak_tflops * 1e12):.1f}%" if dev.type == "cuda" else "n/a" for f in (flops, hw)]
+        print(f"| {m} | {n / dt:.1f} | {1000 * dt:.0f} | {mem} | {flops / 1e12:.3f} | {use[0]} | {hw / 1e12:.3f} | "
+              f"{use[1]} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -71,10 +71,28 @@ def test_the_flop_count_behind_mfu_is_what_the_step_computes(method, preset):
     from torch.utils.flop_counter import FlopCounterMode
     a = argparse.Namespace(model="nano", batch_size=2, micro_batch=0, grad_ckpt=False, precision="fp32",
                            compile=False, gpu_aug=False, preset=preset)      # gpu: the realstep part's recipe
-    step, _, analytic = throughput.setup(method, a, torch.device("cpu"))
+    step, _, analytic, hardware = throughput.setup(method, a, torch.device("cpu"))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         step()
-    assert analytic == counter.get_total_flops()                                   # integers: exactly
+    assert analytic == hardware == counter.get_total_flops()                      # integers: exactly
+
+
+@pytest.mark.parametrize("method", ["msn", "cmae", "can", "conmim"])
+def test_under_micro_batches_the_hardware_count_adds_the_gradient_caches_embedding_pass(method):
+    """MFU is model-FLOP: under --micro-batch the model count stays the one-pass step's, and the hardware count adds
+    what the step really runs (the gradient cache's no-grad forward: MSN, CMAE, CAN), as FlopCounterMode counts it."""
+    import throughput
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    a = argparse.Namespace(model="nano", batch_size=4, micro_batch=0, grad_ckpt=False, precision="fp32",
+                           compile=False, gpu_aug=False, preset=None)
+    one = throughput.setup(method, a, torch.device("cpu"))[2]
+    a.micro_batch = 2                                                  # (BatchNorm needs 2 rows a micro-batch)
+    step, _, model, hardware = throughput.setup(method, a, torch.device("cpu"))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        step()
+    assert model == one and hardware == counter.get_total_flops()
+    assert (hardware > model) == (method in ("msn", "cmae", "can")), (hardware, model)
 
 
 def test_end_to_end_speed_is_images_over_time_not_the_mean_of_the_rates():
@@ -145,6 +163,7 @@ def test_the_gpu_tiers_knn_is_eval_linears(tmp_path):
     """benchmarks/gpu_cifar.py decodes the evaluation images once and runs every encoder on them: its k-NN of a
     checkpoint, and of raw pixels, equal eval_linear.py --mode knn's on the same folder."""
     import eval_linear as E
+    import weights as W
     import gpu_cifar
     from PIL import Image
     g = torch.Generator().manual_seed(0)
@@ -162,7 +181,7 @@ def test_the_gpu_tiers_knn_is_eval_linears(tmp_path):
     pixels = gpu_cifar.knn(a, images, pixels=True)
     assert pixels == E.evaluate(E.Args(pixels=True, img_size=32, **base))["knn_top1"] and pixels > 100 / 3
     train, test, _ = E.splits(a.data)                  # the features themselves (top-1 alone hides e.g. the pooling)
-    for kw, enc in ((dict(ckpt=ckpt), E.load_encoder(ckpt)[0]), (dict(pixels=True), E.Pixels())):
+    for kw, enc in ((dict(ckpt=ckpt), W.load_encoder(ckpt)[0]), (dict(pixels=True), E.Pixels())):
         ea = E.Args(img_size=32, **base, **kw)
         ref = [E.features(ea, enc, {"method": "cmae" if "ckpt" in kw else "pixels", "vit": {"img_size": 32}}, s, ds,
                           torch.device("cpu"))[0] for s, ds in (("train", train), ("val", test))]
@@ -176,6 +195,7 @@ def test_the_gpu_tiers_curve_is_its_runs_monitor_and_online_is_the_online_networ
     the "online" score is eval_linear.py --online's of the last checkpoint: its `model`'s encoder, not the EMA
     `encoder`."""
     import eval_linear as E
+    import weights as W
     import gpu_cifar
     data = str(tmp_path / "d")
     g = torch.Generator().manual_seed(0)
@@ -190,7 +210,7 @@ def test_the_gpu_tiers_curve_is_its_runs_monitor_and_online_is_the_online_networ
                 Image.fromarray(x.to(torch.uint8).numpy()).save(os.path.join(data, split, f"c{c}", f"{i}.png"))
     vit = dict(img_size=32, patch_size=8, dim=32, depth=1, heads=2)
     torch.manual_seed(1)                                # an msn-style checkpoint: encoder = EMA target, model = online
-    enc, online = E.ViT(**vit).state_dict(), E.ViT(**vit).state_dict()
+    enc, online = W.ViT(**vit).state_dict(), W.ViT(**vit).state_dict()
     path = str(tmp_path / "run" / "checkpoint.pth")
     os.makedirs(tmp_path / "run")
     C.save_checkpoint(path, {"method": "msn", "vit": vit, "encoder": enc, "args": {"seed": 0}, "epoch": 0, "step": 9,
