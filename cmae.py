@@ -661,10 +661,10 @@ def train(args):
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # official: no clip
             ema_update(target, target.online_params(model), m)
             stop = C.end_step(run, log, save, step=step + 1, epoch=epoch, parts=parts, lr=lr)
+            if knn and knn.due(step + 1):                            # --eval-every (a --stop-step's too)
+                knn(step + 1, save)                                  # its checkpoint first
             if stop:
                 return                                               # preempted, --stop-step: saved
-            if knn and knn.due(step + 1):                            # --eval-every
-                knn(step + 1)
         save((epoch + 1) * ipe)
         picture(run, model, x_s, ids_keep, ids_restore, mask, args, epoch, (epoch + 1) * ipe)
 

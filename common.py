@@ -348,13 +348,14 @@ class CountsUnreadable:
 
 
 class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
-    """Images under a directory, class = first-level sub-folder (or one class). skip_unreadable (training): an
-    unreadable image is replaced by the next readable one (deterministic: resume stays exact), reported and counted."""
+    """Images under a directory, class = first-level sub-folder (or one class; every: every image under it, one class,
+    as --mode embed and visualize.py read a folder). skip_unreadable (training): an unreadable image is replaced by
+    the next readable one (deterministic: resume stays exact), reported and counted."""
 
-    def __init__(self, root, skip_unreadable=False):
+    def __init__(self, root, skip_unreadable=False, every=False):
         if not os.path.isdir(root):
             raise UserError(f"--data {root}: no such directory (give an image folder or 'synthetic')")
-        classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
+        classes = [] if every else sorted(d.name for d in os.scandir(root) if d.is_dir())
         self.samples = []
         for ci, c in enumerate(classes or [""]):
             for dirpath, _, files in sorted(os.walk(os.path.join(root, c), followlinks=True)):
@@ -644,18 +645,6 @@ class TensorBoard:
         self.writer.flush()
 
 
-def keep_aside(path):
-    """Rename path to its name and modification time (log.20261128-153000.jsonl), never over another file."""
-    base, ext = os.path.splitext(path)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
-    moved, i = f"{base}.{stamp}{ext}", 0
-    while os.path.exists(moved):                                     # never over another kept file
-        i += 1
-        moved = f"{base}.{stamp}-{i}{ext}"
-    os.replace(path, moved)
-    return moved
-
-
 class Logger:
     """Every `every` steps and at the run's last step: one host sync, a console line and a log.jsonl record (rank 0). A
     resumed run first drops the records of steps after its checkpoint: each step is logged once."""
@@ -683,10 +672,6 @@ class Logger:
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(keep)
             os.replace(self.path + ".tmp", self.path)
-        elif is_main():                                 # a run from step 0 starts a fresh log; an earlier one is kept
-            for old in (self.path, os.path.join(run.out, "tensorboard")):
-                if os.path.exists(old):
-                    print(f"{old} is an earlier run's (this one starts at step 0): moved to {keep_aside(old)}")
 
     def due(self, step):
         """Whether step is a log step (--log-every, the run's last, a --stop-epoch's last)."""

@@ -634,10 +634,10 @@ def train(args):
             diag = {k: parts.pop(k, None) for k in ("sym", "rpb")}   # logged, not watched (log steps only)
             stop = C.end_step(run, log, save, step=step + 1, epoch=epoch, parts=parts, lr=lr, mom=m,
                               **diag)
+            if knn and knn.due(step + 1):                            # --eval-every (a --stop-step's too)
+                knn(step + 1, save)                                  # its checkpoint first
             if stop:
                 return                                               # preempted, --stop-step: saved
-            if knn and knn.due(step + 1):                            # --eval-every
-                knn(step + 1)
         save((epoch + 1) * ipe)
 
     if knn:                                                          # after the final checkpoint: a stop

@@ -226,9 +226,11 @@ def sharded_features(encoder, ds, size, pool, device, autocast=contextlib.nullco
     """extract_features of ds with every process taking a strided share (ranks r, r + world, ...), gathered in ds's
     order on every rank: the k-NN monitor's, whose other processes would otherwise wait at the next collective."""
     world, rank = C.world_size(), C.rank()
-    share = torch.utils.data.Subset(C.Views(ds, eval_transform(size, synthetic)), range(rank, len(ds), world))
+    mine = range(rank, len(ds), world)                              # a rank left without one (fewer images than
+    share = torch.utils.data.Subset(C.Views(ds, eval_transform(size, synthetic)), mine or range(1))   # ranks): the
     feats, labels = extract_features(encoder, torch.utils.data.DataLoader(share, 256, num_workers=workers), device,
-                                     lambda e, x: features_of(e, x, pool), autocast)
+                                     lambda e, x: features_of(e, x, pool), autocast)   # first image's width, 0 rows
+    feats, labels = feats[:len(mine)], labels[:len(mine)]
     if world == 1:
         return feats, labels
     rows = -(-len(ds) // world)                                      # the largest share: every rank pads to it
@@ -252,9 +254,11 @@ class KNNMonitor:
     def __init__(self, args, run, log, encoder, method, what):
         self.run, self.log, self.encoder, self.what = run, log, encoder, what
         self.every, self.size, self.pool = args.eval_every, args.img_size, weights.DEFAULT_POOL[method]
+        self.stop_step = getattr(args, "stop_step", 0)
         self.synthetic, self.workers = args.data == "synthetic", args.workers
         try:                                                         # the layout, checked before any step
-            self.train, self.val, self.to_train = splits(args.data, holdout=args.holdout)
+            self.train, self.val, self.to_train = splits(args.data, getattr(args, "max_unreadable", 0) > 0,
+                                                         holdout=args.holdout)   # the bank as training reads
         except C.UserError as e:
             raise C.UserError(f"--knn / --eval-every: {e}") from None
         self.split = eval_split(args.data, holdout=args.holdout)
@@ -264,22 +268,36 @@ class KNNMonitor:
             self(0)
 
     def due(self, step):
-        """A step the monitor evaluates in the loop (the run's end is evaluated after its final checkpoint)."""
-        return bool(self.every) and step % self.every == 0 and step < self.log.end
+        """A step the monitor evaluates in the loop, after that step's checkpoint where one is written: every N steps
+        but the invocation's last, which final() evaluates after the final checkpoint, unless --stop-step ends the run
+        there (the loop returns: no final()); never once a stop signal came (the checkpoint, then the exit)."""
+        if not self.every or step % self.every or self.run.control.signal:
+            return False
+        return step < self.log.end or step == self.stop_step
 
     def final(self, step):
         """The k-NN of the final encoder, after the final checkpoint: a stop signal now ends the program at once."""
         self.run.control.trained = self.run.ckpt
         return self(step)
 
-    def __call__(self, step):
+    def __call__(self, step, save=None):
+        """The k-NN of the encoder as it stands at `step`. save (the loop's): the checkpoint of this step is written
+        first, so a stop signal during the evaluation ends the program at once, losing nothing (it waited for the
+        whole k-NN, minutes on CPU, past a cluster's grace period, with nothing saved)."""
         t0 = time.time()
+        if save is not None and self.run.guard.saved != step:
+            save(step)
         devices = [self.run.device] if self.run.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):                # the training draws stay as without it
-            was = self.encoder.training
-            feats = [sharded_features(self.encoder, ds, self.size, self.pool, self.run.device, self.run.autocast,
-                                      self.workers, self.synthetic) for ds in (self.train, self.val)]
-            self.encoder.train(was)
+        ctl, trained = self.run.control, self.run.control.trained
+        ctl.trained = self.run.ckpt if save is not None or trained else None     # read by the signal handler
+        try:
+            with torch.random.fork_rng(devices=devices):            # the training draws stay as without it
+                was = self.encoder.training
+                feats = [sharded_features(self.encoder, ds, self.size, self.pool, self.run.device, self.run.autocast,
+                                          self.workers, self.synthetic) for ds in (self.train, self.val)]
+                self.encoder.train(was)
+        finally:
+            ctl.trained = trained
         if not C.is_main():
             return None
         (ftr, ytr), (fva, yva) = feats
@@ -489,7 +507,7 @@ def embed(a, enc, ckpt, device):
     if not a.output:
         raise C.UserError("--mode embed writes features.npy and files.txt into --output DIR: give it")
     _lock = H.claim_dir(a.output, "--output")                       # held while this evaluation writes
-    ds = C.image_dataset(a.data, "train") if a.data == "synthetic" else C.ImageFiles(a.data)
+    ds = C.image_dataset(a.data, "train") if a.data == "synthetic" else C.ImageFiles(a.data, every=True)
     feats, _ = features(replace(a, cache=False), enc.to(device), ckpt, "embed", ds, device)
     np.save(os.path.join(a.output, "features.npy"), feats.numpy().astype(np.float32))
     names = [os.path.relpath(p, a.data) for p, _ in getattr(ds, "samples", [])] or [str(i) for i in range(len(ds))]

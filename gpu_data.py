@@ -192,7 +192,22 @@ def loader(dataset, args, run, per, make):
     """--resident S: the store of `dataset` on the run's device and its loader (make: the method's resident_views)."""
     if not args.gpu_aug:
         raise C.UserError("--resident needs --gpu-aug: the views are made on the device, their colour ops too")
-    store = Store(dataset, args.resident, run.device, args.workers, args.seed, args.max_unreadable)
-    C.print0(f"--resident {args.resident}: {len(store)} images decoded once, {store.gb():.2f} GB of uint8 on "
+    S, need = args.resident, len(dataset) * 3 * args.resident ** 2
+    if S < args.img_size:                                            # every view would be upsampled from S
+        raise C.UserError(f"--resident {S} is below --img-size {args.img_size}: every view would be cut from images "
+                          f"stored smaller than it; give --resident >= {args.img_size} (the images' own size)")
+    free = torch.cuda.mem_get_info(run.device)[0] if run.device.type == "cuda" else None
+    if free is not None and need > free / 2:                         # checked before hours of decoding
+        raise C.UserError(f"--resident {S}: {len(dataset)} images take {need / 2**30:.1f} GB of uint8, over half of "
+                          f"the {free / 2**30:.1f} GB free on {run.device} (training needs the rest): lower "
+                          "--resident or leave it out (the workers' loader)")
+    store = Store(dataset, S, run.device, args.workers, args.seed, args.max_unreadable)
+    C.print0(f"--resident {S}: {len(store)} images decoded once, {store.gb():.2f} GB of uint8 on "
              f"{run.device}; every view cut there")
+    big = (store.sizes > S).any(1)
+    if big.any():                                                    # said, not silent: views of less detail
+        h, w = store.sizes.max(0).values.tolist()
+        C.print0(f"warning: {int(big.sum())} of {len(store)} images are larger than --resident {S} (up to {h}x{w}): "
+                 f"stored at {S}x{S}, their views are cut from that (the workers' loader crops the originals); "
+                 f"give --resident {max(h, w)} to keep them whole")
     return Loader(store, per, args.seed, make)

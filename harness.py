@@ -6,6 +6,7 @@ rules live in its own file."""
 import argparse
 import contextlib
 import dataclasses
+import errno
 import gc
 import glob
 import json
@@ -217,8 +218,11 @@ def setup(args, method):
         recipes = C.optional("recipes") if getattr(args, "preset", None) else None
         if recipes:                                                         # what the preset set, and why
             print(recipes.explain(type(args), args.preset, args))
-        with open(os.path.join(out, "args.json"), "w") as f:                      # the run's flags, readable
-            json.dump(dataclasses.asdict(args), f, indent=1)
+        resuming = args.resume and os.path.isfile(ckpt)
+        moved = None if resuming else set_aside(out)                 # a run from step 0: the earlier run's files
+        if moved:
+            print(f"{out} held an earlier run's files ({', '.join(moved[1])}): moved to {moved[0]}; this run starts "
+                  "at step 0 (resume that one with --output-dir there)")
         if getattr(args, "tensorboard", False):
             tb = C.TensorBoard(out)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext())
@@ -227,6 +231,37 @@ def setup(args, method):
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
                               ckpt=ckpt, guard=guard, control=Control(args, device, guard), tb=tb, data_wait=0.0,
                               lock=lock, data={}, bad_images=None, resuming=bool(args.resume and os.path.isfile(ckpt)))
+
+
+RUN_FILES = re.compile(r"checkpoint\.pth|log(\.[\d-]+)?\.jsonl|args\.json|tensorboard|features|visualize\.png"
+                       r"|encoder_step\d+\.pth|(recon|pairs)_ep\d+_step\d+\.png")
+
+
+def set_aside(out):
+    """A run from step 0 in a folder where an earlier run wrote: that run's files (checkpoint, log, flags, snapshots,
+    pictures, TensorBoard events, features cached for its checkpoint) move together into earlier/<time>/, whole (it
+    can be resumed or read there), before this run writes anything. Returns (that folder, the names), or None."""
+    names = sorted(n for n in os.listdir(out) if RUN_FILES.fullmatch(n))
+    if not names:
+        return None
+    newest = max(os.path.getmtime(os.path.join(out, n)) for n in names)
+    dest = base = os.path.join(out, "earlier", time.strftime("%Y%m%d-%H%M%S", time.localtime(newest)))
+    i = 0
+    while os.path.exists(dest):                                     # never over another kept run
+        i += 1
+        dest = f"{base}-{i}"
+    os.makedirs(dest)
+    for n in names:
+        os.replace(os.path.join(out, n), os.path.join(dest, n))
+    return dest, names
+
+
+def write_args(run, args):
+    """<output-dir>/args.json, the run's flags, readable: written once the run is known to start or resume (a refused
+    resume leaves the checkpoint's flags in place)."""
+    if is_main():
+        with open(os.path.join(run.out, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=1)
 
 
 def claim_dir(out, what):
@@ -243,7 +278,10 @@ def claim_dir(out, what):
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except ImportError:                                             # not POSIX: no lock
         return f
-    except OSError:
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):              # ENOLCK: Lustre without flock, some FUSE mounts
+            raise UserError(f"{what} {out}: cannot lock {f.name} ({e.strerror or type(e).__name__}): its filesystem "
+                            f"has no POSIX locks; give a {what} on one that has (a local disk, NFS)") from None
         f.seek(0)
         raise UserError(f"{what} {out} is in use by another run ({f.read().strip() or 'another process'}): wait for "
                         f"it to end, or use another {what}") from None
@@ -253,8 +291,8 @@ def claim_dir(out, what):
     return f
 
 
-# run control: a resumed run may change these (a script may add its own: cls.RUN_ONLY)
-RUN_ONLY = {"workers", "resume", "compile", "log_every", "device", "micro_batch", "grad_ckpt", "stop_epoch",
+# run control: a resumed run may change these (a script may add its own: cls.RUN_ONLY); --data: its fingerprint decides
+RUN_ONLY = {"data", "workers", "resume", "compile", "log_every", "device", "micro_batch", "grad_ckpt", "stop_epoch",
             "stop_step", "save_every", "save_every_minutes", "max_unreadable", "output_dir", "knn", "eval_every",
             "keep_every", "precision", "tensorboard"}
 SCHEDULE = {"epochs", "steps_per_epoch"}              # may change on resume, with a line (the schedules follow)
@@ -268,6 +306,7 @@ def resume_run(run, method, args, model, optimizer, target=None, data=None):
     run.data = {k: d.fingerprint() if hasattr(d, "fingerprint") else {"items": len(d)}     # synthetic: its size
                 for k, d in (data or {}).items()}
     if not (args.resume and os.path.isfile(run.ckpt)):
+        write_args(run, args)
         return 0
     ckpt = C.load_checkpoint(run.ckpt, method)
     old = {k: tuple(v) if isinstance(v, list) else v for k, v in ckpt["args"].items()}
@@ -283,6 +322,7 @@ def resume_run(run, method, args, model, optimizer, target=None, data=None):
     if old_data is not None and old_data != run.data:
         raise UserError(f"{run.ckpt} was trained on other data ({data_change(old_data, run.data)}): rerun with "
                         "the data it was trained on, or start a new run with --no-resume or another --output-dir")
+    write_args(run, args)
     if changed:
         print0(f"warning: resuming with {', '.join(changed.values())}: the schedules follow the new length from "
                "this step")
@@ -488,8 +528,9 @@ class Preempted(Exception):
 
 def catch_preemption():
     """SIGTERM / SIGUSR1 / SIGINT -> Control.current.stop: the loop finishes its step, writes a checkpoint and exits 0
-    (the DataLoader workers ignore them: clusters signal the process group). A signal before the run or after its final
-    checkpoint stops at once, as does a second Ctrl-C a second after the first (not under torchrun, which forwards)."""
+    (the DataLoader workers ignore them: clusters signal the process group). A signal before the run, or in a k-NN
+    evaluation (after its step's checkpoint, the final one's too), stops at once, as does a second Ctrl-C a second
+    after the first (not under torchrun, which forwards)."""
     import atexit
     import signal
 
@@ -500,8 +541,8 @@ def catch_preemption():
         again = name == "SIGINT" and any(n == "SIGINT" and time.time() - t > 1 for n, t in ctl.asked)
         if again and "LOCAL_RANK" not in os.environ:
             raise KeyboardInterrupt
-        if ctl.trained:                            # after the final checkpoint (the k-NN report): stop now
-            print0(f"stopped by {name} after training: {ctl.trained} is complete")
+        if ctl.trained:                            # in a k-NN after its step's checkpoint (the final one's too)
+            print0(f"stopped by {name} in the k-NN evaluation: {ctl.trained} holds the run up to here")
             raise SystemExit(0)
         ctl.asked.append((name, time.time()))
         ctl.stop(f"signal {name}")

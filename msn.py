@@ -672,10 +672,10 @@ def train(args):
             ema_update(target_net, model.net, m)
             stop = C.end_step(run, log, save, step=step + 1, epoch=epoch, parts=parts,
                               lr=lr, wd=wd, mom=m)                   # log, NaN watch, save when due
+            if knn and knn.due(step + 1):                            # --eval-every (a --stop-step's too)
+                knn(step + 1, save)                                  # its checkpoint first
             if stop:
                 return                                               # preempted, --stop-step: saved
-            if knn and knn.due(step + 1):                            # --eval-every
-                knn(step + 1)
         save((epoch + 1) * ipe)
 
     if knn:                                                          # after the final checkpoint: a stop

@@ -128,7 +128,7 @@ def main(argv=None):
                 raise C.UserError(f"{a.data}: no video whose frames can be read")
             f1, x = (C.normalize(t) for t in pairs[:2])
         else:
-            ds = C.image_dataset(a.data, "train") if a.data == "synthetic" else C.ImageFiles(a.data)
+            ds = C.image_dataset(a.data, "train") if a.data == "synthetic" else C.ImageFiles(a.data, every=True)
             tf = E.eval_transform(size, synthetic=a.data == "synthetic")
             idx = torch.linspace(0, len(ds) - 1, min(a.images, len(ds))).round().long().unique().tolist()
             x, f1 = C.normalize(torch.stack([tf(ds.load(i)[0]) for i in idx])), None

@@ -86,7 +86,7 @@ def knn_monitor(encoder, data, size, method="cmae", holdout=0):
     import eval_linear as E
     records = []
     run = argparse.Namespace(device=torch.device("cpu"), autocast=contextlib.nullcontext(), ckpt="-",
-                             control=argparse.Namespace(trained=None))
+                             control=argparse.Namespace(trained=None, signal=None))
     log = argparse.Namespace(first=2, end=10, write=records.append)            # first 2: no step-0 evaluation
     args = argparse.Namespace(eval_every=0, img_size=size, data=data, workers=0, holdout=holdout)
     return E.KNNMonitor(args, run, log, encoder, method, "the encoder"), records

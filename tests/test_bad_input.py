@@ -372,3 +372,16 @@ def test_every_evaluation_checks_its_flags_by_the_training_scripts_rules(script,
     mod = importlib.import_module(script)
     with pytest.raises(C.UserError, match=msg):
         mod.evaluate(mod.Args(ckpt="absent.pth", **kw))
+
+
+def test_the_k_nn_bank_skips_an_unreadable_training_image_as_training_does(tmp_path):
+    """--max-unreadable 0.2 trains past an unreadable train/ image; the k-NN monitor's bank (train/) reads it the same
+    way (it read train/ strictly: the run trained, then stopped at its first evaluation, losing the steps since its
+    last checkpoint). The queries (val/) stay strict, checked at the start."""
+    for i in range(8):
+        _png(tmp_path / "d" / "train" / f"c{i % 2}" / f"{i}.png", i)
+    for i in range(2):
+        _png(tmp_path / "d" / "val" / f"c{i}" / f"{i}.png", i, "val")
+    (tmp_path / "d" / "train" / "c0" / "broken.png").write_bytes(b"not an image")
+    can.train(tiny_args(tmp_path / "o", data=str(tmp_path / "d"), eval_every=2, max_unreadable=0.2, batch_size=4))
+    assert [json.loads(r)["step"] for r in open(tmp_path / "o" / "log.jsonl") if "knn_top1" in r] == [0, 2, 4]

@@ -685,3 +685,21 @@ def test_random_init_is_the_runs_own_initial_encoder_except_can_and_siammae(meth
     start, (enc, _) = C.load_checkpoint(path)["encoder"], W.load_encoder(path, random_init=True)
     diff = max((enc.state_dict()[k] - v.float()).abs().max().item() for k, v in start.items())
     assert (diff < 1e-6) == (method not in ("can", "siammae")), diff
+
+
+def test_a_rank_left_without_an_image_still_takes_part_in_the_monitors_gather(tmp_path, monkeypatch):
+    """Fewer val (or --holdout) images than processes: the rank whose strided share is empty extracts nothing, pads
+    and joins the gather (it crashed on torch.cat([]) and took the run down: 2 processes, 1 val image). Rank 1 of 2
+    here, the gather standing in for the collective."""
+    import shutil
+    data = tiny_folder(tmp_path / "d")
+    os.makedirs(tmp_path / "one" / "c0")
+    shutil.copy(os.path.join(data, "val", "c0", "0.png"), tmp_path / "one" / "c0")
+    one = C.ImageFiles(str(tmp_path / "one"))                           # 1 image, 2 ranks
+    enc = W.ViT(16, 4, 32, 1, 2).eval()
+    monkeypatch.setattr(C, "world_size", lambda: 2)
+    monkeypatch.setattr(C, "rank", lambda: 1)
+    gathered = []
+    monkeypatch.setattr(C, "all_gather", lambda t, grad=False: gathered.append(t) or torch.cat([t, t]))
+    feats, labels = E.sharded_features(enc, one, 16, "mean", torch.device("cpu"))
+    assert feats.shape == (1, 32) and labels.shape == (1,) and gathered[0].shape == (1, 32)

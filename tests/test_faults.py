@@ -407,37 +407,74 @@ def test_a_run_that_stops_early_logs_its_last_step(tmp_path):
 
 
 def test_the_log_reports_the_share_of_time_spent_waiting_for_data(tmp_path, monkeypatch):
-    """data_wait: the share of each log interval the loop spent blocked on the next batch. A loader
-    made slow on purpose (0.1 s per image, read in the main process) shows it above one half; the
-    same run with a slow step instead (0.4 s) below one half."""
+    """data_wait: the share of each log interval the loop spent blocked on the next batch. On a clock that only the
+    slow parts move (whatever the machine's speed: a real sleep against a real step failed on a loaded machine), a
+    loader that takes 0.1 s an image (read in the main process) waits all of each interval, a 0.4 s step none."""
+    now = [0.0]
+    clock = lambda: now[0]                                                          # noqa: E731
+    monkeypatch.setattr(time, "perf_counter", clock)
+    monkeypatch.setattr(time, "time", clock)
+    def slow(seconds, f):
+        return lambda *a, **kw: (now.__setitem__(0, now[0] + seconds), f(*a, **kw))[1]
     real_load, real_step = S.SyntheticImages.load, can.train_step
-    monkeypatch.setattr(S.SyntheticImages, "load", lambda self, i: (time.sleep(0.1), real_load(self, i))[1])
+    monkeypatch.setattr(S.SyntheticImages, "load", slow(0.1, real_load))
     can.train(can_args(tmp_path / "slow_data", epochs=1, steps_per_epoch=2, warmup_epochs=0))
     monkeypatch.setattr(S.SyntheticImages, "load", real_load)
-    monkeypatch.setattr(can, "train_step", lambda *a, **kw: (time.sleep(0.4), real_step(*a, **kw))[1])
+    monkeypatch.setattr(can, "train_step", slow(0.4, real_step))
     can.train(can_args(tmp_path / "slow_step", epochs=1, steps_per_epoch=2, warmup_epochs=0))
     wait = {d: [json.loads(line)["data_wait"] for line in open(tmp_path / d / "log.jsonl") if '"step"' in line]
             for d in ("slow_data", "slow_step")}
-    assert len(wait["slow_data"]) == len(wait["slow_step"]) == 2
-    assert all(w > 0.5 for w in wait["slow_data"]) and all(w < 0.5 for w in wait["slow_step"]), wait
+    assert wait == {"slow_data": [1.0, 1.0], "slow_step": [0.0, 0.0]}, wait
 
 
 # ----------------------------------------------------------------------------------------------
 # No result of another run: a fresh log, the data a checkpoint was trained on, one run per folder
 # ----------------------------------------------------------------------------------------------
-def test_a_run_from_step_0_starts_a_fresh_log_and_keeps_the_earlier_one_beside_it(tmp_path, capsys):
-    """A run killed before its first checkpoint had logged step 1; the rerun starts at step 0 again: a fresh log.jsonl
-    (step 1 once), the earlier one kept beside it under its time (never overwritten: a third start keeps both)."""
-    can.train(can_args(tmp_path, epochs=1, steps_per_epoch=2, log_every=1))
-    (tmp_path / "checkpoint.pth").unlink()                          # as if killed before the first save
-    can.train(can_args(tmp_path, epochs=1, steps_per_epoch=2, log_every=1))
-    assert [json.loads(line)["step"] for line in open(tmp_path / "log.jsonl")] == [1, 2]
-    can.train(can_args(tmp_path, epochs=1, steps_per_epoch=2, log_every=1, resume=False))
-    kept = sorted(f for f in os.listdir(tmp_path) if f.startswith("log.") and f != "log.jsonl")
-    assert len(kept) == 2 and all(f.endswith(".jsonl") for f in kept), kept
-    for f in kept + ["log.jsonl"]:
-        assert [json.loads(line)["step"] for line in open(tmp_path / f)] == [1, 2]
-    assert "is an earlier run's (this one starts at step 0): moved to" in capsys.readouterr().out
+def test_a_run_from_step_0_moves_the_earlier_runs_files_aside_whole(tmp_path, capsys):
+    """A fresh start in a used folder (--no-resume; a rerun of a run killed before its first checkpoint) moves the
+    earlier run's files together (checkpoint, log, args.json, --keep-every snapshots, pictures) into
+    earlier/<time>/: the new run's folder holds its own only (the first run's snapshot stayed beside the second's,
+    its args saying another --blr). A fresh start that fails before its first checkpoint leaves no earlier
+    checkpoint behind it: the next plain rerun starts at step 0 (it resumed the OLD checkpoint, under a log that had
+    been moved away, starting at step 3)."""
+    args = lambda **kw: can_args(tmp_path, epochs=1, steps_per_epoch=2, keep_every=1, **kw)   # noqa: E731
+    steps = lambda d: [json.loads(ln)["step"] for ln in open(d / "log.jsonl")]             # noqa: E731
+    can.train(args(blr=1e-4))
+    first = sorted(f for f in os.listdir(tmp_path) if f != ".lock")
+    can.train(args(blr=1e-3, resume=False))
+    assert "held an earlier run's files (args.json, checkpoint.pth, encoder_step0000001.pth" in capsys.readouterr().out
+    (kept,) = os.listdir(tmp_path / "earlier")
+    assert sorted(os.listdir(tmp_path / "earlier" / kept)) == first and steps(tmp_path / "earlier" / kept) == [1, 2]
+    assert json.load(open(tmp_path / "earlier" / kept / "args.json"))["blr"] == 1e-4
+    for f in ("encoder_step0000001.pth", "encoder_step0000002.pth", "checkpoint.pth"):
+        assert C.load_checkpoint(str(tmp_path / f), "can")["args"]["blr"] == 1e-3, f
+    assert json.load(open(tmp_path / "args.json"))["blr"] == 1e-3 and steps(tmp_path) == [1, 2]
+    with pytest.raises(C.UserError, match="does not exist"):
+        can.train(args(blr=1e-2, resume=False, init=str(tmp_path / "missing.pth")))   # fails before its checkpoint
+    assert not (tmp_path / "checkpoint.pth").exists() and len(os.listdir(tmp_path / "earlier")) == 2
+    can.train(args(blr=1e-2, init=None))                             # the plain rerun: from step 0, its own log
+    assert steps(tmp_path) == [1, 2] and C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 2
+
+
+def test_a_refused_resume_leaves_the_checkpoints_flags_in_args_json(tmp_path):
+    """args.json is written once the run is known to start or resume: a rerun refused as another experiment leaves
+    the flags of the checkpoint there (it had written its own: blr 0.001 beside a checkpoint of 0.00015)."""
+    can.train(can_args(tmp_path, epochs=2, stop_epoch=1, steps_per_epoch=1, blr=1.5e-4))
+    with pytest.raises(C.UserError, match="was trained with other settings"):
+        can.train(can_args(tmp_path, epochs=2, steps_per_epoch=1, blr=1e-3))
+    assert json.load(open(tmp_path / "args.json"))["blr"] == 1.5e-4
+
+
+def test_stop_step_evaluates_its_k_nn_after_its_checkpoint_once(tmp_path, monkeypatch):
+    """--eval-every 2 --stop-step 2: the k-NN of step 2 is logged before the run stops (the loop returned before
+    asking the monitor: the log had 0, then after the resume 4, never 2); the resumed run does not repeat it."""
+    real = S.SyntheticImages
+    monkeypatch.setattr(S, "SyntheticImages", lambda split="train", **kw: real(split, n=24 if split == "train" else 8))
+    can.train(can_args(tmp_path, epochs=2, steps_per_epoch=2, eval_every=2, stop_step=2))
+    knn = lambda: [json.loads(ln)["step"] for ln in open(tmp_path / "log.jsonl") if "knn_top1" in ln]   # noqa: E731
+    assert knn() == [0, 2]
+    can.train(can_args(tmp_path, epochs=2, steps_per_epoch=2, eval_every=2))
+    assert knn() == [0, 2, 4]
 
 
 def _folder(root, n=8):
@@ -450,8 +487,8 @@ def _folder(root, n=8):
 def test_a_resumed_run_refuses_data_that_changed_in_one_line(tmp_path):
     """The checkpoint holds the data's fingerprint (counts, a hash of the relative paths, of the held-out ones): images
     added, a file renamed, another --holdout draw are each refused by name (the steps per epoch, the schedules and the
-    held-out images would shift mid-run; with --holdout the run trained on images it had held out). The folder moved
-    whole (another --data path) is another flag, refused as such; the same data resumes."""
+    held-out images would shift mid-run; with --holdout the run trained on images it had held out). The same data
+    resumes, also from the folder moved whole (another --data path: the fingerprint decides, not the path)."""
     data = _folder(tmp_path / "d", 10)
     run = lambda **kw: can.train(can_args(tmp_path / "o", **{"data": data, "epochs": 2, "steps_per_epoch": 0,  # noqa
                                                              "batch_size": 4, **kw}))
@@ -477,6 +514,29 @@ def test_a_resumed_run_refuses_data_that_changed_in_one_line(tmp_path):
     with pytest.raises(C.UserError, match=r"other data \(train images 7 -> 8, other train files, another train "
                                           r"held-out draw\)"):
         run(output_dir=str(tmp_path / "h"), holdout=3)
+    os.remove(tmp_path / "d" / "c0" / "8a.png")
+    os.rename(tmp_path / "d", tmp_path / "moved")                                          # the folder moved whole
+    can.train(can_args(tmp_path / "h", data=str(tmp_path / "moved"), epochs=2, steps_per_epoch=0, batch_size=4,
+                       holdout=3))
+    assert C.load_checkpoint(str(tmp_path / "h" / "checkpoint.pth"), "can")["step"] == 2   # resumed, trained on
+
+
+def test_a_filesystem_without_posix_locks_says_so_and_how_to_go_on(tmp_path, monkeypatch):
+    """fcntl.lockf failing with ENOLCK (Lustre without flock, some FUSE mounts) is not "in use by another run": the
+    line says the filesystem has no POSIX locks and where to put --output-dir; a lock held elsewhere still reads as
+    in use."""
+    import errno
+    import fcntl
+
+    def no_locks(f, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    with pytest.raises(C.UserError, match=r"cannot lock .*\.lock \(No locks available\): its filesystem has no POSIX "
+                                          r"locks; give a --output-dir on one that has"):
+        H.claim_dir(str(tmp_path / "o"), "--output-dir")
+    monkeypatch.setattr(fcntl, "lockf", lambda f, how: (_ for _ in ()).throw(OSError(errno.EAGAIN, "busy")))
+    with pytest.raises(C.UserError, match="is in use by another run"):
+        H.claim_dir(str(tmp_path / "o"), "--output-dir")
 
 
 _HOLD = ("import os, sys, time, harness as H; f = H.claim_dir(sys.argv[1], \"--output-dir\"); "
@@ -543,3 +603,26 @@ def test_ctrl_c_says_what_it_interrupted_and_what_is_kept(tmp_path, capsys, monk
                 signal.signal(getattr(signal, n), h)
         assert e.value.code == 130
         assert capsys.readouterr().err.strip() == f"error: interrupted by a second Ctrl-C: stopped at once; {said}"
+
+
+def test_a_stop_signal_in_a_k_nn_evaluation_ends_the_run_at_once_with_that_steps_checkpoint(tmp_path):
+    """--eval-every: the monitor writes the step's checkpoint before it evaluates, and a SIGTERM during the
+    evaluation ends the program at once, exit 0, that checkpoint kept (the run waited for the whole k-NN, minutes on
+    CPU, past train.sbatch's 120 s grace, with nothing saved: killed, the steps since the last checkpoint lost)."""
+    code = ("import os, signal, time, can, eval_linear as E, harness as H, synthetic as S\n"
+            "few = S.SyntheticImages                      # 24 + 8 images: the evaluations take no time\n"
+            "S.SyntheticImages = lambda split='train', **kw: few(split, n=24 if split == 'train' else 8)\n"
+            "real, n = E.sharded_features, [0]\n"
+            "def slow(*a, **k):\n"
+            "    n[0] += 1\n"
+            "    if n[0] == 3:                                # step 1's evaluation (step 0's: calls 1 and 2)\n"
+            "        os.kill(os.getpid(), signal.SIGTERM); time.sleep(60)\n"
+            "    return real(*a, **k)\n"
+            "E.sharded_features = slow\n"
+            "H.main(can.train, can.Args)")
+    t = time.time()
+    r = run_cli("-c", code, *CAN_CLI[1:], "--data", "synthetic", "--eval-every", "1", "--epochs", "2",
+                "--steps-per-epoch", "2", "--output-dir", str(tmp_path / "o"))
+    assert r.returncode == 0 and time.time() - t < 40, r.stderr[-2000:]          # not the 60 s sleep
+    assert "stopped by SIGTERM in the k-NN evaluation: " in r.stdout
+    assert C.load_checkpoint(str(tmp_path / "o" / "checkpoint.pth"), "can")["step"] == 1

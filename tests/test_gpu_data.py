@@ -215,3 +215,13 @@ def test_resident_flag_errors_are_one_line(method, flags, needle, folder, tmp_pa
     r = run_cli(f"{method}.py", "--data", folder, "--resident", "24", *flags, "--output-dir", str(tmp_path),
                 "--device", "cpu", "--workers", "0", "--model", "nano", "--img-size", "16", "--patch-size", "4")
     one_line_error(r, needle)
+
+
+def test_a_resident_store_below_the_images_or_the_view_size_is_said_or_refused(folder, tmp_path, capsys):
+    """--resident S stores every image at S x S: below --img-size it is refused (every view would be upsampled; it
+    trained silently at the lower resolution); images larger than S are said, with the S that keeps them whole."""
+    with pytest.raises(C.UserError, match="--resident 16 is below --img-size 24"):
+        can.train(can_args(tmp_path / "a", data=folder, img_size=24, resident=16, gpu_aug=True))
+    can.train(can_args(tmp_path / "b", data=folder, img_size=16, resident=24, gpu_aug=True, epochs=1,
+                       steps_per_epoch=1))
+    assert "warning: 24 of 36 images are larger than --resident 24 (up to 31x30)" in capsys.readouterr().out

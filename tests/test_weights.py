@@ -271,3 +271,20 @@ def test_visualize_writes_one_grid_of_input_mask_reconstruction_and_attention(me
     assert out == str(tmp_path / "run" / "visualize.png")
     img = Image.open(out)
     assert img.size[1] == rows * (64 + 2) + 2 and img.size[0] == 200 + 4 * (64 + 2) + 2, img.size
+
+
+def test_embed_reads_every_image_under_the_folder_whatever_its_sub_folders(tmp_path):
+    """--mode embed on a photo folder with one sub-folder: every image, the top level's and the sub-folder's (the
+    class-folder rule of training kept only sub/x.png, exit 0)."""
+    from test_eval_linear import tiny_folder
+    import shutil
+    data = tiny_folder(tmp_path / "d")
+    flat = tmp_path / "photos"
+    os.makedirs(flat / "edited")
+    for i in range(3):
+        shutil.copy(os.path.join(data, "val", "c0", f"{i}.png"), flat / f"{i}.png")
+    shutil.copy(os.path.join(data, "val", "c1", "0.png"), flat / "edited" / "x.png")
+    res = E.evaluate(E.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", "msn"), data=str(flat), mode="embed",
+                            output=str(tmp_path / "out"), workers=0))
+    assert res["images"] == 4
+    assert open(tmp_path / "out" / "files.txt").read().split() == ["0.png", "1.png", "2.png", "edited/x.png"]
