@@ -43,7 +43,15 @@ def srun_env(env=None):
     env = os.environ if env is None else env
     count = lambda k: int(re.match(r"\d*", env.get(k, "")).group() or 0)    # noqa: E731  SLURM writes "8(x2)"
     world = count("SLURM_STEP_NUM_TASKS") or count("SLURM_NTASKS")
-    if "WORLD_SIZE" in env or not ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env) or world < 2:
+    step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    agents = count("GROUP_WORLD_SIZE")                               # torchrun's agents (nodes)
+    if "WORLD_SIZE" in env and step and world > 1 and agents and agents != world:
+        raise UserError(f"srun started {world} tasks, each running torchrun with --nnodes {agents}: {world // agents} "
+                        "duplicate runs into one output. Use srun alone (one task per GPU), or one torchrun a node")
+    if "WORLD_SIZE" not in env and not step and world > 1:           # an sbatch script, outside any srun step
+        raise UserError(f"this job has {world} SLURM tasks but this process was not started by srun: it would train "
+                        "alone, on one GPU. Launch with `srun python <method>.py ...` (one task per GPU) or torchrun")
+    if "WORLD_SIZE" in env or not step or world < 2:
         return {}
     if "MASTER_ADDR" not in env:
         raise UserError("an srun step of several tasks needs MASTER_ADDR, rank 0's host: export MASTER_ADDR=$(scontrol "

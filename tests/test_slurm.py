@@ -74,8 +74,19 @@ def test_an_srun_step_inside_a_larger_job_takes_the_steps_task_count():
 def test_torchrun_wins_and_a_single_process_stays_single():
     both = {**slurm_vars(3, world=4), "WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3"}
     assert H.srun_env(both) == {} and H.srun_env({}) == {}              # torchrun inside an sbatch / srun step
-    assert H.srun_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}) == {}   # not an srun step
+    assert H.srun_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == {}   # a 1-task job
     assert H.srun_env(slurm_vars(0, world=1)) == {}                         # srun -n 1: one process, no group
+
+
+def test_a_wrong_cluster_launch_is_refused_saying_how_to_launch():
+    """`python msn.py` in an sbatch script of several tasks, outside an srun step, trained one process on one GPU
+    without a word; srun tasks that each start torchrun trained duplicate runs into one output. One line each."""
+    with pytest.raises(C.UserError, match=r"this job has 4 SLURM tasks but this process was not started by srun: "
+                                          r"it would train alone, on one GPU. Launch with `srun python"):
+        H.srun_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
+    with pytest.raises(C.UserError, match=r"srun started 4 tasks, each running torchrun with --nnodes 1: 4 duplicate"):
+        H.srun_env({**slurm_vars(1, world=4), "WORLD_SIZE": "2", "RANK": "1", "GROUP_WORLD_SIZE": "1"})
+    assert H.srun_env({**slurm_vars(1, world=4), "WORLD_SIZE": "8", "RANK": "1", "GROUP_WORLD_SIZE": "4"}) == {}
 
 
 def test_an_srun_step_without_master_addr_is_one_line():
