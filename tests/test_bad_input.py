@@ -385,3 +385,54 @@ def test_the_k_nn_bank_skips_an_unreadable_training_image_as_training_does(tmp_p
     (tmp_path / "d" / "train" / "c0" / "broken.png").write_bytes(b"not an image")
     can.train(tiny_args(tmp_path / "o", data=str(tmp_path / "d"), eval_every=2, max_unreadable=0.2, batch_size=4))
     assert [json.loads(r)["step"] for r in open(tmp_path / "o" / "log.jsonl") if "knn_top1" in r] == [0, 2, 4]
+
+
+# ----------------------------------------------------------------------------------------------
+# Slips a test let through once (one line each, made by hand): each of these fails on its slip
+# ----------------------------------------------------------------------------------------------
+def test_a_tuple_flag_is_checked_finite_element_by_element():
+    """--weights 0.03 inf 0.3: a tuple flag's elements pass the same finite check as a number flag's."""
+    with pytest.raises(C.UserError, match=r"--weights must be a finite number, got \(0.03, inf, 0.3\)"):
+        H.validate(tiny_args("/tmp/unused", weights=(0.03, float("inf"), 0.3)))
+
+
+def test_features_with_one_non_finite_row_are_refused():
+    """One NaN image among finite ones is refused (a check of "none finite" let it through, scoring it)."""
+    enc = W.ViT(16, 4, 32, 1, 2).eval()
+    x = torch.randn(3, 3, 16, 16)
+    x[1, 0, 0, 0] = float("nan")
+    loader = [(x, torch.zeros(3, dtype=torch.long))]
+    with pytest.raises(C.UserError, match="NaN or infinite features for 1 of 3 images"):
+        E.extract_features(enc, loader, torch.device("cpu"), lambda e, v: E.features_of(e, v, "mean"))
+
+
+def test_a_big_endian_16_bit_image_is_scaled_as_the_little_endian_one(tmp_path):
+    """Mode I;16B (big-endian 16-bit greyscale, as some TIFF writers save it) is scaled to 8 bits like I;16."""
+    from PIL import Image
+    g = (np.arange(32 * 32).reshape(32, 32) * 64).astype(np.uint16)
+    img = Image.frombytes("I;16B", (32, 32), g.astype(">u2").tobytes())
+    x = np.asarray(C.to_rgb(img))
+    assert x.shape == (32, 32, 3) and (x == (g >> 8)[..., None]).all()
+
+
+def test_embed_refuses_an_unreadable_image_rather_than_giving_it_anothers_features(tmp_path):
+    """--mode embed reads each image as it is: an unreadable one is a one-line error naming it (a reader that skipped
+    it gave that row the next image's features)."""
+    from helpers import vit_checkpoint
+    for i in range(3):
+        _png(tmp_path / "d" / f"{i}.png", i)
+    (tmp_path / "d" / "1b.png").write_bytes(b"not an image")
+    with pytest.raises(C.UserError, match=r"cannot read image .*1b.png"):
+        E.evaluate(E.Args(ckpt=vit_checkpoint(tmp_path / "c.pth", "msn"), data=str(tmp_path / "d"), mode="embed",
+                          output=str(tmp_path / "out"), workers=0))
+
+
+def test_the_lock_file_names_its_holder_alone(tmp_path):
+    """<output-dir>/.lock holds this process's name only (a stale holder's text left in it was reported as the holder
+    of a later, unrelated refusal)."""
+    os.makedirs(tmp_path / "o")
+    (tmp_path / "o" / ".lock").write_text("pid 99999 on a-dead-node and more text")
+    f = H.claim_dir(str(tmp_path / "o"), "--output-dir")
+    f.seek(0)
+    assert f.read() == f"pid {os.getpid()} on {os.uname().nodename}"
+    f.close()

@@ -440,6 +440,7 @@ def test_a_run_from_step_0_moves_the_earlier_runs_files_aside_whole(tmp_path, ca
     args = lambda **kw: can_args(tmp_path, epochs=1, steps_per_epoch=2, keep_every=1, **kw)   # noqa: E731
     steps = lambda d: [json.loads(ln)["step"] for ln in open(d / "log.jsonl")]             # noqa: E731
     can.train(args(blr=1e-4))
+    os.makedirs(tmp_path / "tensorboard")                            # its events (--tensorboard) go along too
     first = sorted(f for f in os.listdir(tmp_path) if f != ".lock")
     can.train(args(blr=1e-3, resume=False))
     assert "held an earlier run's files (args.json, checkpoint.pth, encoder_step0000001.pth" in capsys.readouterr().out
@@ -626,3 +627,16 @@ def test_a_stop_signal_in_a_k_nn_evaluation_ends_the_run_at_once_with_that_steps
     assert r.returncode == 0 and time.time() - t < 40, r.stderr[-2000:]          # not the 60 s sleep
     assert "stopped by SIGTERM in the k-NN evaluation: " in r.stdout
     assert C.load_checkpoint(str(tmp_path / "o" / "checkpoint.pth"), "can")["step"] == 1
+
+
+def test_conmims_monitor_scores_the_steps_trained_and_a_resume_may_add_keep_every(tmp_path, monkeypatch):
+    """ConMIM's loop asks the monitor about the step just trained (--eval-every 2: steps 0, 2, 4; asking about the one
+    before scored 1, 3), as the other loops do; a resume that adds --keep-every (run control) resumes, not refused as
+    another experiment, and keeps the snapshots from there."""
+    real = S.SyntheticImages
+    monkeypatch.setattr(S, "SyntheticImages", lambda split="train", **kw: real(split, n=24 if split == "train" else 8))
+    conmim.train(conmim_args(tmp_path, epochs=2, steps_per_epoch=2, eval_every=2, stop_epoch=1))
+    conmim.train(conmim_args(tmp_path, epochs=2, steps_per_epoch=2, eval_every=2, keep_every=1))
+    assert [json.loads(ln)["step"] for ln in open(tmp_path / "log.jsonl") if "knn_top1" in ln] == [0, 2, 4]
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("encoder_step")) == [
+        "encoder_step0000003.pth", "encoder_step0000004.pth"]

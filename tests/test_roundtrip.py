@@ -98,6 +98,8 @@ def test_every_artifact_gives_its_sources_features_in_eval_linear_and_eval_finet
     assert all(len(v) == 1 for v in knn.values()), knn                 # an export scores as its checkpoint
     for folder in [p for n, p in arts.items() if n.endswith("export")]:
         assert sorted(os.listdir(folder)) == ["config.json", "encoder.pth", "encoder.safetensors"]
+        config = json.load(open(os.path.join(folder, "config.json")))
+        assert (config["mean"], config["std"]) == (list(C.IMAGENET_MEAN), list(C.IMAGENET_STD))
         assert os.path.dirname(made["data"]) not in open(os.path.join(folder, "config.json")).read()
 
 
