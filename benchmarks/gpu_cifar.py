@@ -55,10 +55,10 @@ def train_watched(method, a, run_dir):
     args.eval_every = max(1, total // 4)
     spent, real = [0.0], E.KNNMonitor.__call__
 
-    def timed(self, step):                                           # the evaluations' time, left out of training's
-        t = time.time()
+    def timed(self, step, *save):                                    # the evaluations' time (with the checkpoint
+        t = time.time()                                              # each writes first), left out of training's
         try:
-            return real(self, step)
+            return real(self, step, *save)
         finally:
             spent[0] += time.time() - t
     timer = threading.Timer(60 * a.minutes, lambda: H.Control.current.stop("the --minutes cap"))   # as a signal would

@@ -328,7 +328,8 @@ def test_a_resume_restores_the_fp16_loss_scale(tmp_path):
     args = msn_args(tmp_path)
 
     def run_and_model(scale, tracker):
-        run = argparse.Namespace(ckpt=str(tmp_path / "checkpoint.pth"), scaler=torch.amp.GradScaler("cpu"),
+        run = argparse.Namespace(ckpt=str(tmp_path / "checkpoint.pth"), out=str(tmp_path),
+                                 scaler=torch.amp.GradScaler("cpu"),
                                  guard=H.Guard(torch.device("cpu"), "fp16", str(tmp_path / "checkpoint.pth")))
         run.scaler.load_state_dict({**run.scaler.state_dict(), "scale": scale, "_growth_tracker": tracker})
         model = torch.nn.Linear(2, 2)

@@ -380,8 +380,9 @@ def cifar_like(root, n_train=6, n_test=3):
 
 def test_a_new_run_in_a_used_folder_reports_its_own_evaluations_only(tmp_path, monkeypatch):
     """A run from step 0 in a folder holding an earlier run's log (--no-resume, another experiment) starts a fresh
-    log.jsonl and keeps the earlier one beside it: resumed later, it reads back its own evaluations only. (Appended to
-    the old log, the resumed run took the earlier run's epoch-1 score as its own and reported its best, 83.)"""
+    log.jsonl, the earlier run kept in earlier/<time>/: resumed later, it reads back its own evaluations only.
+    (Appended to the old log, the resumed run took the earlier run's epoch-1 score as its own and reported its best,
+    83.)"""
     ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
     scores = iter([80.0, 83.0, 81.0, 10.0, 20.0, 30.0])
     monkeypatch.setattr(FT, "evaluate", lambda *a: (next(scores), 90.0, 1.0))
@@ -398,9 +399,9 @@ def test_a_new_run_in_a_used_folder_reports_its_own_evaluations_only(tmp_path, m
     recs = [json.loads(line) for line in open(tmp_path / "o" / "log.jsonl")]
     assert [r["val_top1"] for r in recs if "val_top1" in r] == [10.0, 20.0, 30.0]
     assert all("step" in r for r in recs)                            # evaluations too: a resume drops them by step
-    kept = [f for f in os.listdir(tmp_path / "o") if f.startswith("log.") and f != "log.jsonl"]
-    assert len(kept) == 1 and [json.loads(line).get("val_top1") for line in open(tmp_path / "o" / kept[0])
-                               if "val_top1" in line] == [80.0, 83.0, 81.0]
+    (kept,) = os.listdir(tmp_path / "o" / "earlier")                  # the earlier experiment, whole
+    assert [json.loads(line).get("val_top1") for line in open(tmp_path / "o" / "earlier" / kept / "log.jsonl")
+            if "val_top1" in line] == [80.0, 83.0, 81.0]
 
 
 def test_a_resumed_run_names_what_changed_in_its_data_and_takes_an_explicit_default_split(tmp_path):

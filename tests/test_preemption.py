@@ -80,5 +80,5 @@ def test_a_signal_during_the_end_of_run_knn_ends_the_program_promptly(sig, tmp_p
     os.killpg(p.pid, getattr(signal, sig))
     out, err = p.communicate(timeout=60)
     assert time.time() - t < 10 and p.returncode == 0, (time.time() - t, err[-2000:])
-    assert f"stopped by {sig} after training" in out and "% at step 2" not in out       # the final k-NN cut short
+    assert f"stopped by {sig} in the k-NN evaluation" in out and "% at step 2" not in out   # the final one cut short
     assert C.load_checkpoint(str(tmp_path / "checkpoint.pth"), "can")["step"] == 2
