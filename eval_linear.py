@@ -289,7 +289,7 @@ class KNNMonitor:
             save(step)
         devices = [self.run.device] if self.run.device.type == "cuda" else []
         ctl, trained = self.run.control, self.run.control.trained
-        ctl.trained = self.run.ckpt if save is not None or trained else None     # read by the signal handler
+        ctl.trained = self.run.ckpt if save is not None else trained  # read by the signal handler
         try:
             with torch.random.fork_rng(devices=devices):            # the training draws stay as without it
                 was = self.encoder.training

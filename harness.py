@@ -213,6 +213,7 @@ def setup(args, method):
     out = args.output_dir = args.output_dir or os.path.join("runs", method)
     device_defaults(args, device)
     ckpt, tb = os.path.join(out, "checkpoint.pth"), None
+    resuming = bool(args.resume and os.path.isfile(ckpt))
     lock = claim_dir(out, "--output-dir") if is_main() else None     # held until this process ends
     if is_main():
         for tmp in glob.glob(glob.escape(ckpt) + ".tmp.*"):         # its writer is gone (it held the lock): a run
@@ -226,7 +227,6 @@ def setup(args, method):
         recipes = C.optional("recipes") if getattr(args, "preset", None) else None
         if recipes:                                                         # what the preset set, and why
             print(recipes.explain(type(args), args.preset, args))
-        resuming = args.resume and os.path.isfile(ckpt)
         moved = None if resuming else set_aside(out)                 # a run from step 0: the earlier run's files
         if moved:
             print(f"{out} held an earlier run's files ({', '.join(moved[1])}): moved to {moved[0]}; this run starts "
@@ -238,7 +238,7 @@ def setup(args, method):
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
                               ckpt=ckpt, guard=guard, control=Control(args, device, guard), tb=tb, data_wait=0.0,
-                              lock=lock, data={}, bad_images=None, resuming=bool(args.resume and os.path.isfile(ckpt)))
+                              lock=lock, data={}, bad_images=None, resuming=resuming)
 
 
 RUN_FILES = re.compile(r"checkpoint\.pth|log(\.[\d-]+)?\.jsonl|args\.json|tensorboard|features|visualize\.png"

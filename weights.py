@@ -58,12 +58,16 @@ class Attention(nn.Module):
             self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * rel_pos - 1) ** 2 + 3, heads))
             self.register_buffer("relative_position_index", relative_position_index(rel_pos), persistent=False)
 
+    def qkv_bias(self):
+        """The bias of the qkv projection: timm's one, BEiT's q and v with k at 0, or None."""
+        if hasattr(self, "q_bias"):
+            return torch.cat((self.q_bias, torch.zeros_like(self.v_bias), self.v_bias))
+        return self.qkv.bias
+
     def forward(self, x, bias=None):                                 # (B, T, D), bias (heads, T, T)
         B, T, D = x.shape
-        b = self.qkv.bias
-        if hasattr(self, "q_bias"):                                  # BEiT: no k bias
-            b = torch.cat((self.q_bias, torch.zeros_like(self.v_bias), self.v_bias))
-        q, k, v = F.linear(x, self.qkv.weight, b).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        qkv = F.linear(x, self.qkv.weight, self.qkv_bias())
+        q, k, v = qkv.view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
         if hasattr(self, "relative_position_bias_table"):
             bias = relative_bias(self.relative_position_bias_table, self.relative_position_index)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype).unsqueeze(0))
@@ -298,9 +302,10 @@ def read_weights(path, model=None):
     if os.path.isdir(path) or (os.path.basename(path) in EXPORT_FILES
                                and os.path.isfile(os.path.join(folder, "config.json"))):
         return "export", read_export(path)
-    obj = read_file(path)
-    if isinstance(obj, dict) and "method" in obj and "encoder" in obj:
-        return "ours", C.load_checkpoint(path)     # a run's checkpoint, a snapshot, a fine-tuned one
+    obj = read_file(path)                          # read once (a run's checkpoint holds its optimiser too)
+    if isinstance(obj, dict) and "method" in obj and "encoder" in obj:     # a run's, a snapshot, a fine-tuned one
+        obj["encoder"].pop("mask_token", None)     # as C.load_checkpoint: ConMIM's before its BEiT backbone
+        return "ours", obj
     return read_foreign(obj, path, model)
 
 

@@ -11,8 +11,7 @@ Rows, each image a column (the evaluation's resize and centre crop, at the run's
                          evaluated on it), or from the patches on average (the mean-token methods), over the image
 MSN and ConMIM reconstruct nothing (their objectives compare features): input and attention only. Any file
 weights.py reads (a --keep-every snapshot, an --export, the official MSN file, MAE-style, timm) gives input and
-attention. Pictures are written with
-PIL (common.save_image_grid); nothing else is needed. Prints the path.
+attention. Pictures are written with PIL (common.save_image_grid); nothing else is needed. Prints the path.
 """
 import argparse
 import dataclasses
@@ -41,10 +40,7 @@ def attention_weights(enc, x):
     enc(x)
     hook.remove()
     h, (B, T, D) = attn.heads, got["x"].shape
-    bias = attn.qkv.bias
-    if hasattr(attn, "q_bias"):                                            # BEiT: no k bias
-        bias = torch.cat((attn.q_bias, torch.zeros_like(attn.v_bias), attn.v_bias))
-    q, k, _ = F.linear(got["x"], attn.qkv.weight, bias).view(B, T, 3, h, D // h).permute(2, 0, 3, 1, 4)
+    q, k, _ = F.linear(got["x"], attn.qkv.weight, attn.qkv_bias()).view(B, T, 3, h, D // h).permute(2, 0, 3, 1, 4)
     logits = q @ k.transpose(-1, -2) / math.sqrt(D // h)                     # (B, h, T, T)
     if hasattr(attn, "relative_position_bias_table"):                      # BEiT, a table per block
         logits = logits + weights.relative_bias(attn.relative_position_bias_table, attn.relative_position_index)
