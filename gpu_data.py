@@ -124,10 +124,16 @@ class Store:
 
     def __init__(self, dataset, S, device, workers, seed, max_unreadable=1.0):
         loader = torch.utils.data.DataLoader(Decoded(dataset, S), batch_size=256, num_workers=workers)
-        pixels, sizes, labels = (torch.cat(t) for t in zip(*loader))
+        self.pixels = torch.empty(len(dataset), 3, S, S, dtype=torch.uint8, device=device)   # filled in place: the
+        self.sizes = torch.empty(len(dataset), 2, dtype=torch.long)   # host holds a batch, not the store (twice)
+        labels = torch.empty(len(dataset), dtype=torch.long)
+        for b, (pixels, sizes, label) in enumerate(loader):
+            rows = slice(b * 256, b * 256 + len(pixels))
+            self.pixels[rows] = pixels.to(device)
+            self.sizes[rows] = sizes
+            labels[rows] = label
         C.check_unreadable(dataset, len(dataset), 0, max_unreadable, final=True)
-        self.pixels, self.labels = pixels.to(device), labels.to(device)
-        self.sizes, self.S, self.seed, self.device, self.tables = sizes, S, seed, device, {}
+        self.labels, self.S, self.seed, self.device, self.tables = labels.to(device), S, seed, device, {}
         self.dataset = dataset
 
     def __len__(self):

@@ -382,13 +382,13 @@ def test_knn_monitor_is_the_evaluations_knn_on_the_folder(method, how, tmp_path,
     (ftr, ytr), (fva, yva) = feats("train"), feats("val")
     ref = E.knn(ftr, ytr, fva, yva, 3)
     seen = []
-    real = E.knn
-    monkeypatch.setattr(E, "knn", lambda *a, **kw: (seen.append(a), real(*a, **kw))[1])
+    real = E.sharded_knn
+    monkeypatch.setattr(E, "sharded_knn", lambda *a, **kw: (seen.append(a), real(*a, **kw))[1])
     monitor, records = knn_monitor(enc, data, 16, method)
     assert monitor(7) == pytest.approx(ref) and records == [{"step": 7, **{k: round(v, 3) for k, v in ref.items()}}]
-    [(gtr, gytr, gva, gyva, nc)] = seen                             # the very features, not only the top-1
+    [(gtr, gytr, n, gva, gyva, nc, _)] = seen                       # the very features, not only the top-1
     torch.testing.assert_close((gtr, gva), (ftr, fva))
-    assert gytr.tolist() == ytr.tolist() and gyva.tolist() == yva.tolist() and nc == 3
+    assert gytr.tolist() == ytr.tolist() and gyva.tolist() == yva.tolist() and nc == 3 and n == len(ytr)
 
 
 def test_linear_probe_feeds_the_head_standardised_features_and_scores_top1_top5(monkeypatch):
@@ -627,8 +627,8 @@ def test_a_test_folder_is_evaluated_where_there_is_no_val(tmp_path, monkeypatch)
     ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
     res = E.evaluate(E.Args(ckpt=ckpt, data=data, mode="knn", workers=0, k=3, cache=False))
     assert res["split"] == "test"
-    queries, real = [], E.knn
-    monkeypatch.setattr(E, "knn", lambda *a, **kw: (queries.append(len(a[2])), real(*a, **kw))[1])
+    queries, real = [], E.knn_neighbours                          # the evaluation's k-NN and the monitor's
+    monkeypatch.setattr(E, "knn_neighbours", lambda *a, **kw: (queries.append(len(a[1])), real(*a, **kw))[1])
     from helpers import knn_monitor
     knn_monitor(W.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2), data, 16)[0](1)
     assert queries == [9]                                         # the monitor queries test/'s 9 images
@@ -703,3 +703,51 @@ def test_a_rank_left_without_an_image_still_takes_part_in_the_monitors_gather(tm
     monkeypatch.setattr(C, "all_gather", lambda t, grad=False: gathered.append(t) or torch.cat([t, t]))
     feats, labels = E.sharded_features(enc, one, 16, "mean", torch.device("cpu"))
     assert feats.shape == (1, 32) and labels.shape == (1,) and gathered[0].shape == (1, 32)
+
+
+def _monitor_score(rank, world, data, state):
+    from helpers import knn_monitor
+    enc = W.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2)
+    enc.load_state_dict(state)
+    gathered = []
+    real = C.all_gather
+    C.all_gather = lambda t, grad=True: gathered.append(tuple(t.shape)) or real(t, grad)
+    return knn_monitor(enc, data, 16)[0](3), gathered
+
+
+def test_the_monitors_score_in_two_processes_is_the_one_process_score_and_the_bank_is_never_gathered(tmp_path):
+    """The k-NN monitor in 2 gloo processes: each scores its half of the bank (9 of 18 train images, fewer than k 20:
+    padded) against every query and the candidates are merged: the same top-1 / top-5 as one process and as
+    eval_linear's k-NN; what crosses between processes is the queries and (n_val, k) candidates, never the bank
+    (ImageNet at width 768 gathered to every rank: 4 GB each)."""
+    from ddp import spawn
+    from helpers import knn_monitor
+    data = tiny_folder(tmp_path / "d")                              # 18 train, 9 val images, 3 classes
+    torch.manual_seed(0)
+    enc = W.ViT(img_size=16, patch_size=4, dim=32, depth=1, heads=2)
+    one = knn_monitor(enc, data, 16)[0](3)
+    (r0, g0), (r1, g1) = spawn(_monitor_score, data, enc.state_dict())
+    assert r0 == pytest.approx(one) and r1 is None and 0 < one["knn_top1"] < 100
+    assert g0 == g1 == [(5, 32), (5,), (9, 20), (9, 20)]         # val's share (5 of 9), then 9 x k candidates
+
+
+def _sharded_votes(rank, world, bank, labels, queries):
+    votes = []
+    real = E.knn_votes
+    E.knn_votes = lambda *a, **kw: votes.append(real(*a, **kw)) or votes[-1]
+    E.sharded_knn(bank[rank::world], labels[rank::world], len(bank), queries, torch.zeros(len(queries), dtype=int), 6,
+                  torch.device("cpu"))
+    return votes[0]
+
+
+@pytest.mark.parametrize("n_bank", [60, 30, 7])
+def test_sharded_knn_votes_equal_one_process_votes(n_bank):
+    """sharded_knn's class scores in 2 processes, each with its strided half of the bank, equal knn_predict's on the
+    whole bank: a share of 30 (above k 20), of 15 (below: padded, the padding never kept) and a bank of 7 (below k)."""
+    from ddp import spawn
+    g = torch.Generator().manual_seed(n_bank)
+    bank, queries = torch.randn(n_bank, 8, generator=g), torch.randn(40, 8, generator=g)
+    labels = torch.randint(0, 6, (n_bank,), generator=g)
+    one = E.knn_predict(F.normalize(bank, dim=1), labels, F.normalize(queries, dim=1), 6)
+    v0, v1 = spawn(_sharded_votes, bank, labels, queries)
+    torch.testing.assert_close(v0, one), torch.testing.assert_close(v1, one)

@@ -613,13 +613,13 @@ def test_a_stop_signal_in_a_k_nn_evaluation_ends_the_run_at_once_with_that_steps
     code = ("import os, signal, time, can, eval_linear as E, harness as H, synthetic as S\n"
             "few = S.SyntheticImages                      # 24 + 8 images: the evaluations take no time\n"
             "S.SyntheticImages = lambda split='train', **kw: few(split, n=24 if split == 'train' else 8)\n"
-            "real, n = E.sharded_features, [0]\n"
+            "real, n = E.share_features, [0]\n"
             "def slow(*a, **k):\n"
             "    n[0] += 1\n"
             "    if n[0] == 3:                                # step 1's evaluation (step 0's: calls 1 and 2)\n"
             "        os.kill(os.getpid(), signal.SIGTERM); time.sleep(60)\n"
             "    return real(*a, **k)\n"
-            "E.sharded_features = slow\n"
+            "E.share_features = slow\n"
             "H.main(can.train, can.Args)")
     t = time.time()
     r = run_cli("-c", code, *CAN_CLI[1:], "--data", "synthetic", "--eval-every", "1", "--epochs", "2",

@@ -292,8 +292,8 @@ def test_the_knn_monitor_reads_the_encoder_the_checkpoint_exports(method, how, t
     import eval_linear
     mod, args, _ = CASES[method]
     seen = []
-    real = eval_linear.sharded_features
-    monkeypatch.setattr(eval_linear, "sharded_features", lambda enc, ds, size, pool, *a, **kw: (seen.append(
+    real = eval_linear.share_features
+    monkeypatch.setattr(eval_linear, "share_features", lambda enc, ds, size, pool, *a, **kw: (seen.append(
         (pool, {k: v.clone() for k, v in C.unwrap(enc).state_dict().items()}, H.Control.current.trained)),
         real(enc, ds, size, pool, *a, **kw))[1])
     monkeypatch.setattr(eval_linear, "splits", lambda *a, **kw: (S.SyntheticImages("train", n=40),
