@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_check.sh cuda-eager cuda-compiled       # call 2: tests/test_cuda.py, eager tests first
 #   bash benchmarks/gpu_check.sh realstep aug                   # call 3 (or later windows: tests, cifar, step, ...)
 #   bash benchmarks/gpu_check.sh datapath                       # one call: the data path (gpu_data.py, the probe)
+#   bash benchmarks/gpu_check.sh recipe                         # one call: the official recipes' step vs ideal
 #   probe      benchmarks/loop_probe.py on CIFAR-10 at --preset gpu: the step with and without the loop's colour
 #              augmentation, the augmentation per view / per size / compiled (at 32 px and at 224 / 96 px), the
 #              real loop resident / with its workers / on a fixed batch, aten ops and host syncs per step, the GPU's
@@ -16,6 +17,11 @@
 #              (the step with and without the augmentation; the GPU's busy time by its kernels alone); CMAE
 #              compiled; CAN's CIFAR-10 k-NN after MINUTES (default 2) of the resident preset; the worker count swept
 #              for CAN; MSN's augmentation at 224 px; aten ops per step (cap 580)
+#   recipe     the official recipes' step (224 px, bf16, batch = micro-batch), decisive items first, each capped: MSN
+#              ViT-S compiled at 512 with its kernels by class (GEMM / attention / norm / casts / elementwise); CAN's
+#              gradient-cache step (micro-batch 128 of 512, eager) before (c898b5c: its embedding pass ran the decoder)
+#              and after; ConMIM ViT-B compiled with its kernels (which SDPA kernel runs BEiT's bias, gradient and
+#              all); CMAE, CAN, SiamMAE compiled; MFU (model) is the fraction of ideal (cap 500)
 #   cuda-eager     tests/test_cuda.py without the tests that compile (cap 120)
 #   cuda-compiled  tests/test_cuda.py's compiling tests: compiled step and augmentation, the sync-free steps (cap 300)
 #   realstep   throughput.py --preset gpu --gpu-aug: the step WITH the loop's augmentation that the cifar part's
@@ -37,12 +43,12 @@
 # (tests/test_benchmarks.py runs it). PYTHON picks the interpreter. Numbers go to BENCHMARKS.md and docs/RESULTS.md
 # with the device line each log starts with.
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: bash benchmarks/gpu_check.sh PART [PART ...] (datapath probe cuda-eager cuda-compiled realstep aug tests cifar step compiled data e2e e2e-rest)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: bash benchmarks/gpu_check.sh PART [PART ...] (datapath recipe probe cuda-eager cuda-compiled realstep aug tests cifar step compiled data e2e e2e-rest)" >&2; exit 2; }
 out=${OUT:-gpu_check_out}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-declare -A CAP=([datapath]=580 [probe]=420 [cuda-eager]=120 [cuda-compiled]=300 [realstep]=240 [aug]=150 [tests]=400 [cifar]=560
+declare -A CAP=([datapath]=580 [recipe]=500 [probe]=420 [cuda-eager]=120 [cuda-compiled]=300 [realstep]=240 [aug]=150 [tests]=400 [cifar]=560
                 [step]=540 [compiled]=540 [data]=540 [e2e]=540 [e2e-rest]=540)
 
 if [ "${1}" != _one ]; then                      # each part under its own cap, then a summary line per part
@@ -66,6 +72,7 @@ if [ -n "${SMALL:-}" ]; then            # dry run: model, micro-batches (msn cma
     PB=8; CIFAR_FLAGS=(--small --workers 0); COMPILED=(); PM=(all)   # eager only (a CPU compile takes minutes), one process
     PROBE=(--small --methods cmae --sections step loop syncs)
     LP=(benchmarks/loop_probe.py --small); M4=(cmae); WS=(0); CV=(fixed); ITEM=(90 30 10 60 0 0 60)   # 0: the
+    RI=(60 60 60 0 0 0); RS=(--warmup 1 --steps 1 --profile 1)   # recipe: caps (0: realstep's dry run has them)
     # other parts' dry runs cover it (cifar: gpu_cifar.py; the loop's workers rows)
 else                                    # the recipes (README) and their default micro-batches
     S=small; B=base; MB=(512 512 512 256 512); STEPS=(); E2E=(--n-images 1024 --workers 15); DATA=(--workers 15)
@@ -73,6 +80,7 @@ else                                    # the recipes (README) and their default
     PROBE=(--workers 15)
     LP=(benchmarks/loop_probe.py --workers 15 --warm 8 --steps 40)             # + --data (the unpacked folder)
     M4=(msn cmae conmim can); WS=(4 8 15); CV=(compiled); ITEM=(220 90 70 80 110 40 40)
+    RI=(100 70 100 80 80 60); RS=(--warmup 10 --steps 20 --profile 3)
 fi
 dev=$($py -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 {
@@ -125,6 +133,20 @@ case $part in
         item "${ITEM[4]}" $py benchmarks/gpu_cifar.py --data "$data" --out "$out" --methods can "${CIFAR_FLAGS[@]}"
         item "${ITEM[5]}" $py "${LP[@]}" --sections loop --methods can --variants workers --workers "${WS[@]}"
         item "${ITEM[6]}" $py "${LP[@]}" --sections aug ops --methods "${M4[-1]}" ;;
+    recipe)                            # each item under its own cap (RI), the decisive ones first
+        item() { local cap=$1; shift; [ "$cap" = 0 ] && return; say timeout -k 5 "$cap" "$@" || echo "item rc $? (cap $cap s)" | tee -a "$log"; }
+        tp=(benchmarks/throughput.py "${COMPILED[@]}" "${RS[@]}")
+        item "${RI[0]}" $py "${tp[@]}" --method msn --model $S --batch-size "${MB[0]}"
+        before=$(mktemp -d)                # c898b5c: CAN's embedding pass before issue 93 (it ran the decoder)
+        cached=(--method can --model $B --batch-size "${MB[0]}" --micro-batch "$(( ${MB[0]} / 4 ))" "${STEPS[@]}")
+        if git archive c898b5c '*.py' | tar -x -C "$before"; then
+            item "$(( ${RI[1]} / 2 ))" $py "$before/benchmarks/throughput.py" "${cached[@]}"
+        else echo "no git history here: CAN's step before c898b5c not timed" | tee -a "$log"; fi
+        item "$(( ${RI[1]} / 2 ))" $py benchmarks/throughput.py "${cached[@]}"
+        item "${RI[2]}" $py "${tp[@]}" --method conmim --model $B --batch-size "${MB[2]}"
+        item "${RI[3]}" $py "${tp[@]}" --method cmae --model $B --batch-size "${MB[1]}" --profile 0
+        item "${RI[4]}" $py "${tp[@]}" --method can --model $B --batch-size "${MB[3]}" --profile 0
+        item "${RI[5]}" $py "${tp[@]}" --method siammae --model $S --batch-size "${MB[4]}" --profile 0 ;;
     cifar)
         data=$(cifar_data) || { echo "no CIFAR-10 folder" | tee -a "$log"; exit 1; }
         echo "data: $data ($(find "$data/train" -type f | wc -l) train images)" | tee -a "$log"

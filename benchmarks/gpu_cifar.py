@@ -118,6 +118,22 @@ def curve(a, images, method, log, run_dir, batch):
     return points, knn(a, images, ckpt, online=True) if method in ("msn", "conmim") else None
 
 
+def record(method, log, points, online, seconds, total, args, capped):
+    """A method's entry of gpu_cifar.json: its k-NN curve (init: the run's initial encoder, step 0), steps, speed
+    (the run's and the loop's median per log line), losses at the start and the end, the online encoder's k-NN."""
+    steps = points[-1][0] // args.batch_size
+    r = {"label": LABEL[method], "knn": points, "init": points[0][1], "steps": steps, "planned_steps": total,
+         "batch_size": args.batch_size, "model": args.model, "train_seconds": round(seconds, 1),
+         "images_per_second": round(steps * args.batch_size / max(seconds, 1e-9)), "capped": capped}
+    train = [x for x in log if "loss" in x]                          # the training records (not the monitor's)
+    steady = sorted(x["img_s"] for x in train if x["step"] > 1) or [0]          # the loop's own rate per log line
+    r |= {"logged_img_s": steady[len(steady) // 2], "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"],
+          "data_wait": sorted(x["data_wait"] for x in train)[len(train) // 2]}
+    if online is not None:
+        r["online"] = {"knn_top1": online}
+    return r
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", required=True, help="CIFAR-10 as class folders: train/ and test/ (or val/)")
@@ -150,17 +166,7 @@ def main():
         log, seconds, total, args, capped = train_watched(m, a, os.path.join(runs, m))
         shutil.copyfile(os.path.join(runs, m, "log.jsonl"), os.path.join(a.out, f"{m}.log.jsonl"))
         points, online = curve(a, images, m, log, os.path.join(runs, m), args.batch_size)
-        steps = points[-1][0] // args.batch_size
-        r = {"label": LABEL[m], "knn": points, "init": points[0][1], "steps": steps, "planned_steps": total,
-             "batch_size": args.batch_size, "model": args.model, "train_seconds": round(seconds, 1),
-             "images_per_second": round(steps * args.batch_size / max(seconds, 1e-9)), "capped": capped}
-        train = [x for x in log if "loss" in x]                      # the training records (not the monitor's)
-        steady = sorted(x["img_s"] for x in train if x["step"] > 1) or [0]     # the loop's own rate per log line
-        r |= {"logged_img_s": steady[len(steady) // 2], "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"],
-              "data_wait": sorted(x["data_wait"] for x in train)[len(train) // 2]}
-        if online is not None:
-            r["online"] = {"knn_top1": online}
-        res["methods"][m] = r
+        r = res["methods"][m] = record(m, log, points, online, seconds, total, args, capped)
         rows.append(m)
         print(f"{m}: {r['steps']}/{total} steps in {seconds:.0f} s of training, {time.time() - t0:.0f} s with the "
               f"evaluations", flush=True)

@@ -197,6 +197,50 @@ def setup(method, a, dev):
     return step, B, flops, flops + (extra if micro < B else 0)
 
 
+KERNEL_CLASSES = [("attention", r"flash|fmha|attention|sdpa|scaled_dot"),          # first: fmha names hold "cutlass"
+                  ("GEMM", r"gemm|xmma|cutlass|nvjet|::mm$|addmm|bmm|matmul|triton_tem"),
+                  ("norm", r"norm"),                                   # a fused norm with its casts is a norm
+                  ("casts", r"to_copy|convert|cast|copy")]            # everything else: elementwise (and reductions)
+
+
+def kernel_class(name):
+    """GEMM / attention / norm / casts / elementwise of a CUDA kernel's (or, on CPU, an aten op's) name."""
+    import re
+    return next((c for c, pattern in KERNEL_CLASSES if re.search(pattern, name)), "elementwise")
+
+
+def kernel_profile(step, steps, dev):
+    """torch.profiler over `steps` calls of step(): {class: (ms per step, {name: ms per step})} of the device's
+    kernels on CUDA (their own intervals), of the aten ops' self time on CPU (the dry run)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    cuda = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    out = {}
+    for e in prof.events():
+        if cuda and (e.device_type != DeviceType.CUDA or e.is_user_annotation):
+            continue
+        if not cuda and (e.device_type != DeviceType.CPU or not e.name.startswith("aten::")):
+            continue
+        ms = (e.time_range.elapsed_us() if cuda else e.self_cpu_time_total) / 1000 / steps
+        total, names = out.setdefault(kernel_class(e.name), [0.0, {}])
+        out[kernel_class(e.name)][0] = total + ms
+        names[e.name] = names.get(e.name, 0.0) + ms
+    return out
+
+
+def print_profile(classes):
+    whole = sum(ms for ms, _ in classes.values()) or 1.0
+    print("| kernel class | ms / step | share | top kernels (ms / step) |\n|---|---|---|---|")
+    for c, (ms, names) in sorted(classes.items(), key=lambda kv: -kv[1][0]):
+        top = sorted(names.items(), key=lambda kv: -kv[1])[:3]
+        print(f"| {c} | {ms:.2f} | {ms / whole:.2f} | " + "; ".join(f"{n[:60]} ({t:.2f})" for n, t in top) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="all", help="msn|cmae|conmim|can|siammae|all")
@@ -213,6 +257,8 @@ def main():
                                                            "train() runs it) in the step (not siammae: it has none)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile", type=int, default=0, help="then N steps under torch.profiler: time per kernel "
+                                                                "class (GEMM, attention, norm, casts, elementwise)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100 SXM: 989)")
     ap.add_argument("--device", default=None)
     a = ap.parse_args()
@@ -229,6 +275,7 @@ def main():
     print("| method | img/s (pairs/s siammae) | step ms | peak mem GB | model TFLOP/step | MFU (model) | hardware "
           "TFLOP/step | HFU |")
     print("|---|---|---|---|---|---|---|---|")
+    profiles = {}
     for m in methods:
         if a.preset and a.preset not in recipes.presets(importlib.import_module(m).Args):
             print(f"| {m} | no --preset {a.preset} | | | | | | |")
@@ -250,6 +297,11 @@ def main():
         use = [f"{100 * f / dt / (a.peak_tflops * 1e12):.1f}%" if dev.type == "cuda" else "n/a" for f in (flops, hw)]
         print(f"| {m} | {n / dt:.1f} | {1000 * dt:.0f} | {mem} | {flops / 1e12:.3f} | {use[0]} | {hw / 1e12:.3f} | "
               f"{use[1]} |", flush=True)
+        if a.profile:
+            profiles[m] = kernel_profile(step, a.profile, dev)
+    for m, classes in profiles.items():
+        print(f"\n{m}: {a.profile} steps by kernel class ({'CUDA kernels' if dev.type == 'cuda' else 'CPU aten ops'})")
+        print_profile(classes)
 
 
 if __name__ == "__main__":

@@ -128,12 +128,13 @@ def test_the_data_benchmark_times_the_same_views_for_ours_and_the_official_recip
 def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     """SMALL=1 benchmarks/gpu_check.sh: the real-data tier on a generated fixture (packed as a .tar.gz, unpacked
     as on the GPU host), each image method's --preset gpu trained with its k-NN monitor, and the step of that
-    preset, with the loop's augmentation; the augmentation against a git revision; the data path's items (the loop
+    preset, with the loop's augmentation; the recipe part (MSN's and ConMIM's step by kernel class, CAN's cached
+    step at c898b5c and now); the augmentation against a git revision; the data path's items (the loop
     probe's sections, each with its table, none cut at its cap); every part under its cap (cuda-* and tests only
     run pytest; probe runs the loop probe's sections as datapath does). A GPU call can then fail for GPU reasons
     only."""
     out = tmp_path / "out"
-    parts = ["datapath", "realstep", "aug", "cifar"]  # the calls' other parts run pytest or the probe's sections
+    parts = ["datapath", "recipe", "realstep", "aug", "cifar"]   # the calls' other parts run pytest or the probe
     r = subprocess.run(["bash", "benchmarks/gpu_check.sh", *parts], cwd=ROOT, capture_output=True,
                        text=True, timeout=600, env={**os.environ, "SMALL": "1", "OUT": str(out),
                                                     "PYTHON": sys.executable})
@@ -148,6 +149,9 @@ def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
         assert (out / f"{m}.log.jsonl").exists(), m                                          # the run's log kept
         assert run["init"] == run["knn"][0][1] and ("online" in run) == (m in ("msn", "conmim")), m
     assert "| CAN (online) | 3 x 8 |" in (out / "cifar.log").read_text()
+    recipe = (out / "recipe.log").read_text()
+    assert "item rc" not in recipe and recipe.count("| attention | ") == 2, recipe[-2000:]     # MSN's, ConMIM's
+    assert recipe.count("| can | ") == 2 and "/benchmarks/throughput.py --method can" in recipe    # before, after
     rows = [ln for ln in (out / "realstep.log").read_text().splitlines() if ln.startswith("| ") and "img/s" not in ln]
     assert [ln.split("|")[1].strip() for ln in rows] == ["msn", "cmae", "conmim", "can", "siammae"]   # eager only
     assert "no --preset gpu" in rows[-1] and all(float(r.split("|")[2]) > 0 for r in rows[:4])
@@ -228,6 +232,24 @@ def test_the_gpu_tiers_curve_is_its_runs_monitor_and_online_is_the_online_networ
     assert points == [[0, 30.0], [40, 40.0], [72, 50.0]]
 
 
+def test_the_gpu_tiers_record_takes_init_from_the_first_point_and_the_rest_from_the_run():
+    """gpu_cifar.record: init is the step-0 score (the run's initial encoder), the end the last point, speed from the
+    steps the curve reached, losses from the training records only (a slip reading the end's score as init passed
+    the dry run, whose nano encoders score alike before and after 3 steps)."""
+    import gpu_cifar
+    log = [{"step": 0, "knn_top1": 30.0}, {"step": 1, "loss": 2.0, "img_s": 5.0, "data_wait": 0.1},
+           {"step": 2, "loss": 1.5, "img_s": 9.0, "data_wait": 0.3}, {"step": 3, "loss": 1.0, "img_s": 7.0,
+                                                                         "data_wait": 0.2},
+           {"step": 3, "knn_top1": 45.0}]
+    args = argparse.Namespace(batch_size=8, model="nano")
+    r = gpu_cifar.record("can", log, [[0, 30.0], [24, 45.0]], None, 12.0, 4, args, True)
+    assert (r["init"], r["knn"][-1][1], r["steps"], r["planned_steps"], r["capped"]) == (30.0, 45.0, 3, 4, True)
+    assert (r["images_per_second"], r["logged_img_s"], r["first_loss"], r["last_loss"], r["data_wait"]) == (
+        2, 9.0, 2.0, 1.0, 0.2) and "online" not in r
+    assert gpu_cifar.record("msn", log, [[0, 30.0], [24, 45.0]], 40.0, 12.0, 4, args, False)["online"] == {
+        "knn_top1": 40.0}
+
+
 def test_the_revision_compared_against_can_be_imported_by_name(capsys):
     """--aug-against REV --compile: torch.compile (2.11, on an H100) re-imports the module of a function it traces by
     name, and the old gpu_aug.py, executed from `git show`, was not importable: gpu_check.sh aug failed at 2ec86d5
@@ -239,10 +261,32 @@ def test_the_revision_compared_against_can_be_imported_by_name(capsys):
     assert callable(importlib.import_module("gpu_aug_old").color_augmenter)
 
 
+def test_the_recipe_profiles_kernel_classes():
+    """throughput.py --profile's classes, on kernel names a compiled H100 / H200 step runs (cuBLAS, CUTLASS, the SDPA
+    kernels, Triton's fused ones) and on the CPU's aten ops: a fused norm with its casts is a norm, a flash kernel
+    is attention although its name holds "cutlass"; the classes sum to the step on CPU."""
+    import throughput as T
+    names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "GEMM", "nvjet_hsh_128x256_64x4": "GEMM",
+             "triton_tem_fused_mm_0": "GEMM", "aten::addmm": "GEMM", "aten::mm": "GEMM",
+             "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>": "attention",
+             "fmha_cutlassB_bf16_aligned_64x64_k64_sm80": "attention",
+             "aten::_efficient_attention_backward": "attention",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_fprop": "attention",
+             "triton_per_fused__to_copy_native_layer_norm_1": "norm", "aten::native_batch_norm_backward": "norm",
+             "triton_poi_fused__to_copy_2": "casts", "aten::copy_": "casts",
+             "triton_poi_fused_add_gelu_3": "elementwise",
+             "void at::native::vectorized_elementwise_kernel<4>": "elementwise",
+             "aten::lerp_": "elementwise"}
+    assert {n: T.kernel_class(n) for n in names} == names
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    classes = T.kernel_profile(lambda: model(torch.randn(4, 8)).sum().backward(), 2, torch.device("cpu"))
+    assert {"GEMM", "norm"} <= set(classes) and all(ms >= 0 for ms, _ in classes.values())
+
+
 def test_the_probes_gpu_busy_counts_each_kernel_once():
     """loop_probe's busy time is the union of the device events' intervals: not the CPU op that launched a kernel
     (the profiler charges the kernel's time to it too: a sum counted it twice), not a user annotation, two
-    overlapping kernels (streams) once together."""
+    overlapping kernels (streams) once together, whatever the order the profiler lists them in."""
     import loop_probe as P
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent as E
@@ -250,6 +294,7 @@ def test_the_probes_gpu_busy_counts_each_kernel_once():
     events = [E(0, "aten::mm", 1, 0, 100), E(1, "gemm", 1, 10, 60, **cuda), E(2, "add", 1, 50, 80, **cuda),
               E(3, "## step ##", 1, 0, 500, is_user_annotation=True, **cuda), E(4, "copy", 1, 100, 110, **cuda)]
     assert P.busy_ms(P.device_intervals(events)) == pytest.approx((70 + 10) / 1000)
+    assert P.busy_ms(P.device_intervals(events[::-1])) == pytest.approx((70 + 10) / 1000)   # in any order
     assert P.busy_ms([]) == 0
 
 

@@ -108,6 +108,24 @@ def store(root, S=24, seed=0, max_unreadable=1.0):
     return G.Store(ds, S, torch.device("cpu"), 0, seed, max_unreadable)
 
 
+def test_a_non_square_images_boxes_are_drawn_in_its_own_height_and_width(folder):
+    """The store's boxes of the 20x30 and 31x17 images, scaled back to each image's own pixels: inside it, reaching
+    its bottom and right edges, centred on average, the crop's aspect in the law's range (a slip swapping height
+    and width passed every test: the boxes of a wide image were drawn in a tall one)."""
+    st = store(folder)
+    boxes, _ = st.draw(0, 0, 200, (0.08, 1.0))                                  # (N, 200, 4) in store pixels
+    own = boxes.double() * torch.cat([st.sizes / st.S, st.sizes / st.S], 1)[:, None, :].double()
+    for H, W in ((20, 30), (31, 17)):
+        b = own[(st.sizes == torch.tensor([H, W])).all(1)].reshape(-1, 4)
+        top, left, h, w = b.unbind(-1)
+        assert len(b) and (top >= -1e-6).all() and (left >= -1e-6).all()
+        assert (top + h <= H + 1e-4).all() and (left + w <= W + 1e-4).all() and (top + h).max() > H - 0.5
+        assert (left + w).max() > W - 0.5
+        assert abs(float(((top + h / 2) / H).mean()) - 0.5) < 0.05
+        assert abs(float(((left + w / 2) / W).mean()) - 0.5) < 0.05
+        assert (torch.log(w / h).abs() <= math.log(4 / 3) + 0.2).float().mean() > 0.9
+
+
 @pytest.mark.parametrize("method", ["msn", "cmae", "conmim", "can"])
 def test_the_ops_of_a_batch_do_not_grow_with_its_size(method, folder, tmp_path):
     """Each method's resident views of a batch of 4 and of 16 images dispatch the same number of ops (a GPU's
@@ -148,6 +166,24 @@ def test_the_order_is_the_cpu_samplers_mid_epoch_and_in_each_of_two_processes(fo
     for got, cpu in ranks:
         assert got == cpu and len(got) == 3 * 4
     assert not {i for i, _ in ranks[0][0][:4]} & {i for i, _ in ranks[1][0][:4]}    # the shares differ
+
+
+def _resident_step_images(rank, world, root, out):
+    """In a 2-process gloo group: the clean views CAN's first resident step gets on this rank."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    got, real = [], can.train_step
+    can.train_step = lambda net, x, *a, **kw: (got.append(x.clone()), real(net, x, *a, **kw))[1]
+    can.train(can_args(out, data=root, img_size=16, resident=24, gpu_aug=True, batch_size=8, epochs=1,
+                       steps_per_epoch=1, device="cpu"))
+    return got[0]
+
+
+def test_two_resident_processes_each_train_their_share_of_the_global_batch(folder, tmp_path):
+    """--resident in 2 processes, --batch-size 8 (global): each step gets 4 images of its own (the loader batching
+    the global batch on every process trained 16 images a step: a slip no test caught)."""
+    x0, x1 = spawn(_resident_step_images, folder, str(tmp_path))
+    assert x0.shape[:2] == x1.shape[:2] == (2, 4)                               # (views, this process's images)
+    assert not any(torch.equal(a, b) for a in x0[0] for b in x1[0])
 
 
 def test_a_view_is_a_function_of_seed_epoch_image_and_view_alone(folder, tmp_path):

@@ -288,3 +288,31 @@ def test_embed_reads_every_image_under_the_folder_whatever_its_sub_folders(tmp_p
                             output=str(tmp_path / "out"), workers=0))
     assert res["images"] == 4
     assert open(tmp_path / "out" / "files.txt").read().split() == ["0.png", "1.png", "2.png", "edited/x.png"]
+
+
+@pytest.mark.parametrize("method", ["cmae", "can"])
+def test_visualizes_reconstruction_row_is_the_decoders_prediction_at_the_masked_patches(method, tmp_path):
+    """reconstruct(): the masked input is the input at the visible patches and zero at the masked ones; the
+    reconstruction is the input at the visible patches and the decoder's prediction (back in pixels) at the masked
+    ones, drawn with the run's mask ratio (a slip drawing the input there passed every test)."""
+    vis = _visualize()
+    mod, args, _ = CASES[method]
+    a = args(tmp_path)
+    torch.manual_seed(0)
+    net = (mod.CMAE(a) if method == "cmae" else mod.CAN(a)).eval()
+    x = torch.randn(2, 3, a.img_size, a.img_size)
+    masked, recon = vis.reconstruct(mod, a, net, x, seed=5)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        keep, restore, mask = mod.random_masking(len(x), a.img_size // a.patch_size, a.mask_ratio,
+                                                 *([a.mask_unit] if method == "cmae" else []))
+    with torch.no_grad():
+        pred = net(x, keep, restore)[0] if method == "cmae" else net(x, torch.zeros(2), keep, restore)[0]
+    px, recon, masked = mod.patchify(x, a.patch_size), mod.patchify(recon, a.patch_size), mod.patchify(masked,
+                                                                                                       a.patch_size)
+    if method == "cmae" or a.norm_pix:
+        pred = mod.unnorm_pix(pred, px)
+    m = mask.bool()
+    assert m.float().mean() == pytest.approx(a.mask_ratio, abs=0.2) and m.any() and (~m).any()
+    assert torch.equal(masked[~m], px[~m]) and not masked[m].any()
+    assert torch.equal(recon[~m], px[~m]) and torch.equal(recon[m], pred[m]) and not torch.allclose(recon[m], px[m])
