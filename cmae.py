@@ -126,15 +126,8 @@ class Args(H.RunArgs):
     eval_every: int = H.arg(0, "also the k-NN every N steps (0 = off), against val/ (else test/) "
                             "or the --holdout images", group="run control", min=0)
 
-    # Small recipes: the official recipe above scaled by recipes.scale_recipe's short-run rules (lr per image x
-    # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
-    # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
-    # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
-    # <= ~45 min alone on 2 CPU cores) or the sweep's (lr_factor; docs/RESULTS.md). `--preset small`: 32-px
-    # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
-    # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
-    # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs),
-    # the images decoded once on the GPU and the views cut there (--resident 32, gpu_data.py).
+    # Small recipes: the official one above by recipes.scale_recipe's rules; the values here are the budget's or
+    # the held-out sweep's (lr_factor). Each value's reason: docs/RESULTS.md.
     PRESETS = {"small": dict(lr_factor=4, model="micro", patch_size=4, img_size=32, epochs=9,
                              batch_size=256, decoder_dim=128, decoder_depth=2, decoder_heads=4,
                              feature_decoder_depth=1, proj_hidden=512, workers=2, log_every=20),

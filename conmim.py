@@ -146,18 +146,8 @@ class Args(H.RunArgs):
 
     # --data synthetic: batch 32 x 800 steps (k-NN 23.1% vs 16.7% at init) learned more than 64 x 400
     # (19.1%) in the same ~4.5 min; at EMA 0.996 the teacher would stay near its init in so few steps.
-    # Small recipes: the official recipe above scaled by recipes.scale_recipe's short-run rules (lr per image x
-    # the preset's lr_factor, which scripts/lr_sweep.py chose on 5,000 held-out training images; warm-up the same
-    # share of the run; EMA horizon <= 2% of the run; batch-coupled counts in their official ratio to the batch;
-    # view and mask geometry x img / 224); the values written here are the budget's (model, heads, batch, epochs:
-    # <= ~45 min alone on 2 CPU cores) or the sweep's (lr_factor; docs/RESULTS.md). `--preset small`: 32-px
-    # images (CIFAR-10); `--data synthetic` applies SYNTHETIC the same way (factor 1: no sweep for it).
-    # `--preset gpu`: the same 32-px recipe on one GPU (benchmarks/gpu_check.sh cifar, ~2 min of an H100): the same
-    # rules and lr_factor, only the budget's values change (ViT-Tiny, batch 512 in one forward, more epochs),
-    # the images decoded once on the GPU and the views cut there (--resident 32, gpu_data.py).
-    # Sweep (held-out k-NN): x1 28.5, x4 28.0; in those 350-step runs the InfoNCE stays at or above chance, the
-    # whole preset's leaves it after ~500 steps. rel_pos_lr (the rule for that symmetric start, docs/RESULTS.md):
-    # x300 breaks it within ~40 steps where x30 had not after 40 (held-out 150-step probes).
+    # Small recipes: the official one above by recipes.scale_recipe's rules; the values here are the budget's or
+    # the held-out sweep's (lr_factor). Each value's reason: docs/RESULTS.md.
     PRESETS = {"small": dict(lr_factor=1, rel_pos_lr=300, model="micro", patch_size=4, img_size=32,
                              epochs=6, batch_size=256, proj_hidden=512, workers=2, log_every=20),
                "gpu": dict(lr_factor=1, rel_pos_lr=300, model="tiny", patch_size=4, img_size=32,

@@ -99,10 +99,8 @@ class Args(H.RunArgs):
     probe_every: int = H.arg(200, "steps between f1 probes (how much the decoder reads f1; 0 = "
                              "off), and at the end", group="run control", min=0)
 
-    # Small recipes (recipes.scale_recipe's rules, the lr_factor swept on held-out train videos, the rest the budget's
-    # or the data's; docs/RESULTS.md). `--preset davis`: DAVIS-2016's 30 train videos, 2 CPU cores, ~20 min: lr 1e-3
-    # (x213: at x1 the decoder never reads f1), gaps 8..48 (the median motion above one patch). --data synthetic:
-    # the clips' native 64 px (what eval_video scores), nano, ~5 min.
+    # Small recipes: the official one above by recipes.scale_recipe's rules; the values here are the budget's or
+    # the held-out sweep's (lr_factor). Each value's reason: docs/RESULTS.md.
     PRESETS = {"davis": dict(lr_factor=213.33, model="nano", patch_size=4, img_size=64, epochs=2000,
                              batch_size=8, decoder_dim=64, decoder_depth=2, decoder_heads=4,
                              gap=(8, 48), workers=2, log_every=20)}
