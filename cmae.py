@@ -562,11 +562,11 @@ def loader_and_views(args, run, dataset, per):
     --gpu-aug (compiled on CUDA), else in the PIL workers. --resident: the views cut on the device
     from the images decoded there once (gpu_data.py), no workers."""
     if args.resident:
-        G = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
-        loader = G.loader(dataset, args, run, per, resident_views(args))
+        gpu_data = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
+        loader = gpu_data.loader(dataset, args, run, per, resident_views(args))
     else:
-        views = C.Views(dataset, PixelShiftViews(args, color=not args.gpu_aug), args.seed)
-        loader = C.make_loader(views, per, args.workers, args.seed)
+        viewed = C.Views(dataset, PixelShiftViews(args, color=not args.gpu_aug), args.seed)
+        loader = C.make_loader(viewed, per, args.workers, args.seed)
     color = None
     if args.gpu_aug:
         color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
@@ -626,7 +626,7 @@ def train(args):
 
     def save(step, **kw):                                            # the checkpoint; snapshot=True:
         C.save_run(run, "cmae", args, step // ipe, step, model.encoder, model, opt, target, **kw)
-    log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
+    log = C.Logger(run, args, total, start, ipe)
     if log.done:                                                     # a finished or stopped run, rerun
         return
     why = "" if args.lr else f" (= blr {args.blr:g} x global batch {args.batch_size} / 256)"
@@ -637,11 +637,17 @@ def train(args):
         eval_linear = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py and "
                                  "weights.py next to this file")
         knn = eval_linear.KNNMonitor(args, run, log, model.encoder, "cmae", "online encoder")
+        if start == 0:
+            knn(0)                                                   # the initial encoder
+
+    batches = C.Batches(loader, ipe, args.max_unreadable)          # from the checkpoint's step on
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
+        if epoch * ipe >= start:                                     # a fresh epoch: masks and drop path from
+            C.seed_epoch(args.seed, epoch, run.rank)                 # (seed, epoch, rank); resumed: the checkpoint's
         model.train()
         target.train()                                               # BatchNorm: batch statistics
-        for it, (batch, _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
+        for it, (batch, _) in batches.epoch(epoch, start):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, total, peak_lr, args.min_lr, args.warmup_epochs * ipe)
             C.set_hparams(opt, lr)
@@ -653,7 +659,7 @@ def train(args):
                                      args, micro, run.autocast, run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # official: no clip
             ema_update(target, target.online_params(model), m)
-            stop = C.end_step(run, log, save, step=step + 1, epoch=epoch, parts=parts, lr=lr)
+            stop = C.end_step(run, log, save, batches, step=step + 1, epoch=epoch, parts=parts, lr=lr)
             if knn and knn.due(step + 1):                            # --eval-every (a --stop-step's too)
                 knn(step + 1, save)                                  # its checkpoint first
             if stop:
@@ -661,8 +667,9 @@ def train(args):
         save((epoch + 1) * ipe)
         picture(run, model, x_s, ids_keep, ids_restore, mask, args, epoch, (epoch + 1) * ipe)
 
-    if knn:                                                          # after the final checkpoint: a stop
-        knn.final(log.end)                                           # signal now ends the program at once
+    if knn:                                                          # the final checkpoint is written: a stop
+        run.control.trained = run.ckpt                               # signal in this k-NN ends the program at once
+        knn(log.end)
 
 
 if __name__ == "__main__":

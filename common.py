@@ -461,26 +461,50 @@ class EpochSampler(torch.utils.data.DistributedSampler):
             epoch, skip = epoch + 1, 0
 
 
-def epoch_batches(run, loader, epoch, ipe, start_step, args):
-    """enumerate(batches of `epoch`) after those covered by a checkpoint at start_step. A fresh epoch reseeds; a resumed
-    one keeps the checkpoint's RNG state. The time it blocks is added to run.data_wait; the epoch's unreadable images
-    are counted into run.bad_images (for the log) and stop the run above --max-unreadable (check_unreadable)."""
-    first = min(ipe, max(0, start_step - epoch * ipe))
-    if first == 0:                                  # a fresh epoch: masking / drop-path draws from (seed, epoch, rank)
-        torch.manual_seed(int(np.random.SeedSequence([args.seed, epoch, run.rank, 7]).generate_state(1)[0]))
-    if getattr(loader, "run_next", None) != (epoch, first):         # new or resumed run: start the stream here
-        loader.sampler.set_epoch(epoch)
-        loader.sampler.skip, loader.sampler.ipe = first * loader.batch_size, ipe
-        loader.run_iter = iter(loader)
-    loader.run_next = (epoch + 1, 0)
-    data = getattr(loader.dataset, "dataset", loader.dataset)       # the images under Views
-    bad0, t = bad_reads(data), time.perf_counter()
-    for it, batch in enumerate(itertools.islice(loader.run_iter, ipe - first), start=first):
-        run.data_wait += time.perf_counter() - t                    # the time next() blocked (MAE's "data" time)
-        run.bad_images = check_unreadable(data, (it + 1) * loader.batch_size, bad0, args.max_unreadable)
-        yield it, batch
+def seed_epoch(seed, epoch, rank):
+    """A fresh epoch's draws (masks, drop path) from (seed, epoch, rank); a resumed one keeps the checkpoint's."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, epoch, rank, 7]).generate_state(1)[0]))
+
+
+class Batches:
+    """The training batches epoch by epoch from the checkpoint's step on, on one iterator of the loader (its workers
+    run on from one epoch into the next), and what the log reports of them: `wait`, the seconds next() blocked
+    (MAE's "data" time) since the log took it (take_wait), and `bad`, the epoch's unreadable images so far (None:
+    none). More than --max-unreadable of an epoch's reads unreadable stops the run (check_unreadable)."""
+
+    def __init__(self, loader, ipe, max_unreadable):
+        self.loader = loader
+        self.ipe = ipe
+        self.max_unreadable = max_unreadable
+        self.wait = 0.0
+        self.bad = None
+        self.at = None                                              # (epoch, batch) the iterator stands at
+        self.stream = None
+
+    def epoch(self, epoch, start_step):
+        """enumerate(the batches of `epoch`) after those a checkpoint at start_step covers."""
+        loader = self.loader
+        first = min(self.ipe, max(0, start_step - epoch * self.ipe))
+        if self.at != (epoch, first):                               # a new or resumed run: the stream starts here
+            loader.sampler.set_epoch(epoch)
+            loader.sampler.skip = first * loader.batch_size
+            loader.sampler.ipe = self.ipe
+            self.stream = iter(loader)
+        self.at = (epoch + 1, 0)
+        data = getattr(loader.dataset, "dataset", loader.dataset)   # the images under Views
+        bad0 = bad_reads(data)
         t = time.perf_counter()
-    check_unreadable(data, ipe * loader.batch_size, bad0, args.max_unreadable, final=True)
+        for it, batch in enumerate(itertools.islice(self.stream, self.ipe - first), start=first):
+            self.wait += time.perf_counter() - t                    # the time next() blocked
+            self.bad = check_unreadable(data, (it + 1) * loader.batch_size, bad0, self.max_unreadable)
+            yield it, batch
+            t = time.perf_counter()
+        check_unreadable(data, self.ipe * loader.batch_size, bad0, self.max_unreadable, final=True)
+
+    def take_wait(self):
+        """The seconds blocked since the last call."""
+        wait, self.wait = self.wait, 0.0
+        return wait
 
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
@@ -513,16 +537,17 @@ def make_loader(dataset, batch_size, workers, seed, collate=None):
 
 
 # ---- After each step: the log line's watches, unreadable images --------------------------------
-def end_step(run, log, save, step, epoch, parts, **scalars):
-    """After each step: the non-finite watch, the log line (with the epoch's unreadable images, counted by
-    epoch_batches), a checkpoint when due (--save-every*, a stop signal, --stop-step), the evaluated encoder every
+def end_step(run, log, save, batches, step, epoch, parts, **scalars):
+    """After each step: the non-finite watch, the log line (with the data wait and the epoch's unreadable images,
+    from `batches`), a checkpoint when due (--save-every*, a stop signal, --stop-step), the evaluated encoder every
     --keep-every steps. True: stop now (the checkpoint is written)."""
     run.guard.update(step, parts, run.scaler)
-    due, stop = run.control.poll(step)
-    log.step(step, epoch, parts, force=stop, bad_images=run.bad_images, **scalars)   # a stopping step is logged
+    due, snapshot, stop = run.control.poll(step)
+    log.step(step, epoch, parts, force=stop, wait=batches.take_wait(), bad_images=batches.bad,
+             **scalars)                                             # a stopping step is logged
     if due:
         save(step)
-    if run.control.args.keep_every and step % run.control.args.keep_every == 0:
+    if snapshot:
         save(step, snapshot=True)
     if stop:
         why = run.control.signal or f"--stop-step {step}"
@@ -646,19 +671,25 @@ class TensorBoard:
 
 
 class Logger:
-    """Every `every` steps and at the run's last step: one host sync, a console line and a log.jsonl record (rank 0). A
-    resumed run first drops the records of steps after its checkpoint: each step is logged once."""
+    """Every --log-every steps and at the run's last step: one host sync, a console line and a log.jsonl record (rank
+    0). A resumed run first drops the records of steps after its checkpoint: each step is logged once. per_step:
+    the images (SiamMAE: pairs) a step trains, default --batch-size."""
 
-    def __init__(self, run, total_steps, batch_size, every, start_step=0, stop=0):
-        self.total, self.batch, self.every, self.guard, self.run = total_steps, batch_size, every, run.guard, run
-        self.path, self.stop = os.path.join(run.out, "log.jsonl"), stop
-        self.t, self.last, self.first = time.time(), start_step, start_step + 1
-        run.data_wait = 0.0
-        a = getattr(getattr(run, "control", None), "args", None)
-        stop_step = getattr(a, "stop_step", 0)
-        ends = {"--epochs": (total_steps, getattr(a, "epochs", "?")),            # flag: (last step, its value)
-                "--stop-epoch": (stop or total_steps, getattr(a, "stop_epoch", 0)),
-                "--stop-step": (stop_step or total_steps, stop_step)}
+    def __init__(self, run, args, total_steps, start_step, ipe, per_step=None):
+        self.run = run
+        self.guard = run.guard
+        self.total = total_steps
+        self.batch = per_step or args.batch_size
+        self.every = args.log_every
+        self.stop = args.stop_epoch * ipe
+        self.path = os.path.join(run.out, "log.jsonl")
+        self.t = time.time()
+        self.last = start_step
+        self.first = start_step + 1
+        self.wait = 0.0                                                  # seconds blocked on data since the line
+        ends = {"--epochs": (total_steps, args.epochs),                  # flag: (last step, its value)
+                "--stop-epoch": (self.stop or total_steps, args.stop_epoch),
+                "--stop-step": (args.stop_step or total_steps, args.stop_step)}
         end = self.end = min(e for e, _ in ends.values())                # this invocation's last step
         self.done = start_step >= end                                    # a finished or stopped run, rerun
         if self.done:
@@ -677,8 +708,10 @@ class Logger:
         """Whether step is a log step (--log-every, the run's last, a --stop-epoch's last)."""
         return not step % self.every or step in (self.total, self.stop)
 
-    def step(self, step, epoch, parts, force=False, **scalars):
-        """parts: dict of 0-d tensors (loss terms), kept on device until logged."""
+    def step(self, step, epoch, parts, force=False, wait=0.0, **scalars):
+        """parts: dict of 0-d tensors (loss terms), kept on device until logged; wait: the seconds this step blocked
+        on its batch."""
+        self.wait += wait
         logged = self.due(step) or force
         first = not logged and step == self.first                        # an early console line and ETA only
         if not (logged or first):
@@ -689,7 +722,7 @@ class Logger:
         ips = (step - self.last) * self.batch / max(dt, 1e-9)
         eta = (self.total - step) * dt / max(1, step - self.last)
         self.t, self.last = time.time(), step
-        wait, self.run.data_wait = self.run.data_wait, 0.0
+        wait, self.wait = self.wait, 0.0
         rec = {"epoch": epoch, "step": step, **rec, **{k: float(v) for k, v in scalars.items() if v is not None},
                "img_s": round(ips, 1), "data_wait": round(min(1.0, wait / max(dt, 1e-9)), 3)}
         if torch.cuda.is_available():

@@ -547,11 +547,11 @@ def loader_and_views(args, run, dataset, per):
     device with --gpu-aug (compiled on CUDA), else in the PIL workers. --resident: the crop cut on
     the device from the images decoded there once (gpu_data.py), no workers."""
     if args.resident:
-        G = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
-        loader = G.loader(dataset, args, run, per, resident_views(args))
+        gpu_data = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
+        loader = gpu_data.loader(dataset, args, run, per, resident_views(args))
     else:
-        views = C.Views(dataset, WeakStrongViews(args), args.seed)
-        loader = C.make_loader(views, per, args.workers, args.seed)
+        viewed = C.Views(dataset, WeakStrongViews(args), args.seed)
+        loader = C.make_loader(viewed, per, args.workers, args.seed)
     color = None
     if args.gpu_aug:
         color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
@@ -593,7 +593,7 @@ def train(args):
     def save(step, **kw):                                            # the checkpoint; snapshot=True:
         C.save_run(run, "conmim", args, step // ipe, step, teacher.encoder, student, opt, teacher,
                    **kw)                                             # the encoder
-    log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
+    log = C.Logger(run, args, total, start, ipe)
     if log.done:                                                     # a finished or stopped run, rerun
         return
     lr_rule = f"--preset {args.preset}: recipes.py" if args.preset else "the official batch's"
@@ -604,11 +604,17 @@ def train(args):
         eval_linear = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py and "
                                  "weights.py next to this file")
         knn = eval_linear.KNNMonitor(args, run, log, teacher.encoder, "conmim", "teacher encoder")
+        if start == 0:
+            knn(0)                                                   # the initial encoder
+
+    batches = C.Batches(loader, ipe, args.max_unreadable)          # from the checkpoint's step on
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
+        if epoch * ipe >= start:                                     # a fresh epoch: masks and drop path from
+            C.seed_epoch(args.seed, epoch, run.rank)                 # (seed, epoch, rank); resumed: the checkpoint's
         student.train()
         teacher.train()                                              # BatchNorm: batch statistics
-        for it, (batch, _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
+        for it, (batch, _) in batches.epoch(epoch, start):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, total, args.lr, args.min_lr, args.warmup_epochs * ipe)
             m = C.cosine_schedule(step, total, m0, args.ema[1])      # 0.996 -> 1, cosine
@@ -622,7 +628,7 @@ def train(args):
             parts["grad_norm"] = C.optimizer_step(run, opt, student.parameters(), args.clip_grad)
             ema_update(teacher, student, m)
             diag = {k: parts.pop(k, None) for k in ("sym", "rpb")}   # logged, not watched (log steps only)
-            stop = C.end_step(run, log, save, step=step + 1, epoch=epoch, parts=parts, lr=lr, mom=m,
+            stop = C.end_step(run, log, save, batches, step=step + 1, epoch=epoch, parts=parts, lr=lr, mom=m,
                               **diag)
             if knn and knn.due(step + 1):                            # --eval-every (a --stop-step's too)
                 knn(step + 1, save)                                  # its checkpoint first
@@ -630,8 +636,9 @@ def train(args):
                 return                                               # preempted, --stop-step: saved
         save((epoch + 1) * ipe)
 
-    if knn:                                                          # after the final checkpoint: a stop
-        knn.final(log.end)                                           # signal now ends the program at once
+    if knn:                                                          # the final checkpoint is written: a stop
+        run.control.trained = run.ckpt                               # signal in this k-NN ends the program at once
+        knn(log.end)
 
 
 if __name__ == "__main__":

@@ -324,7 +324,7 @@ def finetune(args):
     start = H.resume_run(run, "finetune", args, model, opt, data={"train": train, "val": val})
     net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     mix = Mix(args, len(train.classes))
-    log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
+    log = C.Logger(run, args, total, start, ipe)
     def save(step, **kw):                                            # the checkpoint (snapshot=True: the encoder)
         C.save_run(run, "finetune", args, step // ipe, step, model.encoder, model, opt, **kw)
     where = eval_linear.eval_split(args.data, args.split, args.holdout)
@@ -352,8 +352,11 @@ def finetune(args):
                            device=run.device)
     if C.all_reduce_sum_(pending) > 0:             # stopped at an epoch's last step (--stop-step, a signal) before its
         evaluate_epoch(start // ipe - 1)           # evaluation: evaluate it now (agreed: evaluate() is collective)
+    batches = C.Batches(loader, ipe, args.max_unreadable)          # from the checkpoint's step on
     for epoch in range(start // ipe, 0 if log.done else args.stop_epoch or args.epochs):   # done: nothing to train
-        for it, (x, y) in C.epoch_batches(run, loader, epoch, ipe, start, args):
+        if epoch * ipe >= start:                                     # a fresh epoch: mixup, drop path from
+            C.seed_epoch(args.seed, epoch, run.rank)                 # (seed, epoch, rank); resumed: the checkpoint's
+        for it, (x, y) in batches.epoch(epoch, start):
             step = epoch * ipe + it
             lr_now = C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe, args.warmup_lr)
             C.set_hparams(opt, lr_now)                                 # x each group's layer-decay lr_scale
@@ -368,7 +371,7 @@ def finetune(args):
                 run.scaler.scale(part).backward()
                 loss = loss + part.detach()
             parts = {"loss": loss, "grad_norm": C.optimizer_step(run, opt, list(model.parameters()), args.clip_grad)}
-            if C.end_step(run, log, save, step + 1, epoch, parts, lr=lr_now):
+            if C.end_step(run, log, save, batches, step + 1, epoch, parts, lr=lr_now):
                 return None
         save((epoch + 1) * ipe)
         if due(epoch):

@@ -281,13 +281,15 @@ def sharded_knn(bank_f, bank_y, n_bank, query_f, query_y, num_classes, device, k
 
 
 class KNNMonitor:
-    """--knn / --eval-every N of a training script: the k-NN (this file's: eval transform, the method's pooling,
-    k 20, T 0.07) of the encoder the run evaluates, train/ the bank and val/ (else test/) the queries, or with
-    --holdout the run's training images the bank and its held-out ones the queries. At step 0 (the initial encoder),
-    every N steps and at the end of the run (called by the method's loop), each logged as knn_top1 / knn_top5 with
-    its step. Each process extracts a share of the bank and of the queries and scores its bank share against every
-    query on its device (sharded_knn: a process holds n_train / world bank rows and the n_val queries, 3 KB each at
-    width 768; ImageNet on 8 GPUs: 0.5 GB + 0.15 GB). Its RNG is its own: the run trains the same weights without it."""
+    """--knn / --eval-every N of a training script: the k-NN (this file's: eval transform, the
+    method's pooling, k 20, T 0.07) of the encoder the run evaluates, train/ the bank and val/
+    (else test/) the queries, or with --holdout the run's training images the bank and its held-out
+    ones the queries. The method's loop calls it at step 0 (the initial encoder), every N steps
+    (due()) and at the end, each logged as knn_top1 / knn_top5 with its step. Each process extracts
+    a share of the bank and of the queries and scores its bank share against every query on its
+    device (sharded_knn: n_train / world bank rows and the n_val queries a process, 3 KB each at
+    width 768; ImageNet on 8 GPUs: 0.5 + 0.15 GB). Its RNG is its own: the run trains the same
+    weights without it."""
 
     def __init__(self, args, run, log, encoder, method, what):
         self.run, self.log, self.encoder, self.what = run, log, encoder, what
@@ -302,21 +304,14 @@ class KNNMonitor:
         self.split = eval_split(args.data, holdout=args.holdout)
         check_readable(self.val, args.workers)                      # an unreadable query: now, not at step N
         self.first = None
-        if log.first == 1:                                           # a new run: its initial encoder
-            self(0)
 
     def due(self, step):
         """A step the monitor evaluates in the loop, after that step's checkpoint where one is written: every N steps
-        but the invocation's last, which final() evaluates after the final checkpoint, unless --stop-step ends the run
-        there (the loop returns: no final()); never once a stop signal came (the checkpoint, then the exit)."""
+        but the invocation's last, which the loop evaluates after the final checkpoint, unless --stop-step ends the
+        run there (the loop returns first); never once a stop signal came (the checkpoint, then the exit)."""
         if not self.every or step % self.every or self.run.control.signal:
             return False
         return step < self.log.end or step == self.stop_step
-
-    def final(self, step):
-        """The k-NN of the final encoder, after the final checkpoint: a stop signal now ends the program at once."""
-        self.run.control.trained = self.run.ckpt
-        return self(step)
 
     def __call__(self, step, save=None):
         """The k-NN of the encoder as it stands at `step`. save (the loop's): the checkpoint of this step is written

@@ -175,7 +175,7 @@ class Store:
 
 
 class Loader:
-    """What the loops and common.epoch_batches use of a DataLoader (sampler, batch_size, dataset, len, iter) over a
+    """What the loops and common.Batches use of a DataLoader (sampler, batch_size, dataset, len, iter) over a
     Store: batches of the EpochSampler's (index, epoch) pairs, each epoch's indices copied to the device once;
     make(store, idx, epoch) -> the method's batch, as its workers' collate would give it (uint8 views)."""
 

@@ -196,7 +196,8 @@ def main(train, cls):
 
 def setup(args, method):
     """Distributed init, seed, device, precision, output dir (set in args). Returns the run: rank, world, device,
-    precision, autocast, scaler, out, ckpt, guard, control; its state: tb (TensorBoard writer or None), data_wait."""
+    precision, autocast, scaler, out, ckpt, guard, control, tb (TensorBoard writer or None), lock, data (the
+    fingerprinted datasets, set by resume_run), resuming."""
     validate(args)
     rank, world, device = init_distributed(args.device)
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
@@ -237,8 +238,8 @@ def setup(args, method):
     guard = Guard(device, precision, ckpt)
     return argparse.Namespace(rank=rank, world=world, device=device, precision=precision, autocast=autocast,
                               scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), out=out,
-                              ckpt=ckpt, guard=guard, control=Control(args, device, guard), tb=tb, data_wait=0.0,
-                              lock=lock, data={}, bad_images=None, resuming=resuming)
+                              ckpt=ckpt, guard=guard, control=Control(args, device, guard), tb=tb, lock=lock,
+                              data={}, resuming=resuming)
 
 
 RUN_FILES = re.compile(r"checkpoint\.pth|log(\.[\d-]+)?\.jsonl|args\.json|tensorboard|features|visualize\.png"
@@ -511,9 +512,11 @@ class Control:
         self.signal = self.signal or reason
 
     def poll(self, step):
-        """(save, stop) after global step `step`."""
+        """(save, snapshot, stop) after global step `step`: the checkpoint is due, the evaluated encoder is kept
+        (--keep-every), the run stops."""
         a = self.args
         save = bool(a.save_every) and step % a.save_every == 0           # step-based: the same on every rank
+        snapshot = bool(a.keep_every) and step % a.keep_every == 0
         planned = bool(a.stop_step) and step >= a.stop_step
         timed = bool(a.save_every_minutes) and time.time() - self.t > 60 * a.save_every_minutes
         stop = self.signal is not None
@@ -527,7 +530,7 @@ class Control:
         stop = stop or planned
         if save or timed or stop:
             self.t = time.time()
-        return save or timed or stop, stop
+        return save or timed or stop, snapshot, stop
 
 
 class Preempted(Exception):

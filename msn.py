@@ -564,8 +564,8 @@ def loader_and_views(args, run, dataset, per):
     if args.resident:                                                # decoded once on the device
         if args.gpu_decode:
             raise C.UserError("--resident and --gpu-decode: choose one (both decode on the device)")
-        G = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
-        loader = G.loader(dataset, args, run, per, resident_views(args))
+        gpu_data = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
+        loader = gpu_data.loader(dataset, args, run, per, resident_views(args))
 
         def to_device(batch):
             return batch
@@ -573,16 +573,16 @@ def loader_and_views(args, run, dataset, per):
         if not args.gpu_aug:
             raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, "
                               "colour runs on the device")
-        G = C.optional("gpu_decode", "--gpu-decode needs gpu_decode.py next to this file")
-        boxes = G.Boxes(view_specs(args))
-        views = C.Views(G.encoded(dataset), boxes, args.seed)
-        loader = C.make_loader(views, per, args.workers, args.seed, collate=G.collate)
+        gpu_decode = C.optional("gpu_decode", "--gpu-decode needs gpu_decode.py next to this file")
+        boxes = gpu_decode.Boxes(view_specs(args))
+        files = C.Views(gpu_decode.encoded(dataset), boxes, args.seed)
+        loader = C.make_loader(files, per, args.workers, args.seed, collate=gpu_decode.collate)
 
         def to_device(batch):                                        # decoded, cropped and flipped there
-            return G.views(batch, run.device, boxes.sizes, dataset)
+            return gpu_decode.views(batch, run.device, boxes.sizes, dataset)
     else:
-        views = C.Views(dataset, MultiView(args), args.seed)
-        loader = C.make_loader(views, per, args.workers, args.seed)
+        viewed = C.Views(dataset, MultiView(args), args.seed)
+        loader = C.make_loader(viewed, per, args.workers, args.seed)
 
         def to_device(batch):
             return [v.to(run.device, non_blocking=True) for v in batch]
@@ -631,7 +631,7 @@ def train(args):
     def save(step, **kw):                                            # the checkpoint; snapshot=True: the encoder
         C.save_run(run, "msn", args, step // ipe, step, target_net.encoder, model, opt, target_net,
                    **kw)
-    log = C.Logger(run, total, args.batch_size, args.log_every, start, args.stop_epoch * ipe)
+    log = C.Logger(run, args, total, start, ipe)
     if log.done:                                                     # a finished or stopped run, rerun
         return
     lr_rule = f"--preset {args.preset}: recipes.py" if args.preset else "absolute, as official"
@@ -644,11 +644,17 @@ def train(args):
         eval_linear = C.optional("eval_linear", "--knn / --eval-every need eval_linear.py and "
                                  "weights.py next to this file")
         knn = eval_linear.KNNMonitor(args, run, log, target_net.encoder, "msn", "target encoder")
+        if start == 0:
+            knn(0)                                                   # the initial encoder
+
+    batches = C.Batches(loader, ipe, args.max_unreadable)          # from the checkpoint's step on
 
     for epoch in range(start // ipe, args.stop_epoch or args.epochs):
+        if epoch * ipe >= start:                                     # a fresh epoch: masks and drop path from
+            C.seed_epoch(args.seed, epoch, run.rank)                 # (seed, epoch, rank); resumed: the checkpoint's
         model.train()
         target_net.train()                                           # official: batch BN statistics
-        for it, (batch, _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
+        for it, (batch, _) in batches.epoch(epoch, start):
             step = epoch * ipe + it
             warmup = args.warmup_epochs * ipe
             lr = C.cosine_schedule(step, sched, args.lr, args.min_lr, warmup, args.start_lr)
@@ -663,7 +669,7 @@ def train(args):
                                      micro, run.autocast, run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.net.parameters(), args.clip_grad)
             ema_update(target_net, model.net, m)
-            stop = C.end_step(run, log, save, step=step + 1, epoch=epoch, parts=parts,
+            stop = C.end_step(run, log, save, batches, step=step + 1, epoch=epoch, parts=parts,
                               lr=lr, wd=wd, mom=m)                   # log, NaN watch, save when due
             if knn and knn.due(step + 1):                            # --eval-every (a --stop-step's too)
                 knn(step + 1, save)                                  # its checkpoint first
@@ -671,8 +677,9 @@ def train(args):
                 return                                               # preempted, --stop-step: saved
         save((epoch + 1) * ipe)
 
-    if knn:                                                          # after the final checkpoint: a stop
-        knn.final(log.end)                                           # signal now ends the program at once
+    if knn:                                                          # the final checkpoint is written: a stop
+        run.control.trained = run.ckpt                               # signal in this k-NN ends the program at once
+        knn(log.end)
 
 
 if __name__ == "__main__":

@@ -243,8 +243,8 @@ def video_dataset(data, split="train", holdout=0):
         if holdout:
             raise C.UserError("--holdout: the synthetic clips have their own val split; leave "
                               "--holdout out")
-        S = C.optional("synthetic", "--data synthetic needs synthetic.py next to this file")
-        return S.SyntheticVideos(split)
+        synthetic = C.optional("synthetic", "--data synthetic needs synthetic.py next to this file")
+        return synthetic.SyntheticVideos(split)
     return VideoFolders(data, holdout=holdout)
 
 
@@ -584,10 +584,10 @@ def probe_pairs(dataset, a, n=48):
     if isinstance(dataset, VideoFolders):          # read outside its unreadable-frame count (--max-unreadable's)
         videos = dataset.videos
         dataset = types.SimpleNamespace(load=lambda i: (FrameFolder(videos[i].paths), 0))
-    views, clips = C.Views(dataset, FramePair(a), PROBE_SEED), []
+    viewed, clips = C.Views(dataset, FramePair(a), PROBE_SEED), []
     for i in idx:
         try:
-            clips.append(views[i][0][0])                                  # (2, 3, S, S): the video's first pair
+            clips.append(viewed[i][0][0])                                  # (2, 3, S, S): the video's first pair
         except C.UserError:                                               # an unreadable frame: not probed
             continue
     if not clips:
@@ -651,8 +651,8 @@ def train(args):
     per, micro = H.batch_plan(args, run, 1024, "the loss is per pair, so only the gradient noise "
                               "and the lr / batch pairing of the recipe change", unit="videos")
     dataset = video_dataset(args.data, holdout=args.holdout)
-    views = C.Views(dataset, FramePair(args), args.seed)
-    loader = C.make_loader(views, per, args.workers, args.seed)
+    viewed = C.Views(dataset, FramePair(args), args.seed)
+    loader = C.make_loader(viewed, per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     R = args.repeated_sampling
     videos = args.batch_size                                         # MAE-ST: the lr scales with videos
@@ -673,7 +673,7 @@ def train(args):
 
     def save(step, **kw):                                            # the checkpoint; snapshot=True:
         C.save_run(run, "siammae", args, step // ipe, step, model.encoder, model, opt, **kw)
-    log = C.Logger(run, total, pairs, args.log_every, start, args.stop_epoch * ipe)
+    log = C.Logger(run, args, total, start, ipe, per_step=pairs)
     if log.done:                                                     # a finished or stopped run, rerun
         return
     C.print0(f"{len(dataset)} videos, {args.epochs} effective epochs = {passes} passes of {ipe} "
@@ -681,9 +681,13 @@ def train(args):
              f"(blr x {videos} videos / 256)")
     probe = probe_pairs(dataset, args) if args.probe_every and C.is_main() else None
 
+    batches = C.Batches(loader, ipe, args.max_unreadable)          # from the checkpoint's step on
+
     for epoch in range(start // ipe, args.stop_epoch or passes):    # epoch = one pass over the videos
+        if epoch * ipe >= start:                                     # a fresh epoch: masks and drop path from
+            C.seed_epoch(args.seed, epoch, run.rank)                 # (seed, epoch, rank); resumed: the checkpoint's
         model.train()
-        for it, (clips, _) in C.epoch_batches(run, loader, epoch, ipe, start, args):
+        for it, (clips, _) in batches.epoch(epoch, start):
             step = epoch * ipe + it
             lr = C.cosine_schedule(step, total, peak_lr, args.min_lr, warmup)
             C.set_hparams(opt, lr)
@@ -697,7 +701,7 @@ def train(args):
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # MAE: no clipping
             if probe is not None and ((step + 1) % args.probe_every == 0 or step + 1 == total):
                 log.write({"step": step + 1, **f1_probe(model, probe, args, run.autocast)})
-            stop = C.end_step(run, log, save, step=step + 1, epoch=epoch, parts=parts, lr=lr)
+            stop = C.end_step(run, log, save, batches, step=step + 1, epoch=epoch, parts=parts, lr=lr)
             if stop:
                 return                                               # preempted, --stop-step: saved
         save((epoch + 1) * ipe)

@@ -14,7 +14,7 @@ given here; extra flags are passed to the method's parser unchanged (e.g. --no-c
 the first prefetch, compile) are dropped, and the table gives, over the rest (time-weighted):
   img/s        images per second of the whole loop (SiamMAE: pairs per second),
   step ms      wall time per optimiser step,
-  data wait    the share of that time the loop was blocked on the next batch (common.epoch_batches; near 0
+  data wait    the share of that time the loop was blocked on the next batch (common.Batches; near 0
                when the loader keeps up, the GPU idles for the rest).
 The folder is read as many times over as the steps need (no epoch end falls in the timed steps).
 Without --data, a folder of --n-images photo-sized JPEGs (and clips for SiamMAE) is generated as

@@ -141,13 +141,13 @@ def train(m, a, dev, out, variant="resident", hook=None):
     args = H.parse_args(mod.Args, argv)
     times, real_end, patches = {}, C.end_step, contextlib.ExitStack()
 
-    def end_step(run, log, args_, step, *x, **kw):
+    def end_step(run, log, save, batches, step, *x, **kw):
         if hook:
             hook(step, True)
         if step in (a.warm, n):
             sync(dev)
             times[step] = time.perf_counter()
-        stop = real_end(run, log, args_, step, *x, **kw)
+        stop = real_end(run, log, save, batches, step, *x, **kw)
         if hook:
             hook(step, False)
         return stop

@@ -87,6 +87,6 @@ def knn_monitor(encoder, data, size, method="cmae", holdout=0):
     records = []
     run = argparse.Namespace(device=torch.device("cpu"), autocast=contextlib.nullcontext(), ckpt="-",
                              control=argparse.Namespace(trained=None, signal=None))
-    log = argparse.Namespace(first=2, end=10, write=records.append)            # first 2: no step-0 evaluation
+    log = argparse.Namespace(end=10, write=records.append)
     args = argparse.Namespace(eval_every=0, img_size=size, data=data, workers=0, holdout=holdout)
     return E.KNNMonitor(args, run, log, encoder, method, "the encoder"), records

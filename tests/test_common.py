@@ -298,18 +298,19 @@ def test_unreadable_images_stop_the_run_above_max_unreadable(monkeypatch):
 
 
 def test_control_saves_after_save_every_minutes():
-    """Half a minute: not due at 29 s, due at 31 s (minutes, not seconds), then the clock restarts."""
-    args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0.5)
+    """Half a minute: not due at 29 s, due at 31 s (minutes, not seconds), then the clock restarts; --keep-every 2:
+    the encoder kept at even steps."""
+    args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0.5, keep_every=2)
     ctl = H.Control(args, torch.device("cpu"))
     ctl.t -= 29
-    assert ctl.poll(1) == (False, False)
+    assert ctl.poll(1) == (False, False, False)
     ctl.t -= 2
-    assert ctl.poll(2) == (True, False)
-    assert ctl.poll(3) == (False, False)
+    assert ctl.poll(2) == (True, True, False)
+    assert ctl.poll(3) == (False, False, False)
 
 
 def _control_worker(rank, world):
-    args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0)
+    args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0, keep_every=0)
     ctl = H.Control(args, torch.device("cpu"))
     if rank == 0:
         ctl.stop("signal SIGTERM")                                 # only rank 0 got the signal
@@ -319,7 +320,7 @@ def _control_worker(rank, world):
 def test_control_stops_every_rank_when_one_got_the_signal():
     """Signals reach ranks at different times (or one rank only): the stop is agreed at the next multiple
     of sync_every, on every rank at the same step, since saving is collective."""
-    assert spawn(_control_worker) == [[(False, False), (True, True)]] * 2
+    assert spawn(_control_worker) == [[(False, False, False), (True, False, True)]] * 2
 
 
 def test_a_resume_restores_the_fp16_loss_scale(tmp_path):
@@ -346,13 +347,13 @@ def test_a_resume_restores_the_fp16_loss_scale(tmp_path):
 def test_control_stops_on_a_signal_of_its_own_run_only():
     """A preemption signal stops the run that got it (save, then stop); a new run in the same process
     (a sweep calling train() again, a notebook after Ctrl-C) starts without it."""
-    args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0)
+    args = argparse.Namespace(save_every=0, stop_step=0, save_every_minutes=0, keep_every=0)
     ctl = H.Control(args, torch.device("cpu"))
     ctl.stop("signal SIGTERM")                                                      # what the handler does
     ctl.stop("the --minutes cap")                                                   # the first reason stays
-    assert ctl.poll(1) == (True, True) and ctl.signal == "signal SIGTERM"
+    assert ctl.poll(1) == (True, False, True) and ctl.signal == "signal SIGTERM"
     new = H.Control(args, torch.device("cpu"))
-    assert new.poll(2) == (False, False) and H.Control.current is new
+    assert new.poll(2) == (False, False, False) and H.Control.current is new
 
 
 def test_a_second_ctrl_c_a_second_after_the_first_stops_at_once(monkeypatch):
@@ -481,10 +482,12 @@ def test_setup_seeds_every_rank_alike_for_the_same_initial_weights(tmp_path):
 
 def test_each_log_line_reports_the_data_wait_of_its_own_interval(tmp_path):
     run = _run(tmp_path)
-    log = C.Logger(run, total_steps=10, batch_size=4, every=2)
-    run.data_wait = 1e9                                                             # a long wait before step 2
-    assert log.step(2, 0, {"loss": torch.tensor(1.0)})["data_wait"] == 1.0          # capped at the interval
-    assert log.step(4, 0, {"loss": torch.tensor(1.0)})["data_wait"] == 0.0          # not carried over
+    args = argparse.Namespace(batch_size=4, log_every=2, epochs=1, stop_epoch=0, stop_step=0)
+    log = C.Logger(run, args, total_steps=10, start_step=0, ipe=10)
+    log.step(2, 0, {"loss": torch.tensor(1.0)})
+    assert log.step(3, 0, {"loss": torch.tensor(1.0)}, wait=1e9) is None           # a long wait at step 3
+    assert log.step(4, 0, {"loss": torch.tensor(1.0)})["data_wait"] == 1.0          # capped at the interval
+    assert log.step(6, 0, {"loss": torch.tensor(1.0)})["data_wait"] == 0.0          # not carried over
 
 
 @pytest.mark.parametrize("script", ["msn", "cmae", "conmim", "can", "siammae", "eval_linear", "eval_finetune",

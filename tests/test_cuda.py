@@ -125,9 +125,9 @@ def test_a_training_step_never_waits_for_the_gpu(method, tmp_path, monkeypatch):
     tiny = importlib.import_module(f"test_{method}").tiny_args
     real, steps = C.end_step, []
 
-    def end_step(run, log, args, step, *a, **kw):        # the mode is off in here and on from one step to the next
+    def end_step(run, log, save, batches, step, *a, **kw):   # the mode is off in here, on from one step to the next
         torch.cuda.set_sync_debug_mode(0)
-        stop = real(run, log, args, step, *a, **kw)
+        stop = real(run, log, save, batches, step, *a, **kw)
         steps.append(step)
         if 1 <= step < 4:
             torch.cuda.set_sync_debug_mode("error")

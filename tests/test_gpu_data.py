@@ -146,7 +146,7 @@ def test_the_ops_of_a_batch_do_not_grow_with_its_size(method, folder, tmp_path):
 
 def _order(rank, world, root, seed, skip, ipe, batch):
     """This process's indices of a resident Loader and of the CPU loader's sampler, an epoch cut after `skip` batches
-    (a mid-epoch resume, as common.epoch_batches sets it) and run on into the next."""
+    (a mid-epoch resume, as common.Batches sets it) and run on into the next."""
     ds = C.image_dataset(root, "train")
     loader = G.Loader(store(root), batch, seed, lambda s, idx, epoch: (idx, epoch))
     cpu = C.make_loader(ds, batch, 0, seed).sampler

@@ -254,13 +254,13 @@ def test_each_view_of_the_batch_reaches_its_argument_normalised(method, tmp_path
     shift) and lands in the argument the method's step reads it from (MSN's target vs anchors, CMAE's
     source vs target, ConMIM's weak vs strong, CAN's two views, SiamMAE's f1 vs f2)."""
     mod, make, _ = CASES[method]
-    batches, real_batches = [], C.epoch_batches
+    batches, real_epoch = [], C.Batches.epoch
 
-    def batches_spy(*a, **kw):
-        for it, batch in real_batches(*a, **kw):
+    def batches_spy(self, *a, **kw):
+        for it, batch in real_epoch(self, *a, **kw):
             batches.append(batch)
             yield it, batch
-    monkeypatch.setattr(C, "epoch_batches", batches_spy)
+    monkeypatch.setattr(C.Batches, "epoch", batches_spy)
     monkeypatch.setattr(C, "normalize", lambda x: x.float() + 1000)   # "normalised" = shifted by 1000
     _, steps, _ = _record(monkeypatch, mod)
     mod.train(make(tmp_path, epochs=epochs(method, 1), steps_per_epoch=1, warmup_epochs=0))
@@ -352,8 +352,15 @@ def test_each_loop_logs_throughput_in_the_samples_of_its_global_step(tmp_path, m
     SiamMAE's batch x --repeated-sampling frame pairs."""
     mod, make, _ = CASES[method]
     a = make(tmp_path)
-    _, _, batch = _stopped_at_first_call(monkeypatch, mod, a, "Logger")[:3]   # (run, total steps, batch, ...)
-    assert batch == a.batch_size * (a.repeated_sampling if method == "siammae" else 1)
+    seen, real = [], C.Logger
+
+    def stop(*args, **kw):                                           # the run's Logger, then stopped
+        seen.append(real(*args, **kw).batch)
+        raise C.UserError("stop")
+    monkeypatch.setattr(C, "Logger", stop)
+    with pytest.raises(C.UserError, match="stop"):
+        mod.train(a)
+    assert seen == [a.batch_size * (a.repeated_sampling if method == "siammae" else 1)]
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
@@ -380,9 +387,9 @@ def test_each_loop_ends_step_k_with_its_global_step_and_the_epoch_reads_so_far(t
     mod, make, _ = CASES[method]
     seen, reads, real_end, real_check = [], [], C.end_step, C.check_unreadable
 
-    def end_step(run, log, save, step, epoch, parts, **kw):
+    def end_step(run, log, save, batches, step, epoch, parts, **kw):
         seen.append((step, epoch))
-        return real_end(run, log, save, step, epoch, parts, **kw)
+        return real_end(run, log, save, batches, step, epoch, parts, **kw)
 
     def check(data, n, bad0, frac, final=False):
         reads.append((n, final))
