@@ -426,29 +426,27 @@ def can_loss(u1, u2, pred, target, noise, mask, tau=0.1, weights=(0.03, 0.67, 0.
 # ----------------------------------------------------------------------------------------------
 # Data: two SimCLR-style views
 # ----------------------------------------------------------------------------------------------
+def view_specs(a):
+    """The views' geometry: two RandomResizedCrop (bicubic) + flip views (gpu_data.cut's (size,
+    scale, count, resampling)): what TwoViews makes in the workers and --resident cuts on the
+    device."""
+    return [(a.img_size, a.crop_scale, 2, "bicubic")]
+
+
 class TwoViews:
     """Two RandomResizedCrop(bicubic) + flip + colour views as uint8; with gpu_aug the colour ops
     run batched on the device instead (train loop)."""
 
     def __init__(self, a):
         from torchvision import transforms as T
+        [(size, scale, _, _)] = view_specs(a)
         color = [] if a.gpu_aug else [C.color_augment()]
-        self.view = T.Compose([T.RandomResizedCrop(a.img_size, scale=a.crop_scale,
+        self.view = T.Compose([T.RandomResizedCrop(size, scale=scale,
                                                    interpolation=T.InterpolationMode.BICUBIC),
                                T.RandomHorizontalFlip(), *color, C.to_uint8])
 
     def __call__(self, img):
         return self.view(img), self.view(img)
-
-
-def resident_views(a):
-    """--resident: TwoViews' geometry cut from the device store (gpu_data.py): two bicubic
-    RandomResizedCrop boxes + flips per image, drawn per (seed, epoch, image)."""
-    def make(store, idx, epoch):                                     # -> the workers' (v1, v2) uint8
-        boxes, flips = store.draw(epoch, 0, 2, a.crop_scale)        # (N, 2, 4), (N, 2)
-        v = store.crops(idx, boxes[idx], flips[idx], a.img_size, "bicubic")   # (2, B, 3, S, S)
-        return v[0], v[1]
-    return make
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,23 +509,24 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
 def loader_and_views(args, run, dataset, per):
     """The training loader and views(batch): its two views of each image as x (2, B, 3, H, W) on the
     device, clean (no noise yet), normalised, after their colour ops: batched on the device with
-    --gpu-aug (one call for both views, compiled on CUDA), else in the PIL workers. --resident: the
-    views cut on the device from the images decoded there once (gpu_data.py), no workers."""
-    if args.resident:
-        gpu_data = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
-        loader = gpu_data.loader(dataset, args, run, per, resident_views(args))
+    --gpu-aug (one call for both views, compiled on CUDA), else in the PIL workers. The paper's
+    views come from TwoViews in the workers; --resident cuts the same view_specs on the device from
+    the images decoded there once (gpu_data.py), no workers."""
+    if not args.resident:                                            # the paper's: the PIL workers
+        viewed = C.Views(dataset, TwoViews(args), args.seed)
+        loader = C.make_loader(viewed, per, args.workers, args.seed)
     else:
-        loader = C.make_loader(C.Views(dataset, TwoViews(args), args.seed), per,
-                               args.workers, args.seed)
+        gpu_data = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
+        loader = gpu_data.loader(dataset, args, run, per, view_specs(args))
     color = None
     if args.gpu_aug:
         color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
 
-    def to_device(batch):
+    def views(batch):
         x = torch.cat([v.to(run.device, non_blocking=True) for v in batch])   # (2B, 3, H, W)
         x = color(x, normalize=True) if color else C.normalize(x)
         return x.unflatten(0, (2, -1))
-    return loader, to_device
+    return loader, views
 
 
 @torch.no_grad()
@@ -579,7 +578,7 @@ def train(args):
     start = H.resume_run(run, "can", args, model, opt, data={"train": dataset})   # global step
     net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
 
-    def save(step, **kw):                                            # the checkpoint; snapshot=True:
+    def save(step, **kw):                                            # snapshot=True: the encoder alone
         C.save_run(run, "can", args, step // ipe, step, model.encoder, model, opt, **kw)
     log = C.Logger(run, args, total, start, ipe)
     if log.done:                                                     # a finished or stopped run, rerun
@@ -614,7 +613,7 @@ def train(args):
             loss, parts = train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, args, micro,
                                      run.autocast, run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # MAE: no clipping
-            stop = C.end_step(run, log, save, batches, step=step + 1, epoch=epoch, parts=parts, lr=lr)
+            stop = C.end_step(run, log, save, batches, step + 1, epoch, parts, lr=lr)
             if knn and knn.due(step + 1):                            # --eval-every (a --stop-step's too)
                 knn(step + 1, save)                                  # its checkpoint first
             if stop:

@@ -465,6 +465,13 @@ def cmae_contrastive_loss(online, target, tau=0.07):
 # ----------------------------------------------------------------------------------------------
 # Data: pixel-shifted view pair from one master crop
 # ----------------------------------------------------------------------------------------------
+def view_specs(a):
+    """The views' geometry: one master RandomResizedCrop (bicubic, scale 0.2-1) + flip, with the
+    pixel-shift window img_size (gpu_data.cut's (size, scale, count, resampling, window)): what
+    PixelShiftViews makes in the workers and --resident cuts on the device."""
+    return [(a.master_size, (0.2, 1.0), 1, "bicubic", a.img_size)]
+
+
 class PixelShiftViews:
     """One RandomResizedCrop(master, 0.2-1, bicubic) + flip shared by both views.
     Source = master[0:S, 0:S], no colour augmentation; target = master[dh:dh+S, dw:dw+S] with
@@ -472,9 +479,9 @@ class PixelShiftViews:
 
     def __init__(self, a, color=True):
         from torchvision import transforms as T
-        self.S = a.img_size
-        self.shift = a.master_size - a.img_size
-        self.master = T.Compose([T.RandomResizedCrop(a.master_size, scale=(0.2, 1.0),
+        [(master, scale, _, _, self.S)] = view_specs(a)
+        self.shift = master - self.S
+        self.master = T.Compose([T.RandomResizedCrop(master, scale=scale,
                                                      interpolation=T.InterpolationMode.BICUBIC),
                                  T.RandomHorizontalFlip()])
         self.color = C.color_augment() if color else (lambda im: im)
@@ -487,24 +494,6 @@ class PixelShiftViews:
         source = C.to_uint8(m.crop((0, 0, S, S)))
         target = C.to_uint8(self.color(m.crop((dw, dh, dw + S, dh + S))))
         return source, target, torch.tensor([dh, dw])
-
-
-def resident_views(a):
-    """--resident: PixelShiftViews' geometry cut from the device store (gpu_data.py): the master
-    crop (bicubic) + flip, its two windows sliced on the device; box, flip and shift drawn per
-    (seed, epoch, image). The target's colour ops follow in the loop (--gpu-aug)."""
-    S = a.img_size
-
-    def make(store, idx, epoch):                                     # -> the workers' (source, target, d)
-        boxes, flips = store.draw(epoch, 0, 1, (0.2, 1.0))
-        m = store.crops(idx, boxes[idx], flips[idx], a.master_size, "bicubic")[0]   # (B, 3, M, M)
-        d = store.integers(epoch, 1, 2, a.master_size - S)[idx]     # (B, 2): dh, dw ~ U{0..M-S-1}
-        B, M = m.shape[0], a.master_size
-        rows, cols = (d[:, k, None] + torch.arange(S, device=m.device) for k in (0, 1))   # (B, S)
-        target = m.gather(2, rows[:, None, :, None].expand(B, 3, S, M))
-        target = target.gather(3, cols[:, None, None, :].expand(B, 3, S, S))   # m[dh:dh+S, dw:dw+S]
-        return m[..., :S, :S], target, d
-    return make
 
 
 # ----------------------------------------------------------------------------------------------
@@ -559,23 +548,24 @@ def train_step(online, target, x_s, x_t, ids_keep, ids_restore, mask, a, micro=N
 def loader_and_views(args, run, dataset, per):
     """The training loader and views(batch): its batch as (x_s, x_t), each (B, 3, H, W) on the
     device, normalised, the target view x_t after its colour ops: batched on the device with
-    --gpu-aug (compiled on CUDA), else in the PIL workers. --resident: the views cut on the device
-    from the images decoded there once (gpu_data.py), no workers."""
-    if args.resident:
-        gpu_data = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
-        loader = gpu_data.loader(dataset, args, run, per, resident_views(args))
-    else:
+    --gpu-aug (compiled on CUDA), else in the PIL workers. The paper's views come from
+    PixelShiftViews in the workers; --resident cuts the same view_specs on the device from the
+    images decoded there once (gpu_data.py), no workers."""
+    if not args.resident:                                            # the paper's: the PIL workers
         viewed = C.Views(dataset, PixelShiftViews(args, color=not args.gpu_aug), args.seed)
         loader = C.make_loader(viewed, per, args.workers, args.seed)
+    else:
+        gpu_data = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
+        loader = gpu_data.loader(dataset, args, run, per, view_specs(args))
     color = None
     if args.gpu_aug:
         color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
 
-    def to_device(batch):
+    def views(batch):
         x_s, x_t, _ = (v.to(run.device, non_blocking=True) for v in batch)
         x_t = color(x_t, normalize=True) if color else C.normalize(x_t)
         return C.normalize(x_s), x_t
-    return loader, to_device
+    return loader, views
 
 
 @torch.no_grad()
@@ -624,7 +614,7 @@ def train(args):
     online, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     target_fwd = torch.compile(target) if args.compile else target
 
-    def save(step, **kw):                                            # the checkpoint; snapshot=True:
+    def save(step, **kw):                                            # snapshot=True: the encoder alone
         C.save_run(run, "cmae", args, step // ipe, step, model.encoder, model, opt, target, **kw)
     log = C.Logger(run, args, total, start, ipe)
     if log.done:                                                     # a finished or stopped run, rerun
@@ -659,7 +649,7 @@ def train(args):
                                      args, micro, run.autocast, run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # official: no clip
             ema_update(target, target.online_params(model), m)
-            stop = C.end_step(run, log, save, batches, step=step + 1, epoch=epoch, parts=parts, lr=lr)
+            stop = C.end_step(run, log, save, batches, step + 1, epoch, parts, lr=lr)
             if knn and knn.due(step + 1):                            # --eval-every (a --stop-step's too)
                 knn(step + 1, save)                                  # its checkpoint first
             if stop:

@@ -476,30 +476,30 @@ def masked_symmetry(student, mask):
 STRONG = dict(jitter=(0.4, 0.4, 0.2, 0.1), p_blur=0.1, p_solarize=0.2)   # the teacher view's photometric ops
 
 
+def view_specs(a):
+    """The views' geometry: one RandomResizedCrop (bicubic) + flip, both views cut from it
+    (gpu_data.cut's (size, scale, count, resampling)): what WeakStrongViews makes in the workers and
+    --resident cuts on the device."""
+    return [(a.img_size, a.crop_scale, 1, "bicubic")]
+
+
 class WeakStrongViews:
     """One flip + RandomResizedCrop(bicubic); (weak, strong) uint8 views of it. gpu_aug: the strong
-    view leaves the worker un-augmented and gets STRONG batched on the device (train loop)."""
+    view gets STRONG batched on the device (train loop), so the worker sends the crop once."""
 
     def __init__(self, a):
         from torchvision import transforms as T
+        [(size, scale, _, _)] = view_specs(a)
         self.crop = T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(
-            a.img_size, scale=a.crop_scale, interpolation=T.InterpolationMode.BICUBIC)])
-        self.strong = (lambda im: im) if a.gpu_aug else C.color_augment(**STRONG)
+            size, scale=scale, interpolation=T.InterpolationMode.BICUBIC)])
+        self.gpu_aug = a.gpu_aug
+        self.strong = C.color_augment(**STRONG)
 
     def __call__(self, img):
         img = self.crop(img)
-        return C.to_uint8(img), C.to_uint8(self.strong(img))               # (student, teacher)
-
-
-def resident_views(a):
-    """--resident: WeakStrongViews' geometry cut from the device store (gpu_data.py): one bicubic
-    RandomResizedCrop box + flip per image, drawn per (seed, epoch, image); both views are that crop
-    (the strong one gets STRONG in the loop)."""
-    def make(store, idx, epoch):                                     # -> the workers' (weak, strong)
-        boxes, flips = store.draw(epoch, 0, 1, a.crop_scale)        # (N, 1, 4), (N, 1)
-        v = store.crops(idx, boxes[idx], flips[idx], a.img_size, "bicubic")[0]   # (B, 3, S, S)
-        return v, v
-    return make
+        if self.gpu_aug:
+            return (C.to_uint8(img),)                                # the crop: both views, on the device
+        return C.to_uint8(img), C.to_uint8(self.strong(img))         # (student, teacher)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -544,23 +544,26 @@ def train_step(student, teacher, x_weak, x_strong, mask, a, micro=None,
 def loader_and_views(args, run, dataset, per):
     """The training loader and views(batch): its batch as (x_weak, x_strong), each (B, 3, H, W) on
     the device, normalised, the strong view after its photometric ops (STRONG): batched on the
-    device with --gpu-aug (compiled on CUDA), else in the PIL workers. --resident: the crop cut on
-    the device from the images decoded there once (gpu_data.py), no workers."""
-    if args.resident:
-        gpu_data = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
-        loader = gpu_data.loader(dataset, args, run, per, resident_views(args))
-    else:
+    device with --gpu-aug (compiled on CUDA), else in the PIL workers. The paper's views come from
+    WeakStrongViews in the workers; --resident cuts the same view_specs on the device from the
+    images decoded there once (gpu_data.py), no workers. With --gpu-aug a batch holds the crop once
+    (both views are it before STRONG)."""
+    if not args.resident:                                            # the paper's: the PIL workers
         viewed = C.Views(dataset, WeakStrongViews(args), args.seed)
         loader = C.make_loader(viewed, per, args.workers, args.seed)
+    else:
+        gpu_data = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
+        loader = gpu_data.loader(dataset, args, run, per, view_specs(args))
     color = None
     if args.gpu_aug:
         color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
 
-    def to_device(batch):
-        x_weak, x_strong = (v.to(run.device, non_blocking=True) for v in batch)
+    def views(batch):
+        x = [v.to(run.device, non_blocking=True) for v in batch]
+        x_weak, x_strong = x[0], x[-1]                               # one crop: the same tensor
         x_strong = color(x_strong, **STRONG, normalize=True) if color else C.normalize(x_strong)
         return C.normalize(x_weak), x_strong
-    return loader, to_device
+    return loader, views
 
 
 def train(args):
@@ -590,9 +593,9 @@ def train(args):
     student_fwd, ddp = H.distribute(torch.compile(student) if args.compile else student, run)
     teacher_fwd = torch.compile(teacher) if args.compile else teacher
 
-    def save(step, **kw):                                            # the checkpoint; snapshot=True:
-        C.save_run(run, "conmim", args, step // ipe, step, teacher.encoder, student, opt, teacher,
-                   **kw)                                             # the encoder
+    def save(step, **kw):                                            # snapshot=True: the encoder alone
+        encoder = teacher.encoder                                    # the evaluated one
+        C.save_run(run, "conmim", args, step // ipe, step, encoder, student, opt, teacher, **kw)
     log = C.Logger(run, args, total, start, ipe)
     if log.done:                                                     # a finished or stopped run, rerun
         return
@@ -628,8 +631,8 @@ def train(args):
             parts["grad_norm"] = C.optimizer_step(run, opt, student.parameters(), args.clip_grad)
             ema_update(teacher, student, m)
             diag = {k: parts.pop(k, None) for k in ("sym", "rpb")}   # logged, not watched (log steps only)
-            stop = C.end_step(run, log, save, batches, step=step + 1, epoch=epoch, parts=parts, lr=lr, mom=m,
-                              **diag)
+            scalars = dict(lr=lr, mom=m, **diag)
+            stop = C.end_step(run, log, save, batches, step + 1, epoch, parts, **scalars)
             if knn and knn.due(step + 1):                            # --eval-every (a --stop-step's too)
                 knn(step + 1, save)                                  # its checkpoint first
             if stop:

@@ -8,8 +8,8 @@ the host; its views cost a fixed number of device calls whatever the batch (test
 
 What stays as without it: the order (common.EpochSampler: the shuffle, mid-epoch resume, each process's share),
 the unreadable images (skipped and counted once, at the start), --holdout, the colour ops (gpu_aug.py, batched).
-What each view is: the method's own geometry (its file's `resident_views`: which crops, sizes, scales, flips) drawn
-here per (seed, epoch, image, view) for the whole epoch at its first batch, so that a view does not depend on the
+What each view is: the method's own geometry (its file's `view_specs`: which crops, sizes, scales, resampling; cut())
+drawn here per (seed, epoch, image, view) for the whole epoch at its first batch, so that a view does not depend on the
 batching or the process count and a resumed run draws the same ones. Each box is drawn as torchvision's
 RandomResizedCrop.get_params draws it (ten tries, then the central crop), in law, not draw for draw (the tests'
 KS checks); each crop is resampled as PIL resizes it (`Image.crop` then `Image.resize`: its bilinear or bicubic
@@ -194,8 +194,35 @@ class Loader:
                 yield self.make(self.store, idx, epoch), self.store.labels[idx]
 
 
-def loader(dataset, args, run, per, make):
-    """--resident S: the store of `dataset` on the run's device and its loader (make: the method's resident_views)."""
+def cut(specs):
+    """make(store, idx, epoch) -> the views of images idx as the workers give them, from a method's view_specs:
+    each group (size, scale, n, mode[, W]) is n RandomResizedCrop(size, scale) boxes + flips drawn per (seed,
+    epoch, image, group), resampled with `mode` (bilinear / bicubic), view-major; with a window W (CMAE's pixel
+    shift) the group's one crop gives (its top-left W x W, the W x W window at (dh, dw) ~ U{0..size-W-1} drawn
+    the same way, (dh, dw) (B, 2))."""
+    def make(store, idx, epoch):
+        views = []
+        for key, (size, scale, n, mode, *window) in enumerate(specs):
+            if not n:
+                continue
+            boxes, flips = store.draw(epoch, key, n, scale)                   # (N, n, 4), (N, n)
+            crops = store.crops(idx, boxes[idx], flips[idx], size, mode)    # (n, B, 3, size, size)
+            if not window:
+                views += crops.unbind(0)
+                continue
+            W, m = window[0], crops[0]
+            d = store.integers(epoch, key + 1, 2, size - W)[idx]           # (B, 2): dh, dw
+            rows, cols = (d[:, k, None] + torch.arange(W, device=m.device) for k in (0, 1))   # (B, W)
+            shifted = m.gather(2, rows[:, None, :, None].expand(len(m), 3, W, size))
+            shifted = shifted.gather(3, cols[:, None, None, :].expand(len(m), 3, W, W))   # m[dh:dh+W, dw:dw+W]
+            views += [m[..., :W, :W], shifted, d]
+        return views
+    return make
+
+
+def loader(dataset, args, run, per, specs):
+    """--resident S: the store of `dataset` on the run's device and its loader of the views of `specs` (the
+    method's view_specs, cut())."""
     if not args.gpu_aug:
         raise C.UserError("--resident needs --gpu-aug: the views are made on the device, their colour ops too")
     S, need = args.resident, len(dataset) * 3 * args.resident ** 2
@@ -216,4 +243,4 @@ def loader(dataset, args, run, per, make):
         C.print0(f"warning: {int(big.sum())} of {len(store)} images are larger than --resident {S} (up to {h}x{w}): "
                  f"stored at {S}x{S}, their views are cut from that (the workers' loader crops the originals); "
                  f"give --resident {max(h, w)} to keep them whole")
-    return Loader(store, per, args.seed, make)
+    return Loader(store, per, args.seed, cut(specs))

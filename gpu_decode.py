@@ -61,16 +61,50 @@ def encoded(dataset):
     return dataset
 
 
+def loader(dataset, args, run, per, specs):
+    """--gpu-decode: a loader whose workers read the files and draw the boxes and flips of `specs` (the
+    method's view_specs: (size, scale, count, ...) per group, in view order), each batch decoded and cut on
+    the run's device as the loop takes it: (the views, labels), as the workers' loader gives them."""
+    if not args.gpu_aug:
+        raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, colour runs on the "
+                          "device")
+    boxes = Boxes(specs)
+    files = C.Views(encoded(dataset), boxes, args.seed)
+    return Decoding(C.make_loader(files, per, args.workers, args.seed, collate=collate), run.device, boxes.sizes,
+                    dataset)
+
+
+class Decoding:
+    """What common.Batches uses of a DataLoader (sampler, batch_size, dataset, len, iter), each batch of `loader`
+    decoded and cut on `device` (views()) as it is taken: that time is the loop's data wait."""
+
+    def __init__(self, loader, device, sizes, images):
+        self.loader = loader
+        self.sampler = loader.sampler
+        self.batch_size = loader.batch_size
+        self.dataset = loader.dataset
+        self.device = device
+        self.sizes = sizes
+        self.images = images
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch, labels in self.loader:
+            yield views(batch, self.device, self.sizes, self.images), labels
+
+
 class Boxes:
     """Worker transform: (bytes, lazy image) or a decoded PIL image -> (pixels, rois (V, 5), flips (V,)).
-    pixels: the encoded JPEG (1-d uint8) or decoded (3, H, W) uint8. views: [(size, scale, count), ...]
+    pixels: the encoded JPEG (1-d uint8) or decoded (3, H, W) uint8. views: [(size, scale, count, ...), ...]
     in the method's view order. Each view draws what the CPU path's RandomResizedCrop(size, scale) +
     RandomHorizontalFlip() draw, in that order."""
 
     def __init__(self, views):
         from torchvision import transforms as T
-        self.crops = [T.RandomResizedCrop(size, scale=scale) for size, scale, n in views for _ in range(n)]
-        self.sizes = [size for size, _, n in views for _ in range(n)]     # each view's, for views()
+        self.crops = [T.RandomResizedCrop(size, scale=scale) for size, scale, n, *_ in views for _ in range(n)]
+        self.sizes = [size for size, _, n, *_ in views for _ in range(n)]     # each view's, for views()
 
     def __call__(self, item):
         data, img = item if isinstance(item, tuple) else (None, item)

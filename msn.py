@@ -196,6 +196,8 @@ class Args(H.RunArgs):
 
     def check(self):
         """validate()'s rules for MSN's own flags."""
+        if self.resident and self.gpu_decode:
+            raise C.UserError("--resident and --gpu-decode: choose one (both decode on the device)")
         if self.focal_size % self.patch_size:
             raise C.UserError(f"--focal-size {self.focal_size} is not a multiple of --patch-size "
                               f"{self.patch_size}")
@@ -462,10 +464,11 @@ def msn_loss(anchor, target, prototypes, tau=0.1, tau_plus=0.025, me_max_weight=
 # Data: 1 target + R random anchors at img_size, Nf focal anchors at focal_size
 # ----------------------------------------------------------------------------------------------
 def view_specs(a):
-    """(size, crop scale, count) of each view group, in view order: target + R random anchors,
-    Nf focal."""
-    return [(a.img_size, a.rand_scale, 1 + a.rand_views),
-            (a.focal_size, a.focal_scale, a.focal_views)]
+    """(size, crop scale, count, resampling) of each view group, in view order: the target + R
+    random anchors, Nf focal anchors. MultiView makes them in the workers; --resident
+    (gpu_data.cut) and --gpu-decode cut the same ones on the device."""
+    return [(a.img_size, a.rand_scale, 1 + a.rand_views, "bilinear"),
+            (a.focal_size, a.focal_scale, a.focal_views, "bilinear")]
 
 
 class MultiView:
@@ -475,27 +478,14 @@ class MultiView:
         from torchvision import transforms as T
         def view(size, scale):                                       # --gpu-aug: colour in the loop
             color = [] if a.gpu_aug else [C.color_augment()]
-            crop = T.RandomResizedCrop(size, scale=scale)
+            crop = T.RandomResizedCrop(size, scale=scale)            # bilinear
             return T.Compose([crop, T.RandomHorizontalFlip(), *color, C.to_uint8])
         self.views = []
-        for size, scale, n in view_specs(a):
+        for size, scale, n, _ in view_specs(a):
             self.views += [view(size, scale)] * n                    # one transform per group, applied n times
 
     def __call__(self, img):
         return [t(img) for t in self.views]
-
-
-def resident_views(a):
-    """--resident: MultiView's geometry cut from the device store (gpu_data.py): per view group,
-    its RandomResizedCrop boxes (bilinear) + flips, drawn per (seed, epoch, image, group)."""
-    def make(store, idx, epoch):                                     # -> the workers' list of views
-        views = []
-        for key, (size, scale, n) in enumerate(view_specs(a)):
-            if n:
-                boxes, flips = store.draw(epoch, key, n, scale)     # (N, n, 4), (N, n)
-                views += store.crops(idx, boxes[idx], flips[idx], size, "bilinear").unbind(0)
-        return views
-    return make
 
 
 # ----------------------------------------------------------------------------------------------
@@ -551,44 +541,28 @@ def train_step(online, target_net, x_target, x_rand, x_focal, ids_keep, a, micro
 def loader_and_views(args, run, dataset, per):
     """The training loader and views(batch): its batch as the step's views on the device,
     normalised: x_target (B, 3, S, S), x_rand (R, B, 3, S, S), x_focal (Nf, B, 3, s, s) or None.
-    The performance flags act here only: --gpu-aug runs the colour ops batched on the device, one
-    call per view size, compiled on CUDA (else in the PIL workers); --gpu-decode has the workers
-    read the files and draw MultiView's boxes and flips, which the device applies to the decoded
-    JPEGs; --resident cuts the views on the device from the images decoded there once."""
+    The paper's views come from MultiView in the PIL workers; --resident cuts the same view_specs
+    on the device from the images decoded there once (gpu_data.py), --gpu-decode from each batch's
+    JPEGs decoded there (gpu_decode.py). --gpu-aug runs the colour ops batched on the device, one
+    call per view size, compiled on CUDA (else in the workers)."""
+    if not (args.resident or args.gpu_decode):                       # the paper's: the PIL workers
+        viewed = C.Views(dataset, MultiView(args), args.seed)
+        loader = C.make_loader(viewed, per, args.workers, args.seed)
+    elif args.resident:
+        gpu_data = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
+        loader = gpu_data.loader(dataset, args, run, per, view_specs(args))
+    else:
+        gpu_decode = C.optional("gpu_decode", "--gpu-decode needs gpu_decode.py next to this file")
+        loader = gpu_decode.loader(dataset, args, run, per, view_specs(args))
     color = None
     if args.gpu_aug:
         color = C.optional("gpu_aug").color_augmenter(args.compile or run.device.type == "cuda")
 
-    def prep(v):                                                     # (n B, 3, S, S) uint8 -> normalised
+    def prep(v):                                                     # (n B, 3, S, S) -> normalised
         return color(v, normalize=True) if color else C.normalize(v)
-    if args.resident:                                                # decoded once on the device
-        if args.gpu_decode:
-            raise C.UserError("--resident and --gpu-decode: choose one (both decode on the device)")
-        gpu_data = C.optional("gpu_data", "--resident needs gpu_data.py next to this file")
-        loader = gpu_data.loader(dataset, args, run, per, resident_views(args))
-
-        def to_device(batch):
-            return batch
-    elif args.gpu_decode:
-        if not args.gpu_aug:
-            raise C.UserError("--gpu-decode needs --gpu-aug: the workers send undecoded files, "
-                              "colour runs on the device")
-        gpu_decode = C.optional("gpu_decode", "--gpu-decode needs gpu_decode.py next to this file")
-        boxes = gpu_decode.Boxes(view_specs(args))
-        files = C.Views(gpu_decode.encoded(dataset), boxes, args.seed)
-        loader = C.make_loader(files, per, args.workers, args.seed, collate=gpu_decode.collate)
-
-        def to_device(batch):                                        # decoded, cropped and flipped there
-            return gpu_decode.views(batch, run.device, boxes.sizes, dataset)
-    else:
-        viewed = C.Views(dataset, MultiView(args), args.seed)
-        loader = C.make_loader(viewed, per, args.workers, args.seed)
-
-        def to_device(batch):
-            return [v.to(run.device, non_blocking=True) for v in batch]
 
     def views(batch):
-        v = to_device(batch)
+        v = [t.to(run.device, non_blocking=True) for t in batch]
         R, B = args.rand_views, v[0].shape[0]
         x = prep(torch.cat(v[:1 + R])).unflatten(0, (1 + R, B))     # target and random anchors: one size
         x_focal = prep(torch.cat(v[1 + R:])).unflatten(0, (-1, B)) if args.focal_views else None
@@ -628,9 +602,9 @@ def train(args):
     online, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     target_fwd = torch.compile(target_net) if args.compile else target_net
 
-    def save(step, **kw):                                            # the checkpoint; snapshot=True: the encoder
-        C.save_run(run, "msn", args, step // ipe, step, target_net.encoder, model, opt, target_net,
-                   **kw)
+    def save(step, **kw):                                            # snapshot=True: the encoder alone
+        encoder = target_net.encoder                                 # the evaluated one
+        C.save_run(run, "msn", args, step // ipe, step, encoder, model, opt, target_net, **kw)
     log = C.Logger(run, args, total, start, ipe)
     if log.done:                                                     # a finished or stopped run, rerun
         return
@@ -669,8 +643,8 @@ def train(args):
                                      micro, run.autocast, run.scaler.scale, ddp)
             parts["grad_norm"] = C.optimizer_step(run, opt, model.net.parameters(), args.clip_grad)
             ema_update(target_net, model.net, m)
-            stop = C.end_step(run, log, save, batches, step=step + 1, epoch=epoch, parts=parts,
-                              lr=lr, wd=wd, mom=m)                   # log, NaN watch, save when due
+            # the log line, the NaN watch, a checkpoint when due
+            stop = C.end_step(run, log, save, batches, step + 1, epoch, parts, lr=lr, wd=wd, mom=m)
             if knn and knn.due(step + 1):                            # --eval-every (a --stop-step's too)
                 knn(step + 1, save)                                  # its checkpoint first
             if stop:

@@ -671,7 +671,7 @@ def train(args):
     start = H.resume_run(run, "siammae", args, model, opt, data={"train": dataset})   # global step
     net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
 
-    def save(step, **kw):                                            # the checkpoint; snapshot=True:
+    def save(step, **kw):                                            # snapshot=True: the encoder alone
         C.save_run(run, "siammae", args, step // ipe, step, model.encoder, model, opt, **kw)
     log = C.Logger(run, args, total, start, ipe, per_step=pairs)
     if log.done:                                                     # a finished or stopped run, rerun
@@ -701,7 +701,7 @@ def train(args):
             parts["grad_norm"] = C.optimizer_step(run, opt, model.parameters())   # MAE: no clipping
             if probe is not None and ((step + 1) % args.probe_every == 0 or step + 1 == total):
                 log.write({"step": step + 1, **f1_probe(model, probe, args, run.autocast)})
-            stop = C.end_step(run, log, save, batches, step=step + 1, epoch=epoch, parts=parts, lr=lr)
+            stop = C.end_step(run, log, save, batches, step + 1, epoch, parts, lr=lr)
             if stop:
                 return                                               # preempted, --stop-step: saved
         save((epoch + 1) * ipe)

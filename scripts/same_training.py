@@ -7,6 +7,7 @@ the optimiser's state and the step.
 
   python scripts/same_training.py HEAD~1                   # every method
   python scripts/same_training.py 8c15df7 --methods msn can
+  python scripts/same_training.py HEAD~1 --methods msn cmae conmim can --flags="--gpu-aug --resident 32"
 
 Prints one line a method (identical, or the first tensor that differs and by how much); exit 1 where
 one differs. CPU, fp32, no compile: the same kernels on both sides.
@@ -24,11 +25,11 @@ FLAGS = ["--data", "synthetic", "--model", "nano", "--batch-size", "8", "--epoch
          "--workers", "0", "--device", "cpu", "--no-compile", "--log-every", "1", "--seed", "3"]
 
 
-def train(src, method, out):
+def train(src, method, out, flags=()):
     """The run in folder `src` (its method file), stopped after step 2, then resumed to its end."""
     for stop in (["--stop-step", "2"], []):
         own = ["--epochs", "4"] if method == "siammae" else ["--no-knn"]   # SiamMAE: passes x 2; no k-NN
-        cmd = [sys.executable, os.path.join(src, f"{method}.py"), *FLAGS, *own, *stop, "--output-dir", out]
+        cmd = [sys.executable, os.path.join(src, f"{method}.py"), *FLAGS, *own, *flags, *stop, "--output-dir", out]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=src)
         if r.returncode:
             raise SystemExit(f"error: {method} in {src}: {(r.stderr or r.stdout).strip().splitlines()[-1]}")
@@ -62,6 +63,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("rev", help="the git revision to compare against (e.g. HEAD~1, a commit)")
     p.add_argument("--methods", nargs="+", default=["msn", "cmae", "conmim", "can", "siammae"])
+    p.add_argument("--flags", default="", help="more flags for both runs (e.g. the device paths: --gpu-aug)")
     a = p.parse_args()
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,7 +74,9 @@ def main():
             raise SystemExit(f"error: git archive {a.rev}: {tar.stderr.decode().strip()}")
         subprocess.run(["tar", "-x", "-C", old], input=tar.stdout, check=True)
         for m in a.methods:
-            why = differ(train(old, m, os.path.join(tmp, f"{m}_rev")), train(ROOT, m, os.path.join(tmp, f"{m}_now")))
+            flags = a.flags.split()
+            why = differ(train(old, m, os.path.join(tmp, f"{m}_rev"), flags),
+                         train(ROOT, m, os.path.join(tmp, f"{m}_now"), flags))
             failed |= why is not None
             print(f"{m}: {'identical to ' + a.rev if why is None else 'DIFFERS: ' + why}", flush=True)
     sys.exit(1 if failed else 0)

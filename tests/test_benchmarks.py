@@ -128,8 +128,8 @@ def test_the_data_benchmark_times_the_same_views_for_ours_and_the_official_recip
 def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
     """SMALL=1 benchmarks/gpu_check.sh: the real-data tier on a generated fixture (packed as a .tar.gz, unpacked
     as on the GPU host), each image method's --preset gpu trained with its k-NN monitor, and the step of that
-    preset, with the loop's augmentation; the recipe part (MSN's and ConMIM's step by kernel class, CAN's cached
-    step at c898b5c and now); the augmentation against a git revision; the data path's items (the loop
+    preset, with the loop's augmentation; the recipe part (MSN's step by kernel class, CAN's cached step at
+    c898b5c and now); the augmentation against a git revision; the data path's items (the loop
     probe's sections, each with its table, none cut at its cap); every part under its cap (cuda-* and tests only
     run pytest; probe runs the loop probe's sections as datapath does). A GPU call can then fail for GPU reasons
     only."""
@@ -150,7 +150,7 @@ def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tmp_path):
         assert run["init"] == run["knn"][0][1] and ("online" in run) == (m in ("msn", "conmim")), m
     assert "| CAN (online) | 3 x 8 |" in (out / "cifar.log").read_text()
     recipe = (out / "recipe.log").read_text()
-    assert "item rc" not in recipe and recipe.count("| attention | ") == 2, recipe[-2000:]     # MSN's, ConMIM's
+    assert "item rc" not in recipe and recipe.count("| attention | ") == 1, recipe[-2000:]     # MSN's by class
     assert recipe.count("| can | ") == 2 and "/benchmarks/throughput.py --method can" in recipe    # before, after
     rows = [ln for ln in (out / "realstep.log").read_text().splitlines() if ln.startswith("| ") and "img/s" not in ln]
     assert [ln.split("|")[1].strip() for ln in rows] == ["msn", "cmae", "conmim", "can", "siammae"]   # eager only
