@@ -1,8 +1,9 @@
-"""The training kit of the method files (`import common as C`), in the order a training loop calls it: the process
-and the collectives a loss over the global batch needs; checkpointed blocks, pictures, schedules, the optimiser step;
-micro-batches and the gradient cache; data; after each step; checkpoints; the log. harness.py starts, sizes and stops a
-run and imports this module; this one imports nothing of the repository but synthetic.py (for --data synthetic).
-Nothing here makes a method that method: each method file defines its ViT, masking, EMA target, heads, loss and step."""
+"""The training kit of the method files (`import common as C`), in the order a training loop calls
+it: the process and the collectives a loss over the global batch needs; checkpointed blocks,
+pictures, schedules, the optimiser step; micro-batches and the gradient cache; data; after each
+step; checkpoints; the log. harness.py starts, sizes and stops a run and imports this module; this
+one imports nothing of the repository but synthetic.py (for --data synthetic). Nothing here makes a
+method that method: each method file defines its ViT, masking, EMA target, heads, loss and step."""
 import contextlib
 import dataclasses
 import hashlib
@@ -24,7 +25,8 @@ from PIL import Image
 
 
 class UserError(Exception):
-    """Bad input (data dir, checkpoint, flags): printed as one line by harness.main, no traceback."""
+    """Bad input (data dir, checkpoint, flags): printed as one line by harness.main, no
+    traceback."""
 
 
 _OPTIONAL = {}
@@ -36,9 +38,10 @@ def sibling(name):
 
 
 def optional(name, missing=None):
-    """The optional sibling name.py (recipes, synthetic, gpu_aug, gpu_decode, gpu_data, weights, eval_linear: each for a
-    flag), read from the file beside this one and from nowhere else (a namesake on the path, such as a project's
-    recipes/ package, is not it). Where it was not copied along: None, or the one-line error `missing` when given."""
+    """The optional sibling name.py (recipes, synthetic, gpu_aug, gpu_decode, gpu_data, weights,
+    eval_linear: each for a flag), read from the file beside this one and from nowhere else (a
+    namesake on the path, such as a project's recipes/ package, is not it). Where it was not copied
+    along: None, or the one-line error `missing` when given."""
     path = sibling(name)
     mod = sys.modules.get(name)
     if mod is not None and os.path.realpath(getattr(mod, "__file__", None) or "") == path:
@@ -90,8 +93,9 @@ class _AllGather(torch.autograd.Function):
 
 
 def all_gather(x, grad=True):
-    """Concatenate x (equal shapes) from all ranks along dim 0, rank order; autograd-aware: what gives a loss over the
-    global batch (MSN's Sinkhorn and ME-MAX, the InfoNCE negatives) its one-process value and gradient."""
+    """Concatenate x (equal shapes) from all ranks along dim 0, rank order; autograd-aware: what
+    gives a loss over the global batch (MSN's Sinkhorn and ME-MAX, the InfoNCE negatives) its
+    one-process value and gradient."""
     if world_size() == 1:
         return x
     return _AllGather.apply(x) if grad else _AllGather.forward(None, x)
@@ -106,17 +110,20 @@ def all_reduce_sum_(x):
 
 # ---- Activation checkpointing, pictures, schedules, the optimiser and its step -----------------
 def run_blocks(blocks, x, checkpoint=False, *ctx):
-    """x through each block (blk(x, *ctx)); checkpoint: activation checkpointing per block (RNG replayed)."""
+    """x through each block (blk(x, *ctx)); checkpoint: activation checkpointing per block (RNG
+    replayed)."""
     for blk in blocks:
         if checkpoint and torch.is_grad_enabled():
-            x = torch.utils.checkpoint.checkpoint(blk, x, *ctx, use_reentrant=False, preserve_rng_state=True)
+            x = torch.utils.checkpoint.checkpoint(blk, x, *ctx, use_reentrant=False,
+                                                  preserve_rng_state=True)
         else:
             x = blk(x, *ctx)
     return x
 
 
 def set_grad_checkpointing(model, on=True):
-    """Turn activation checkpointing on for every sub-module that runs blocks (attribute grad_ckpt)."""
+    """Turn activation checkpointing on for every sub-module that runs blocks (attribute
+    grad_ckpt)."""
     for m in model.modules():
         if hasattr(m, "grad_ckpt"):
             m.grad_ckpt = on
@@ -124,8 +131,8 @@ def set_grad_checkpointing(model, on=True):
 
 
 def save_image_grid(path, rows, labels, step=None, tb=None):
-    """rows: (B, 3, H, W) ImageNet-normalised tensors -> one PNG (rank 0), a labelled row each, tiles >= 64 px; also
-    to `tb` (the run's TensorBoard writer)."""
+    """rows: (B, 3, H, W) ImageNet-normalised tensors -> one PNG (rank 0), a labelled row each,
+    tiles >= 64 px; also to `tb` (the run's TensorBoard writer)."""
     if not is_main():
         return
     from PIL import ImageDraw
@@ -137,7 +144,8 @@ def save_image_grid(path, rows, labels, step=None, tb=None):
     grid = make_grid(imgs, nrow=rows[0].shape[0], padding=2, pad_value=1.0)              # (3, H', W')
     tile = imgs.shape[-2] + 2
     canvas = Image.new("RGB", (grid.shape[-1] + 200, grid.shape[-2]), "white")
-    canvas.paste(Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype("uint8")), (200, 0))
+    pixels = (grid.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+    canvas.paste(Image.fromarray(pixels), (200, 0))
     draw = ImageDraw.Draw(canvas)
     for i, text in enumerate(labels):
         draw.text((6, i * tile + tile // 2 - 6), text, fill="black")
@@ -147,7 +155,8 @@ def save_image_grid(path, rows, labels, step=None, tb=None):
 
 
 def cosine_schedule(step, total, base, final=0.0, warmup=0, start=0.0):
-    """Linear warm-up start -> base over `warmup` steps, then half-cosine base -> final at `total`."""
+    """Linear warm-up start -> base over `warmup` steps, then half-cosine base -> final at
+    `total`."""
     if step < warmup:
         return start + (base - start) * step / warmup
     t = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -160,7 +169,8 @@ def no_decay_1d(name, p):
 
 
 def make_optimizer(model, lr, weight_decay, betas, device, no_decay=no_decay_1d, eps=1e-8):
-    """AdamW, weight decay on every trainable tensor but those no_decay(name, param) names (the method's rule)."""
+    """AdamW, weight decay on every trainable tensor but those no_decay(name, param) names (the
+    method's rule)."""
     decay, skip = [], []
     for n, p in model.named_parameters():
         if p.requires_grad:
@@ -171,7 +181,8 @@ def make_optimizer(model, lr, weight_decay, betas, device, no_decay=no_decay_1d,
 
 
 def optimizer_step(run, optimizer, params, max_norm=0.0):
-    """Unscale (fp16), clip to max_norm (0: none), step; returns the gradient norm as a device tensor (no sync)."""
+    """Unscale (fp16), clip to max_norm (0: none), step; returns the gradient norm as a device
+    tensor (no sync)."""
     run.scaler.unscale_(optimizer)
     if max_norm:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -193,8 +204,10 @@ def set_hparams(optimizer, lr, weight_decay=None):
 
 # ---- One optimiser step over a batch in micro-batches (exact gradient accumulation) ------------
 def rng_state():
-    """This process's [CPU, current CUDA] generator states (to replay a forward, or to checkpoint)."""
-    return [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
+    """This process's [CPU, current CUDA] generator states (to replay a forward, or to
+    checkpoint)."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return [torch.get_rng_state(), cuda]
 
 
 def set_rng_state(state):
@@ -217,9 +230,9 @@ def allreduce_grads(params):
 
 
 def micro_batches(n, micro, ddp=None):
-    """slice(0, micro), slice(micro, 2 micro), ... over n samples, for a loss that is a sum over samples (the caller
-    back-propagates each slice's share of the batch loss: the exact batch gradient). Under DDP the reducer waits for
-    the last slice."""
+    """slice(0, micro), slice(micro, 2 micro), ... over n samples, for a loss that is a sum over
+    samples (the caller back-propagates each slice's share of the batch loss: the exact batch
+    gradient). Under DDP the reducer waits for the last slice."""
     slices = [slice(i, min(i + micro, n)) for i in range(0, n, micro)]
     if ddp is None or len(slices) == 1:
         yield from slices
@@ -230,14 +243,16 @@ def micro_batches(n, micro, ddp=None):
 
 
 def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
-    """The gradient cache (Gao et al. 2021): one step's exact forward + backward over n samples in micro-batches when
-    the loss couples the batch (Sinkhorn, ME-MAX, InfoNCE negatives).
-    forward(sl, local) -> (local_loss or None, emb (len(sl), ...), parts to log) for the samples of slice sl;
-    coupled(emb of all n) -> (loss, parts). A no-grad pass embeds every micro-batch (saving its RNG state); coupled
-    and its gradient G w.r.t. the embeddings are computed once; each micro-batch runs again from its RNG state and
-    back-propagates local + <emb, G>: the one-pass gradient up to rounding (tests/test_step.py), BatchNorm statistics
-    aside. scale: GradScaler.scale; ddp: bypassed, gradients averaged once. Returns the loss and parts, detached."""
-    scale, slices = scale or (lambda t: t), list(micro_batches(n, micro))
+    """The gradient cache (Gao et al. 2021): one step's exact forward + backward over n samples in
+    micro-batches when the loss couples the batch (Sinkhorn, ME-MAX, InfoNCE negatives). forward(sl,
+    local) -> (local_loss or None, emb (len(sl), ...), parts to log) for the samples of slice sl;
+    coupled(emb of all n) -> (loss, parts). A no-grad pass embeds every micro-batch (saving its RNG
+    state); coupled and its gradient G w.r.t. the embeddings are computed once; each micro-batch
+    runs again from its RNG state and back-propagates local + <emb, G>: the one-pass gradient up to
+    rounding (tests/test_step.py), BatchNorm statistics aside. scale: GradScaler.scale; ddp:
+    bypassed, gradients averaged once. Returns the loss and parts, detached."""
+    scale = scale or (lambda t: t)
+    slices = list(micro_batches(n, micro))
     sync = ddp.no_sync if ddp is not None else contextlib.nullcontext
     states, embs = [], []
     with torch.no_grad():
@@ -248,7 +263,9 @@ def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
     loss, cparts = coupled(E)
     with sync():
         scale(loss).backward()
-    G, total, parts = E.grad, loss.detach(), {}
+    G = E.grad                                                       # d scale(L) / d embeddings
+    total = loss.detach()
+    parts = {}
     for state, sl in zip(states, slices):
         set_rng_state(state)
         with sync():
@@ -269,7 +286,8 @@ IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 
 
 def frame_order(name):
-    """Sort key of frame files: digit runs as numbers (frame_2.jpg before frame_10.jpg, ffmpeg's %d names)."""
+    """Sort key of frame files: digit runs as numbers (frame_2.jpg before frame_10.jpg, ffmpeg's %d
+    names)."""
     return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]   # odd: the digit runs
 
 
@@ -279,18 +297,21 @@ _MEAN_STD = {}                                           # device -> (mean, std)
 def normalize(x):
     """uint8 (or float in [0, 1]) (..., 3, H, W) on any device -> float, ImageNet mean/std."""
     if x.device not in _MEAN_STD:
-        _MEAN_STD[x.device] = [torch.tensor(v, device=x.device).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD)]
+        _MEAN_STD[x.device] = [torch.tensor(v, device=x.device).view(3, 1, 1)
+                               for v in (IMAGENET_MEAN, IMAGENET_STD)]
     mean, std = _MEAN_STD[x.device]
     return ((x.float() / 255 if x.dtype == torch.uint8 else x) - mean) / std
 
 
 def to_rgb(img):
-    """A PIL image as 8-bit RGB. 16-bit greyscale (PNG / TIFF: mode I;16, or I from a PNG) is scaled to 8 bits, where
-    Pillow's convert would clip it (white); other 32-bit integer and float images are refused (ValueError)."""
+    """A PIL image as 8-bit RGB. 16-bit greyscale (PNG / TIFF: mode I;16, or I from a PNG) is scaled
+    to 8 bits, where Pillow's convert would clip it (white); other 32-bit integer and float images
+    are refused (ValueError)."""
     if img.mode.startswith("I;16") or (img.mode == "I" and img.format == "PNG"):
         img = Image.fromarray((np.asarray(img).astype(np.uint32) >> 8).astype(np.uint8))
     elif img.mode in ("I", "F"):
-        raise ValueError(f"{img.mode} (32-bit) pixels: save the image with 8 or 16 bits per channel")
+        raise ValueError(f"{img.mode} (32-bit) pixels: save the image with 8 or 16 bits per "
+                         "channel")
     return img.convert("RGB")                                        # a loaded copy: the file may close
 
 
@@ -304,10 +325,12 @@ BLUR_SIGMA = (0.1, 2.0)
 
 
 class GaussianBlur:
-    """With probability p, PIL's (untruncated) Gaussian blur, sigma ~ U[0.1, 2] (MSN's, DINO's); torch's RNG."""
+    """With probability p, PIL's (untruncated) Gaussian blur, sigma ~ U[0.1, 2] (MSN's, DINO's);
+    torch's RNG."""
 
     def __init__(self, p=0.5, sigma=BLUR_SIGMA):
-        self.p, self.sigma = p, sigma
+        self.p = p
+        self.sigma = sigma
 
     def __call__(self, img):
         if torch.rand(()) >= self.p:
@@ -317,8 +340,10 @@ class GaussianBlur:
         return img.filter(ImageFilter.GaussianBlur(radius=s))
 
 
-def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5, p_solarize=0.0):
-    """SimCLR/BYOL photometric augmentation of PIL images: colour jitter, greyscale, blur, solarisation."""
+def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5,
+                  p_solarize=0.0):
+    """SimCLR/BYOL photometric augmentation of PIL images: colour jitter, greyscale, blur,
+    solarisation."""
     from torchvision import transforms as T
     ops = [T.RandomApply([T.ColorJitter(*jitter)], p=p_jitter), T.RandomGrayscale(p=p_gray)]
     if p_blur > 0:
@@ -329,7 +354,8 @@ def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=
 
 
 class CountsUnreadable:
-    """`bad`: the distinct unreadable items (files, videos) met by this process and its workers (--max-unreadable)."""
+    """`bad`: the distinct unreadable items (files, videos) met by this process and its workers
+    (--max-unreadable)."""
 
     def count_unreadable_of(self, n):
         import multiprocessing                          # shared with forked DataLoader workers:
@@ -344,17 +370,20 @@ class CountsUnreadable:
                 self.bad.value += 1
         if path not in self.reported:
             self.reported.add(path)
-            print(f"warning: cannot read {what} {path} ({e}); {instead}", file=sys.stderr, flush=True)
+            print(f"warning: cannot read {what} {path} ({e}); {instead}", file=sys.stderr,
+                  flush=True)
 
 
 class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
-    """Images under a directory, class = first-level sub-folder (or one class; every: every image under it, one class,
-    as --mode embed and visualize.py read a folder). skip_unreadable (training): an unreadable image is replaced by
-    the next readable one (deterministic: resume stays exact), reported and counted."""
+    """Images under a directory, class = first-level sub-folder (or one class; every: every image
+    under it, one class, as --mode embed and visualize.py read a folder). skip_unreadable
+    (training): an unreadable image is replaced by the next readable one (deterministic: resume
+    stays exact), reported and counted."""
 
     def __init__(self, root, skip_unreadable=False, every=False):
         if not os.path.isdir(root):
-            raise UserError(f"--data {root}: no such directory (give an image folder or 'synthetic')")
+            raise UserError(f"--data {root}: no such directory (give an image folder or "
+                            "'synthetic')")
         classes = [] if every else sorted(d.name for d in os.scandir(root) if d.is_dir())
         self.samples = []
         for ci, c in enumerate(classes or [""]):
@@ -364,13 +393,18 @@ class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
             if not classes:
                 break
         if not self.samples:
-            raise UserError(f"--data {root}: no images found ({'/'.join(IMG_EXTS)}) in it or its sub-folders")
-        self.root, self.classes, self.skip, self.held = root, classes or ["all"], skip_unreadable, []
+            raise UserError(f"--data {root}: no images found ({'/'.join(IMG_EXTS)}) in it or its "
+                            "sub-folders")
+        self.root = root
+        self.classes = classes or ["all"]
+        self.skip = skip_unreadable
+        self.held = []
         self.count_unreadable_of(len(self.samples))
         self.reader = read_rgb                          # gpu_decode.encoded() swaps in its reader
 
     def fingerprint(self):
-        """What a resumed run must find again (harness.resume_run): the counts, the files (and held-out ones)."""
+        """What a resumed run must find again (harness.resume_run): the counts, the files (and
+        held-out ones)."""
         held = {"held_out": digest(self.held, self.root)} if self.held else {}
         return {"images": len(self), "classes": len(self.classes),
                 "files": digest([p for p, _ in self.samples], self.root), **held}
@@ -386,9 +420,11 @@ class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
                 return self.reader(path), label
             except Exception as e:
                 if not self.skip:
-                    raise UserError(f"cannot read image {path}: {e}; remove or replace the file") from None
+                    raise UserError(f"cannot read image {path}: {e}; remove or replace the "
+                                    "file") from None
                 self.unreadable(j, path, e, "image", "using the next readable image")
-        raise UserError(f"100 consecutive unreadable images from {self.samples[i][0]}: is --data right?")
+        raise UserError(f"100 consecutive unreadable images from {self.samples[i][0]}: is --data "
+                        "right?")
 
 
 def read_rgb(path):
@@ -397,14 +433,18 @@ def read_rgb(path):
 
 
 def image_dataset(data, split="train", skip_unreadable=False, holdout=0):
-    """`synthetic`, or DIR (DIR/<split> when present, else DIR itself for training). holdout n: "train" without the n
-    images held_out() keeps back, "holdout" those n."""
+    """`synthetic`, or DIR (DIR/<split> when present, else DIR itself for training). holdout n:
+    "train" without the n images held_out() keeps back, "holdout" those n."""
     if data == "synthetic":
         if holdout:
-            raise UserError("--holdout: the synthetic data has its own val split; leave --holdout out")
-        return optional("synthetic", "--data synthetic needs synthetic.py next to this file").SyntheticImages(split)
+            raise UserError("--holdout: the synthetic data has its own val split; leave --holdout "
+                            "out")
+        synthetic = optional("synthetic", "--data synthetic needs synthetic.py next to this file")
+        return synthetic.SyntheticImages(split)
     sub = "train" if split == "holdout" else split
-    root = os.path.join(data, sub) if os.path.isdir(os.path.join(data, sub)) else (data if sub == "train" else None)
+    root = os.path.join(data, sub)
+    if not os.path.isdir(root):                             # training reads DIR itself without DIR/train
+        root = data if sub == "train" else None
     ds = ImageFiles(root, skip_unreadable) if root else None
     if ds is not None and sub == "train" and holdout:
         ds.held = [p for p, _ in held_out(ds.samples, holdout, True)]
@@ -414,14 +454,15 @@ def image_dataset(data, split="train", skip_unreadable=False, holdout=0):
 
 
 def digest(paths, root):
-    """A short hash of a list of files by their paths relative to root: a folder moved whole keeps it; a file added,
-    removed, renamed or moved to another class changes it."""
-    return hashlib.sha1("\n".join(os.path.relpath(p, root) for p in paths).encode()).hexdigest()[:16]
+    """A short hash of a list of files by their paths relative to root: a folder moved whole keeps
+    it; a file added, removed, renamed or moved to another class changes it."""
+    names = "\n".join(os.path.relpath(p, root) for p in paths)
+    return hashlib.sha1(names.encode()).hexdigest()[:16]
 
 
 def held_out(items, n, held=False):
-    """--holdout n: the n of sorted `items` that training never sees (held: those, else the others), a draw fixed by n
-    and len(items) alone (not --seed): every run and evaluation agree."""
+    """--holdout n: the n of sorted `items` that training never sees (held: those, else the others),
+    a draw fixed by n and len(items) alone (not --seed): every run and evaluation agree."""
     if n and not 0 < n < len(items):
         raise UserError(f"--holdout {n}: there are {len(items)} training items (hold back fewer)")
     out = set(torch.randperm(len(items), generator=torch.Generator().manual_seed(0))[:n].tolist())
@@ -429,10 +470,13 @@ def held_out(items, n, held=False):
 
 
 class Views(torch.utils.data.Dataset):
-    """`transform` of dataset.load(i) under an RNG seeded by (seed, epoch, i): the same views whatever the workers."""
+    """`transform` of dataset.load(i) under an RNG seeded by (seed, epoch, i): the same views
+    whatever the workers."""
 
     def __init__(self, dataset, transform, seed=0):
-        self.dataset, self.transform, self.seed = dataset, transform, seed
+        self.dataset = dataset
+        self.transform = transform
+        self.seed = seed
 
     def __len__(self):
         return len(self.dataset)
@@ -441,13 +485,15 @@ class Views(torch.utils.data.Dataset):
         i, epoch = key if isinstance(key, tuple) else (key, 0)
         img, label = self.dataset.load(i)
         with torch.random.fork_rng(devices=[]):                      # leave the caller's RNG alone
-            torch.manual_seed(int(np.random.SeedSequence([self.seed, epoch, i]).generate_state(1)[0]))
+            seed = np.random.SeedSequence([self.seed, epoch, i]).generate_state(1)[0]
+            torch.manual_seed(int(seed))
             return self.transform(img), label
 
 
 class EpochSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler yielding (index, epoch) for `Views`, skipping `skip` of the first epoch (mid-epoch resume);
-    with `ipe` set it runs on through the epochs, each cut to ipe batches (workers prefetch across them)."""
+    """DistributedSampler yielding (index, epoch) for `Views`, skipping `skip` of the first epoch
+    (mid-epoch resume); with `ipe` set it runs on through the epochs, each cut to ipe batches
+    (workers prefetch across them)."""
     skip, ipe, batch = 0, None, 1
 
     def __iter__(self):
@@ -462,15 +508,17 @@ class EpochSampler(torch.utils.data.DistributedSampler):
 
 
 def seed_epoch(seed, epoch, rank):
-    """A fresh epoch's draws (masks, drop path) from (seed, epoch, rank); a resumed one keeps the checkpoint's."""
+    """A fresh epoch's draws (masks, drop path) from (seed, epoch, rank); a resumed one keeps the
+    checkpoint's."""
     torch.manual_seed(int(np.random.SeedSequence([seed, epoch, rank, 7]).generate_state(1)[0]))
 
 
 class Batches:
-    """The training batches epoch by epoch from the checkpoint's step on, on one iterator of the loader (its workers
-    run on from one epoch into the next), and what the log reports of them: `wait`, the seconds next() blocked
-    (MAE's "data" time) since the log took it (take_wait), and `bad`, the epoch's unreadable images so far (None:
-    none). More than --max-unreadable of an epoch's reads unreadable stops the run (check_unreadable)."""
+    """The training batches epoch by epoch from the checkpoint's step on, on one iterator of the
+    loader (its workers run on from one epoch into the next), and what the log reports of them:
+    `wait`, the seconds next() blocked (MAE's "data" time) since the log took it (take_wait), and
+    `bad`, the epoch's unreadable images so far (None: none). More than --max-unreadable of an
+    epoch's reads unreadable stops the run (check_unreadable)."""
 
     def __init__(self, loader, ipe, max_unreadable):
         self.loader = loader
@@ -496,7 +544,8 @@ class Batches:
         t = time.perf_counter()
         for it, batch in enumerate(itertools.islice(self.stream, self.ipe - first), start=first):
             self.wait += time.perf_counter() - t                    # the time next() blocked
-            self.bad = check_unreadable(data, (it + 1) * loader.batch_size, bad0, self.max_unreadable)
+            reads = (it + 1) * loader.batch_size
+            self.bad = check_unreadable(data, reads, bad0, self.max_unreadable)
             yield it, batch
             t = time.perf_counter()
         check_unreadable(data, self.ipe * loader.batch_size, bad0, self.max_unreadable, final=True)
@@ -511,14 +560,16 @@ STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 
 def ignore_stop_signals(_worker_id=None):
-    """DataLoader worker_init_fn: workers outlive a signal to the process group while the checkpoint is written."""
+    """DataLoader worker_init_fn: workers outlive a signal to the process group while the checkpoint
+    is written."""
     import signal
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def epoch_sampler(dataset, batch_size, seed):
-    """The training order (EpochSampler): shuffled, this process's share, full batches of batch_size only."""
+    """The training order (EpochSampler): shuffled, this process's share, full batches of batch_size
+    only."""
     sampler = EpochSampler(dataset, world_size(), rank(), shuffle=True, seed=seed, drop_last=True)
     if len(sampler) < batch_size:
         raise UserError(f"dataset has {len(dataset)} images: too few for --batch-size {batch_size} "
@@ -528,19 +579,22 @@ def epoch_sampler(dataset, batch_size, seed):
 
 
 def make_loader(dataset, batch_size, workers, seed, collate=None):
-    """The training loader: epoch_sampler's order, full batches only (the last partial one is dropped)."""
+    """The training loader: epoch_sampler's order, full batches only (the last partial one is
+    dropped)."""
     sampler = epoch_sampler(dataset, batch_size, seed)
     return torch.utils.data.DataLoader(          # own generator: iterating never touches the global RNG
-        dataset, batch_size, sampler=sampler, num_workers=workers, pin_memory=torch.cuda.is_available(),
-        drop_last=True, persistent_workers=workers > 0, generator=torch.Generator(), collate_fn=collate,
+        dataset, batch_size, sampler=sampler, num_workers=workers,
+        pin_memory=torch.cuda.is_available(), drop_last=True, persistent_workers=workers > 0,
+        generator=torch.Generator(), collate_fn=collate,
         worker_init_fn=ignore_stop_signals if workers > 0 else None)
 
 
 # ---- After each step: the log line's watches, unreadable images --------------------------------
 def end_step(run, log, save, batches, step, epoch, parts, **scalars):
-    """After each step: the non-finite watch, the log line (with the data wait and the epoch's unreadable images,
-    from `batches`), a checkpoint when due (--save-every*, a stop signal, --stop-step), the evaluated encoder every
-    --keep-every steps. True: stop now (the checkpoint is written)."""
+    """After each step: the non-finite watch, the log line (with the data wait and the epoch's
+    unreadable images, from `batches`), a checkpoint when due (--save-every*, a stop signal,
+    --stop-step), the evaluated encoder every --keep-every steps. True: stop now (the checkpoint is
+    written)."""
     run.guard.update(step, parts, run.scaler)
     due, snapshot, stop = run.control.poll(step)
     log.step(step, epoch, parts, force=stop, wait=batches.take_wait(), bad_images=batches.bad,
@@ -551,22 +605,27 @@ def end_step(run, log, save, batches, step, epoch, parts, **scalars):
         save(step, snapshot=True)
     if stop:
         why = run.control.signal or f"--stop-step {step}"
-        print0(f"stopping after step {step} ({why}); checkpoint {run.ckpt} written: rerun the same command to resume")
+        print0(f"stopping after step {step} ({why}); checkpoint {run.ckpt} written: rerun the same "
+               "command to resume")
     return stop
 
 
 def bad_reads(dataset):
-    """Distinct unreadable files (videos) met so far by this process and its workers (0 where not counted)."""
+    """Distinct unreadable files (videos) met so far by this process and its workers (0 where not
+    counted)."""
     return dataset.bad.value if hasattr(dataset, "bad") else 0
 
 
 def check_unreadable(dataset, reads, bad0, max_frac, final=False):
-    """Stop when more than max_frac of the `reads` of this epoch met unreadable files (bad0: the count at its start),
-    judged from 1000 reads on and at the epoch's end. Returns the epoch's new ones, or None (for the log)."""
-    bad, unit = bad_reads(dataset) - bad0, getattr(dataset, "unit", "images")
+    """Stop when more than max_frac of the `reads` of this epoch met unreadable files (bad0: the
+    count at its start), judged from 1000 reads on and at the epoch's end. Returns the epoch's new
+    ones, or None (for the log)."""
+    bad = bad_reads(dataset) - bad0
+    unit = getattr(dataset, "unit", "images")
     if (final or reads >= 1000) and bad > max_frac * reads:
-        raise UserError(f"{bad} of {reads} {unit} read in this epoch were unreadable (> --max-unreadable "
-                        f"{max_frac:g}); fix the dataset (the warnings above name the files)")
+        raise UserError(f"{bad} of {reads} {unit} read in this epoch were unreadable (> "
+                        f"--max-unreadable {max_frac:g}); fix the dataset (the warnings above "
+                        "name the files)")
     return bad or None
 
 
@@ -579,7 +638,8 @@ def unwrap(model):
 
 
 def save_checkpoint(path, state):
-    """Atomic write (a temp file, then a rename): a failed write leaves the previous file and is a one-line error."""
+    """Atomic write (a temp file, then a rename): a failed write leaves the previous file and is a
+    one-line error."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         torch.save(state, tmp)
@@ -588,12 +648,13 @@ def save_checkpoint(path, state):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         kept = "the previous one is intact" if os.path.isfile(path) else "none was written before"
-        raise UserError(f"cannot write checkpoint {path} ({type(e).__name__}: {e}); {kept}") from None
+        raise UserError(f"cannot write checkpoint {path} ({type(e).__name__}: {e}); "
+                        f"{kept}") from None
 
 
 def load_checkpoint(path, method=None, ours=True):
-    """Load a checkpoint (tensors only) of this project's format (ours; of `method` if given), or any (ours=False);
-    clear errors for missing, unreadable, foreign and other-method files."""
+    """Load a checkpoint (tensors only) of this project's format (ours; of `method` if given), or
+    any (ours=False); clear errors for missing, unreadable, foreign and other-method files."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
@@ -612,10 +673,12 @@ def load_checkpoint(path, method=None, ours=True):
     return ckpt
 
 
-def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=None, snapshot=False):
-    """The checkpoint format, written by rank 0 (every rank calls: the RNG states are gathered, so a mid-epoch
-    checkpoint resumes exactly). `encoder`: the ViT the paper evaluates. Never writes non-finite weights.
-    snapshot: only the evaluated encoder (what eval_linear.py reads), as encoder_step<step>.pth (--keep-every)."""
+def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=None,
+             snapshot=False):
+    """The checkpoint format, written by rank 0 (every rank calls: the RNG states are gathered, so a
+    mid-epoch checkpoint resumes exactly). `encoder`: the ViT the paper evaluates. Never writes
+    non-finite weights. snapshot: only the evaluated encoder (what eval_linear.py reads), as
+    encoder_step<step>.pth (--keep-every)."""
     run.guard.check()
     meta = {"method": method, "args": dataclasses.asdict(args), "epoch": epoch, "step": step,
             "vit": unwrap(encoder).config, "encoder": unwrap(encoder).state_dict(),
@@ -631,15 +694,19 @@ def save_run(run, method, args, epoch, step, encoder, model, optimizer, target=N
         return
     sd = unwrap(model).state_dict()
     if not all(torch.isfinite(v).all() for v in sd.values() if v.is_floating_point()):
-        raise UserError(f"non-finite weights at step {step}: not written; {run.ckpt} keeps the last finite checkpoint")
-    save_checkpoint(run.ckpt, {**meta, "model": sd, "target": target.state_dict() if target else None,
-                               "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(), "rng": rng})
+        raise UserError(f"non-finite weights at step {step}: not written; {run.ckpt} keeps the "
+                        "last finite checkpoint")
+    save_checkpoint(run.ckpt, {**meta, "model": sd,
+                               "target": target.state_dict() if target else None,
+                               "optimizer": optimizer.state_dict(),
+                               "scaler": run.scaler.state_dict(), "rng": rng})
     run.guard.saved = step
 
 
 # ---- The log: a console line, log.jsonl, TensorBoard -------------------------------------------
 def _logged_step(line):
-    """The step of a log.jsonl record (0 for records without one; inf for a line cut off by a kill)."""
+    """The step of a log.jsonl record (0 for records without one; inf for a line cut off by a
+    kill)."""
     try:
         return json.loads(line).get("step", 0)
     except ValueError:
@@ -647,20 +714,24 @@ def _logged_step(line):
 
 
 class TensorBoard:
-    """--tensorboard: every logged scalar and the pictures also in <output-dir>/tensorboard, each write flushed (a run's
-    last records are on disk when it returns). The package is imported for this flag only; the folder is opened at the
-    first write, after a run from step 0 moved an earlier one aside (Logger)."""
+    """--tensorboard: every logged scalar and the pictures also in <output-dir>/tensorboard, each
+    write flushed (a run's last records are on disk when it returns). The package is imported for
+    this flag only; the folder is opened at the first write, after a run from step 0 moved an
+    earlier one aside (Logger)."""
 
     def __init__(self, out):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard), or leave the flag "
-                            "out") from None
-        self.folder, self.open, self.writer = os.path.join(out, "tensorboard"), SummaryWriter, None
+            raise UserError("--tensorboard needs the tensorboard package (pip install "
+                            "tensorboard), or leave the flag out") from None
+        self.folder = os.path.join(out, "tensorboard")
+        self.open = SummaryWriter
+        self.writer = None
 
     def add(self, step, rec=(), image=None):
-        """Every number of a log record but its epoch and step; an image: (tag, (3, H, W) in [0, 1])."""
+        """Every number of a log record but its epoch and step; an image: (tag, (3, H, W) in [0,
+        1])."""
         self.writer = self.writer or self.open(self.folder)
         for k, v in dict(rec).items():
             if isinstance(v, (int, float)) and k not in ("epoch", "step"):
@@ -671,9 +742,10 @@ class TensorBoard:
 
 
 class Logger:
-    """Every --log-every steps and at the run's last step: one host sync, a console line and a log.jsonl record (rank
-    0). A resumed run first drops the records of steps after its checkpoint: each step is logged once. per_step:
-    the images (SiamMAE: pairs) a step trains, default --batch-size."""
+    """Every --log-every steps and at the run's last step: one host sync, a console line and a
+    log.jsonl record (rank 0). A resumed run first drops the records of steps after its checkpoint:
+    each step is logged once. per_step: the images (SiamMAE: pairs) a step trains, default
+    --batch-size."""
 
     def __init__(self, run, args, total_steps, start_step, ipe, per_step=None):
         self.run = run
@@ -695,8 +767,9 @@ class Logger:
         if self.done:
             why = ", ".join(f"{k} {v}" for k, (e, v) in ends.items()
                             if e == end and (k == "--epochs" or e != total_steps))
-            print0(f"the checkpoint is at step {start_step} and this run ends at step {end} ({why}): nothing to "
-                   "train; raise --epochs / --stop-epoch / --stop-step to train on")
+            print0(f"the checkpoint is at step {start_step} and this run ends at step {end} "
+                   f"({why}): nothing to train; raise --epochs / --stop-epoch / --stop-step to "
+                   "train on")
         if start_step and is_main() and os.path.isfile(self.path):      # drop the records after the checkpoint
             with open(self.path) as f:
                 keep = [ln for ln in f if _logged_step(ln) <= start_step]
@@ -709,8 +782,8 @@ class Logger:
         return not step % self.every or step in (self.total, self.stop)
 
     def step(self, step, epoch, parts, force=False, wait=0.0, **scalars):
-        """parts: dict of 0-d tensors (loss terms), kept on device until logged; wait: the seconds this step blocked
-        on its batch."""
+        """parts: dict of 0-d tensors (loss terms), kept on device until logged; wait: the seconds
+        this step blocked on its batch."""
         self.wait += wait
         logged = self.due(step) or force
         first = not logged and step == self.first                        # an early console line and ETA only
@@ -721,10 +794,12 @@ class Logger:
         dt = time.time() - self.t
         ips = (step - self.last) * self.batch / max(dt, 1e-9)
         eta = (self.total - step) * dt / max(1, step - self.last)
-        self.t, self.last = time.time(), step
+        self.t = time.time()
+        self.last = step
         wait, self.wait = self.wait, 0.0
-        rec = {"epoch": epoch, "step": step, **rec, **{k: float(v) for k, v in scalars.items() if v is not None},
-               "img_s": round(ips, 1), "data_wait": round(min(1.0, wait / max(dt, 1e-9)), 3)}
+        given = {k: float(v) for k, v in scalars.items() if v is not None}
+        rec = {"epoch": epoch, "step": step, **rec, **given, "img_s": round(ips, 1),
+               "data_wait": round(min(1.0, wait / max(dt, 1e-9)), 3)}
         if torch.cuda.is_available():
             rec["mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if is_main():
@@ -746,7 +821,8 @@ class Logger:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         except OSError as e:
-            raise UserError(f"cannot write the log {self.path} ({e.strerror or type(e).__name__}); the last checkpoint "
-                            f"is {self.guard.ckpt if self.guard.saved is not None else 'not written yet'}") from None
+            last = self.guard.ckpt if self.guard.saved is not None else "not written yet"
+            raise UserError(f"cannot write the log {self.path} ({e.strerror or type(e).__name__}); "
+                            f"the last checkpoint is {last}") from None
 
 

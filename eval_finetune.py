@@ -1,8 +1,8 @@
 """End-to-end fine-tuning of a pre-trained encoder with a linear head: the ImageNet-1k top-1 that
 CMAE, ConMIM and CAN report as their headline result, with each official fine-tuning recipe.
 
-  python eval_finetune.py --ckpt runs/cmae/checkpoint.pth --data /imagenet           # MAE's ViT-B recipe
-  python eval_finetune.py --ckpt runs/conmim/checkpoint.pth --data /imagenet         # BEiT-style recipe
+  python eval_finetune.py --ckpt runs/cmae/checkpoint.pth --data /imagenet     # MAE's ViT-B recipe
+  python eval_finetune.py --ckpt runs/conmim/checkpoint.pth --data /imagenet   # BEiT-style recipe
   torchrun --nproc_per_node=8 eval_finetune.py --ckpt runs/can/checkpoint.pth --data /imagenet
   python eval_finetune.py --ckpt runs/cmae/checkpoint.pth --data synthetic [--random-init]
 
@@ -28,9 +28,9 @@ Layer ids (MAE's lr_decay.py = BEiT's get_num_layer_for_vit): cls_token, pos_emb
 -> 0; blocks.i -> i + 1; fc_norm, head -> depth + 1; lr scale = decay^(depth + 1 - id).
 
 Where torchvision's operations differ from the official timm ones (listed, not fixed):
-  - RandAugment: torchvision's (14 ops, fixed magnitude 9 of 31 bins, each op always applied)
-    vs timm's rand-m9-mstd0.5-inc1 (15 ops of the "increasing" family, magnitude 9 of 10 with
-    Gaussian noise std 0.5, each op applied with probability 0.5). Fill: torchvision 0, timm the mean.
+  - RandAugment: torchvision's (14 ops, fixed magnitude 9 of 31 bins, each op always applied) vs
+    timm's rand-m9-mstd0.5-inc1 (15 ops of the "increasing" family, magnitude 9 of 10 with Gaussian
+    noise std 0.5, each op applied with probability 0.5). Fill: torchvision 0, timm the mean.
   - Random erasing: torchvision RandomErasing(value="random") after normalisation = timm's
     mode "pixel", count 1 (same area 0.02-1/3 and aspect 0.3-3.3).
   - MixUp / CutMix: torchvision v2, one lambda per process batch, switching with probability 0.5
@@ -46,9 +46,9 @@ another --img-size is a one-line error.
   - Evaluation each epoch on val/ (Resize img*256/224 bicubic + CenterCrop), top-1 / top-5.
 
 Output: <output-dir>/checkpoint.pth (resumable, method "finetune", the fine-tuned encoder under
-`encoder`), log.jsonl (val_top1, val_top5 and val_loss, the cross-entropy without smoothing, after each
-epoch; a run stopped at an epoch's last step, by --stop-step or a signal, evaluates that epoch when
-resumed), and a final JSON line with best_top1, last_top1, last_top5 and last_val_loss.
+`encoder`), log.jsonl (val_top1, val_top5 and val_loss, the cross-entropy without smoothing, after
+each epoch; a run stopped at an epoch's last step, by --stop-step or a signal, evaluates that epoch
+when resumed), and a final JSON line with best_top1, last_top1, last_top5 and last_val_loss.
 """
 import json
 import os
@@ -82,28 +82,36 @@ def identity_rules(cls, preset):
 class Args(H.RunArgs):
     """End-to-end fine-tuning of a checkpoint's encoder with a linear head (official recipes)."""
     ckpt: str = H.arg(None, "pre-trained checkpoint (any that eval_linear.py reads)", group="model")
-    data: str = H.arg(None, "image folder with train/ and val/ class folders, or 'synthetic'", group="data")
-    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go (default runs/finetune)",
-                            group="data")
+    data: str = H.arg(None, "image folder with train/ and val/ class folders, or 'synthetic'",
+                      group="data")
+    output_dir: str = H.arg(None, "where checkpoint.pth, log.jsonl, args.json and pictures go "
+                            "(default runs/finetune)", group="data")
     recipe: str = H.arg(None, "mae | beit (default: from the checkpoint's method)")
     random_init: bool = H.arg(False, "the same run from the ViT's initialisation", group="model")
     model: str = H.arg(None, "ViT size, checked (eval_linear.py)", group="model")
     patch_size: int = H.arg(None, "checked against the checkpoint's", group="model", positive=True)
-    img_size: int = H.arg(None, "training image size (px) (default: the checkpoint's training size)", group="data",
-                          positive=True)
-    epochs: int = H.arg(100, "training epochs (the schedules span them)", group="optimisation", positive=True)
-    batch_size: int = H.arg(1024, "GLOBAL batch, all processes (official 1024)", group="optimisation", positive=True)
-    micro_batch: int = H.arg(256, "images per forward/backward per process", group="optimisation", min=0)
-    lr: float = H.arg(None, "absolute peak lr (default: the recipe's)", group="optimisation", positive=True)
-    blr: float = H.arg(None, "lr = blr x global batch / 256 when --lr is not given", group="optimisation",
-                       positive=True)
-    warmup_lr: float = H.arg(None, "lr at the start of warm-up (both recipes: 0)", group="optimisation", min=0)
+    img_size: int = H.arg(None, "training image size (px) (default: the checkpoint's training "
+                          "size)", group="data", positive=True)
+    epochs: int = H.arg(100, "training epochs (the schedules span them)", group="optimisation",
+                        positive=True)
+    batch_size: int = H.arg(1024, "GLOBAL batch, all processes (official 1024)",
+                            group="optimisation", positive=True)
+    micro_batch: int = H.arg(256, "images per forward/backward per process", group="optimisation",
+                             min=0)
+    lr: float = H.arg(None, "absolute peak lr (default: the recipe's)", group="optimisation",
+                      positive=True)
+    blr: float = H.arg(None, "lr = blr x global batch / 256 when --lr is not given",
+                       group="optimisation", positive=True)
+    warmup_lr: float = H.arg(None, "lr at the start of warm-up (both recipes: 0)",
+                             group="optimisation", min=0)
     min_lr: float = H.arg(1e-6, "lr at the end of the cosine schedule", group="optimisation", min=0)
     warmup_epochs: int = H.arg(None, "linear lr warm-up epochs", group="optimisation", min=0)
-    layer_decay: float = H.arg(None, "layer-wise lr decay (default: the recipe's, 0.65)", group="optimisation")
+    layer_decay: float = H.arg(None, "layer-wise lr decay (default: the recipe's, 0.65)",
+                               group="optimisation")
     weight_decay: float = H.arg(0.05, "AdamW weight decay", group="optimisation", min=0)
     betas: tuple = H.arg((0.9, 0.999), "AdamW betas", group="optimisation")
-    clip_grad: float = H.arg(0.0, "max grad norm (0 = off, as both recipes)", group="optimisation", min=0)
+    clip_grad: float = H.arg(0.0, "max grad norm (0 = off, as both recipes)", group="optimisation",
+                             min=0)
     drop_path: float = H.arg(0.1, "stochastic depth rate of the last block", group="model", min=0)
     smoothing: float = H.arg(0.1, "label smoothing")
     mixup: float = H.arg(0.8, "MixUp alpha (0 = off)")
@@ -112,27 +120,27 @@ class Args(H.RunArgs):
     randaug_magnitude: int = H.arg(9, "RandAugment magnitude (2 ops; -1 = off)")
     crop_scale: tuple = H.arg((0.08, 1.0), "RandomResizedCrop area range", group="data")
     eval_batch: int = H.arg(256, "images per evaluation batch")
-    lr_factor: float = H.arg(1.0, "the recipe's lr times this (a preset's: chosen on held-out training images, never "
-                                  "on the evaluated split)", positive=True)
+    lr_factor: float = H.arg(1.0, "the recipe's lr times this (a preset's: chosen on held-out "
+                             "training images, never on the evaluated split)", positive=True)
     split: str = H.arg(None, "the evaluated folder (default val/, else test/)", group="data")
-    eval_every: int = H.arg(1, "epochs between evaluations (0: the run's last epoch only, which is always evaluated)",
-                            group="run control", min=0)
-    labels_per_class: int = H.arg(0, "fine-tune on this many labelled images of each class, a fixed draw (not --seed); "
-                                     "0 = all", min=0)
+    eval_every: int = H.arg(1, "epochs between evaluations (0: the run's last epoch only, which is "
+                            "always evaluated)", group="run control", min=0)
+    labels_per_class: int = H.arg(0, "fine-tune on this many labelled images of each class, a "
+                                  "fixed draw (not --seed); 0 = all", min=0)
 
     # --data synthetic: a CPU-sized run (150 steps of 64, about 2 min on 2 cores). The recipe's heavy
     # regularisation (MixUp, CutMix, RandAugment, erasing) is off: at 150 steps it kept both the
     # pre-trained and the random-init run near chance (CMAE checkpoint: 13.9 vs 12.8% top-1).
-    SYNTHETIC = dict(epochs=5, batch_size=64, micro_batch=0, warmup_epochs=1, workers=2, log_every=20,
-                     steps_per_epoch=30, blr=4e-3, layer_decay=0.75, crop_scale=(0.3, 1.0), mixup=0.0, cutmix=0.0,
-                     reprob=0.0, randaug_magnitude=-1)
+    SYNTHETIC = dict(epochs=5, batch_size=64, micro_batch=0, warmup_epochs=1, workers=2,
+                     log_every=20, steps_per_epoch=30, blr=4e-3, layer_decay=0.75,
+                     crop_scale=(0.3, 1.0), mixup=0.0, cutmix=0.0, reprob=0.0, randaug_magnitude=-1)
     # --preset small: 32-px images (CIFAR-10) on 2 CPU cores, ~9 min a run of 50,000 images. The recipe's lr per
     # image at batch 256 (MAE: blr as it is; BEiT: 4e-3 x 256 / 1024) times lr_factor, warm-up its share of the run
     # (finetune), every other value the recipe's but BEiT's layer decay (SMALL_LAYER_DECAY). Chosen on 5,000
     # held-out training images (docs/RESULTS.md, "Fine-tuning on CIFAR-10"): all labels (the highest top-1 for both
     # encoders, a gap as large as with 100 or 500 a class), lr_factor 1 (x4 lowered both); 3 epochs: the time.
-    PRESETS = {"small": dict(batch_size=256, micro_batch=0, labels_per_class=0, epochs=3, eval_every=1,
-                             lr_factor=1.0, workers=2, log_every=20)}
+    PRESETS = {"small": dict(batch_size=256, micro_batch=0, labels_per_class=0, epochs=3,
+                             eval_every=1, lr_factor=1.0, workers=2, log_every=20)}
     preset_rules = identity_rules                                    # recipes.presets: no pre-training rules here
 
 
@@ -163,16 +171,19 @@ def layer_id(name, depth):
 
 
 def param_groups(model, weight_decay, layer_decay):
-    """AdamW groups by (layer id, decay): lr_scale = layer_decay^(depth + 1 - id); no weight decay on
-    1-d tensors, biases, pos_embed and cls_token (MAE's param_groups_lrd, BEiT's get_parameter_groups)."""
+    """AdamW groups by (layer id, decay): lr_scale = layer_decay^(depth + 1 - id); no weight decay
+    on 1-d tensors, biases, pos_embed and cls_token (MAE's param_groups_lrd, BEiT's
+    get_parameter_groups)."""
     depth = len(model.encoder.blocks)
     groups = {}
     for n, p in model.named_parameters():
         if not p.requires_grad:
             continue
         lid = layer_id(n, depth)
-        decay = not (p.ndim == 1 or n.endswith(".bias") or n.removeprefix("encoder.") in ("pos_embed", "cls_token"))
-        g = groups.setdefault((lid, decay), {"params": [], "weight_decay": weight_decay if decay else 0.0,
+        table = n.removeprefix("encoder.") in ("pos_embed", "cls_token")
+        decay = not (p.ndim == 1 or n.endswith(".bias") or table)
+        g = groups.setdefault((lid, decay), {"params": [],
+                                             "weight_decay": weight_decay if decay else 0.0,
                                              "lr_scale": layer_decay ** (depth + 1 - lid)})
         g["params"].append(p)
     return [groups[k] for k in sorted(groups)]
@@ -182,7 +193,8 @@ def param_groups(model, weight_decay, layer_decay):
 # Loss and batch mixing
 # ----------------------------------------------------------------------------------------------
 def soft_target_ce(logits, target):
-    """Cross-entropy with a distribution target (B, C): mean_i -sum_c target_ic log softmax(logits_i)_c."""
+    """Cross-entropy with a distribution target (B, C): mean_i -sum_c target_ic log
+    softmax(logits_i)_c."""
     return -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
 
 
@@ -213,10 +225,12 @@ class Mix:
 # Data
 # ----------------------------------------------------------------------------------------------
 def labelled(train, n):
-    """--labels-per-class n: keep n images of each class of `train` (an image folder), a draw fixed by the
-    file list alone (not --seed), so that every run of a comparison fine-tunes on the same images."""
+    """--labels-per-class n: keep n images of each class of `train` (an image folder), a draw fixed
+    by the file list alone (not --seed), so that every run of a comparison fine-tunes on the same
+    images."""
     if not hasattr(train, "samples"):
-        raise C.UserError("--labels-per-class needs an image folder (--data synthetic has no files to draw from)")
+        raise C.UserError("--labels-per-class needs an image folder (--data synthetic has no "
+                          "files to draw from)")
     order = torch.randperm(len(train.samples), generator=torch.Generator().manual_seed(0)).tolist()
     taken, keep = [0] * len(train.classes), []
     for i in order:
@@ -225,8 +239,9 @@ def labelled(train, n):
             taken[c] += 1
             keep.append(i)
     if min(taken) < n:
-        raise C.UserError(f"--labels-per-class {n}: class {train.classes[taken.index(min(taken))]!r} has "
-                          f"{min(taken)} training images")
+        raise C.UserError(f"--labels-per-class {n}: class "
+                          f"{train.classes[taken.index(min(taken))]!r} has {min(taken)} training "
+                          "images")
     train.samples = [train.samples[i] for i in sorted(keep)]
     train.count_unreadable_of(len(train.samples))
 
@@ -246,11 +261,11 @@ def train_transform(a, size):
 
 @torch.no_grad()
 def evaluate(model, val, size, a, run):
-    """Top-1 / top-5 (%) and the mean cross-entropy (no smoothing, as MAE's evaluate) on val/, each process
-    a strided share, sums over processes."""
+    """Top-1 / top-5 (%) and the mean cross-entropy (no smoothing, as MAE's evaluate) on val/, each
+    process a strided share, sums over processes."""
     model.eval()
-    share = torch.utils.data.Subset(C.Views(val, eval_linear.eval_transform(size, a.data == "synthetic")),
-                                    range(run.rank, len(val), run.world))
+    viewed = C.Views(val, eval_linear.eval_transform(size, a.data == "synthetic"))
+    share = torch.utils.data.Subset(viewed, range(run.rank, len(val), run.world))
     hits = torch.zeros(4, device=run.device)                       # top-1, top-5, count, summed loss
     for x, y in torch.utils.data.DataLoader(share, a.eval_batch, num_workers=a.workers):
         x, y = C.normalize(x.to(run.device)), y.to(run.device)
@@ -258,10 +273,12 @@ def evaluate(model, val, size, a, run):
             logits = model(x).float()
         top = logits.topk(min(5, len(val.classes)), dim=1).indices
         hits += torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(),
-                             torch.tensor(len(y), device=run.device), F.cross_entropy(logits, y, reduction="sum")])
+                             torch.tensor(len(y), device=run.device),
+                             F.cross_entropy(logits, y, reduction="sum")])
     hits = C.all_reduce_sum_(hits)
     model.train()
-    return (100 * hits[0] / hits[2]).item(), (100 * hits[1] / hits[2]).item(), (hits[3] / hits[2]).item()
+    n = hits[2]
+    return (100 * hits[0] / n).item(), (100 * hits[1] / n).item(), (hits[3] / n).item()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,10 +293,10 @@ def finetune(args):
     if args.mixup < 0 or args.cutmix < 0 or args.eval_batch <= 0:
         raise C.UserError("--mixup and --cutmix must be >= 0 and --eval-batch positive")
     if not -1 <= args.randaug_magnitude <= 30:
-        raise C.UserError(f"--randaug-magnitude must be in 0..30 (RandAugment's 31 bins) or -1 (off), got "
-                          f"{args.randaug_magnitude}")
-    enc, ckpt = weights.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size, args.drop_path,
-                                per_block_rel_pos=True)
+        raise C.UserError("--randaug-magnitude must be in 0..30 (RandAugment's 31 bins) or -1 "
+                          f"(off), got {args.randaug_magnitude}")
+    enc, ckpt = weights.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size,
+                                     args.drop_path, per_block_rel_pos=True)
     recipe = args.recipe or METHOD_RECIPE.get(ckpt["method"], "mae")
     if recipe not in RECIPES:
         raise C.UserError(f"--recipe must be mae or beit, got {recipe!r}")
@@ -290,37 +307,43 @@ def finetune(args):
         if small and args.lr:                                        # BEiT's lr for 1024 images -> per image
             args.lr = float(f"{args.lr * args.batch_size / OFFICIAL_BATCH:.4g}")
     if args.warmup_epochs is None:                                   # a preset: the same share of its run
-        args.warmup_epochs = rec["warmup_epochs"] * args.epochs / OFFICIAL_EPOCHS if small else rec["warmup_epochs"]
+        args.warmup_epochs = rec["warmup_epochs"]
+        if small:
+            args.warmup_epochs = rec["warmup_epochs"] * args.epochs / OFFICIAL_EPOCHS
     if args.warmup_lr is None:
         args.warmup_lr = rec["warmup_lr"]
     if args.layer_decay is None:
-        args.layer_decay = SMALL_LAYER_DECAY.get(recipe, rec["layer_decay"]) if small else rec["layer_decay"]
+        args.layer_decay = rec["layer_decay"]
+        if small:
+            args.layer_decay = SMALL_LAYER_DECAY.get(recipe, rec["layer_decay"])
     if not 0 <= args.layer_decay <= 1:
         raise C.UserError(f"--layer-decay must be in [0, 1], got {args.layer_decay}")
     size = weights.check_size(enc, args.img_size or ckpt["vit"]["img_size"])
     if size % enc.patch_size:
-        raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size {enc.patch_size}")
+        raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size "
+                          f"{enc.patch_size}")
     if not args.holdout:            # the folder evaluated, as resolved (naming the default --split val is the same)
         args.split = eval_linear.eval_split(args.data, args.split)
     run = H.setup(args, "finetune")
-    per, micro = H.batch_plan(args, run, 1024, "the recipe's lr and its batch statistics (MixUp per process batch) "
-                              "were tuned at 1024")
+    per, micro = H.batch_plan(args, run, 1024, "the recipe's lr and its batch statistics (MixUp "
+                              "per process batch) were tuned at 1024")
     train, val, _ = eval_linear.splits(args.data, True, args.split, args.holdout)
     if len(val.classes) != len(train.classes):      # names sorted, val's within train's: same count = same classes
-        raise C.UserError(f"--data {args.data}: val/ must have the same classes as train/ for top-1 (train "
-                          f"{len(train.classes)}, val {len(val.classes)})")
+        raise C.UserError(f"--data {args.data}: val/ must have the same classes as train/ for "
+                          f"top-1 (train {len(train.classes)}, val {len(val.classes)})")
     eval_linear.check_readable(val, args.workers)                  # an unreadable val/ image: now, not after an epoch
     if args.labels_per_class:
         labelled(train, args.labels_per_class)
-    loader = C.make_loader(C.Views(train, train_transform(args, size), args.seed), per, args.workers, args.seed)
+    viewed = C.Views(train, train_transform(args, size), args.seed)
+    loader = C.make_loader(viewed, per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
     lr = (args.lr or args.blr * args.batch_size / 256) * args.lr_factor
 
     model = Classifier(enc, len(train.classes)).to(run.device).train()    # the head: seeded in setup
     C.set_grad_checkpointing(model, args.grad_ckpt)
-    opt = torch.optim.AdamW(param_groups(model, args.weight_decay, args.layer_decay), lr=lr, betas=args.betas,
-                            fused=run.device.type == "cuda")
+    groups = param_groups(model, args.weight_decay, args.layer_decay)
+    opt = torch.optim.AdamW(groups, lr=lr, betas=args.betas, fused=run.device.type == "cuda")
     start = H.resume_run(run, "finetune", args, model, opt, data={"train": train, "val": val})
     net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     mix = Mix(args, len(train.classes))
@@ -330,11 +353,13 @@ def finetune(args):
     where = eval_linear.eval_split(args.data, args.split, args.holdout)
     why = ([f"{args.lr:g}"] if args.lr else [f"blr {args.blr:g}", f"{args.batch_size} / 256"]) \
         + ([f"lr-factor {args.lr_factor:g}"] if args.lr_factor != 1 else [])      # what the printed lr is
-    C.print0(f"fine-tuning {ckpt['method']} ({'random init' if args.random_init else args.ckpt}), recipe {recipe}: "
-             f"{len(train)} images" + (f" ({args.labels_per_class} a class)" if args.labels_per_class else "") +
+    source = "random init" if args.random_init else args.ckpt
+    few = f" ({args.labels_per_class} a class)" if args.labels_per_class else ""
+    C.print0(f"fine-tuning {ckpt['method']} ({source}), recipe {recipe}: {len(train)} images{few}"
              f", {len(train.classes)} classes, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
-             + (f" (= {' x '.join(why)})" if len(why) > 1 else "") + f", layer decay {args.layer_decay}, "
-             f"warm-up {args.warmup_epochs:g} epochs; evaluated on {where}/ ({len(val)} images)")
+             + (f" (= {' x '.join(why)})" if len(why) > 1 else "") + ", layer decay "
+             f"{args.layer_decay}, warm-up {args.warmup_epochs:g} epochs; evaluated on {where}/ "
+             f"({len(val)} images)")
     vals = {}                                                        # epoch -> (top1, top5, val loss)
     if start and os.path.isfile(os.path.join(run.out, "log.jsonl")):     # resumed: the epochs already evaluated
         for rec in map(json.loads, open(os.path.join(run.out, "log.jsonl"))):
@@ -343,13 +368,13 @@ def finetune(args):
 
     def evaluate_epoch(epoch):                                       # its step: a resume drops it with those after
         top1, top5, vloss = vals[epoch] = evaluate(model, val, size, args, run)
-        log.write({"epoch": epoch, "step": (epoch + 1) * ipe, "val_top1": round(top1, 3), "val_top5": round(top5, 3),
-                   "val_loss": round(vloss, 4)})
+        log.write({"epoch": epoch, "step": (epoch + 1) * ipe, "val_top1": round(top1, 3),
+                   "val_top5": round(top5, 3), "val_loss": round(vloss, 4)})
     last = (args.stop_epoch or args.epochs) - 1                      # this invocation's last epoch: always evaluated
     due = lambda e: bool(args.eval_every) and (e + 1) % args.eval_every == 0 or e == last      # noqa: E731
     ended = start // ipe - 1                                         # the checkpoint's last whole epoch
-    pending = torch.tensor(float(bool(start) and start % ipe == 0 and ended not in vals and due(ended)),
-                           device=run.device)
+    pending = bool(start) and start % ipe == 0 and ended not in vals and due(ended)
+    pending = torch.tensor(float(pending), device=run.device)
     if C.all_reduce_sum_(pending) > 0:             # stopped at an epoch's last step (--stop-step, a signal) before its
         evaluate_epoch(start // ipe - 1)           # evaluation: evaluate it now (agreed: evaluate() is collective)
     batches = C.Batches(loader, ipe, args.max_unreadable)          # from the checkpoint's step on
@@ -358,7 +383,8 @@ def finetune(args):
             C.seed_epoch(args.seed, epoch, run.rank)                 # (seed, epoch, rank); resumed: the checkpoint's
         for it, (x, y) in batches.epoch(epoch, start):
             step = epoch * ipe + it
-            lr_now = C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe, args.warmup_lr)
+            lr_now = C.cosine_schedule(step, total, lr, args.min_lr, args.warmup_epochs * ipe,
+                                       args.warmup_lr)
             C.set_hparams(opt, lr_now)                                 # x each group's layer-decay lr_scale
             x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
             x, target = mix(x, y)                                     # MixUp / CutMix + smoothing
@@ -370,7 +396,8 @@ def finetune(args):
                 part = soft_target_ce(logits, target[sl]) * (len(logits) / len(x))   # share of the mean
                 run.scaler.scale(part).backward()
                 loss = loss + part.detach()
-            parts = {"loss": loss, "grad_norm": C.optimizer_step(run, opt, list(model.parameters()), args.clip_grad)}
+            norm = C.optimizer_step(run, opt, list(model.parameters()), args.clip_grad)
+            parts = {"loss": loss, "grad_norm": norm}
             if C.end_step(run, log, save, batches, step + 1, epoch, parts, lr=lr_now):
                 return None
         save((epoch + 1) * ipe)
@@ -378,8 +405,8 @@ def finetune(args):
             evaluate_epoch(epoch)
     top1, top5, vloss = vals[max(vals)] if vals else evaluate(model, val, size, args, run)   # else: as it stands
     best = max([v[0] for v in vals.values()] + [top1])
-    res = {"method": ckpt["method"], "random_init": args.random_init, "recipe": recipe, "split": where,
-           "train_images": len(train),
+    res = {"method": ckpt["method"], "random_init": args.random_init, "recipe": recipe,
+           "split": where, "train_images": len(train),
            "best_top1": round(best, 2), "last_top1": round(top1, 2), "last_top5": round(top5, 2),
            "last_val_loss": None if vloss is None else round(vloss, 4)}
     log.write({"step": start if log.done else (args.stop_epoch or args.epochs) * ipe, **res})

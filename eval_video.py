@@ -1,21 +1,22 @@
-"""Video label propagation for video checkpoints (SiamMAE): DAVIS-2016/2017 (J&F), VIP (mIoU), JHMDB (PCK).
+"""Video label propagation for video checkpoints (SiamMAE): DAVIS-2016/2017 (J&F), VIP (mIoU), JHMDB
+(PCK).
 
-  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /davis                  # --task davis
+  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /davis      # --task davis
   python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /VIP --task vip
   python eval_video.py --ckpt runs/siammae/checkpoint.pth --data /jhmdb --task jhmdb
-  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data synthetic [--task vip|jhmdb] [--random-init]
+  python eval_video.py --ckpt runs/siammae/checkpoint.pth --data synthetic [--task vip|jhmdb]
   python eval_video.py --pixels --patch-size 8 --data /davis    # baselines: raw-pixel features, or
-  python eval_video.py --copy-first --data /davis               # the first frame's labels copied unmoved
+  python eval_video.py --copy-first --data /davis               # the first frame's labels, unmoved
 
-The first frame's labels are propagated through each video with the frozen encoder's patch
-features (last layer, after the final norm, L2-normalised). For frame t, each patch takes a soft
-label from its top-k most similar patches among the context frames, with weights
-softmax(affinity / T). Defaults per task (the settings CropMAE's public evaluation,
-alexandre-eymael/CropMAE downstreams/propagation/util.py, uses for SiamMAE-style ViTs; DAVIS's follow
-CRW's protocol, which SiamMAE evaluates with): --n-context 20 --radius 20 --temperature 0.7 everywhere,
---topk 7 (davis, jhmdb) or 10 (vip); frames: DAVIS short side 480 (--short-side, aspect kept),
-VIP long side 880 with the short side scaled and floored to a multiple of 64 (--size), JHMDB
-stretched to 320 x 320 (--size).
+The first frame's labels are propagated through each video with the frozen encoder's patch features
+(last layer, after the final norm, L2-normalised). For frame t, each patch takes a soft label from
+its top-k most similar patches among the context frames, with weights softmax(affinity / T).
+Defaults per task (the settings CropMAE's public evaluation, alexandre-eymael/CropMAE
+downstreams/propagation/util.py, uses for SiamMAE-style ViTs; DAVIS's follow CRW's protocol, which
+SiamMAE evaluates with): --n-context 20 --radius 20 --temperature 0.7 everywhere, --topk 7 (davis,
+jhmdb) or 10 (vip); frames: DAVIS short side 480 (--short-side, aspect kept), VIP long side 880 with
+the short side scaled and floored to a multiple of 64 (--size), JHMDB stretched to 320 x 320
+(--size).
 
 Context (as CRW's test.py, which SiamMAE / CropMAE evaluate with): the first frame as long-term
 memory, matched over the whole frame, plus the previous n-context frames, matched only within a
@@ -54,15 +55,15 @@ files <action>_test_split1.txt anywhere under the root; the videos of split 1 ma
 are scored, as CRW. Labels as CRW's JhmdbSet: each joint of the first frame (pos_img - 1, scaled to
 feature cells) is a label map, a Gaussian of std 0.5 cells with peak 1 at its rounded cell (cells
 within 3 std), plus a background channel (1 where no joint reaches). Differences from CRW's
-draw_labelmap_np: its 4-cell window adds a column and row at -2 cells (values 3e-4), and its
-int() truncates toward zero, which puts a joint within 1.5 cells of the top or left edge one
-cell further in. A joint's position in frame t is read back as CRW's process_pose: the mean position of
-its 3 highest cells weighted by their values (CropMAE uses 5), in cells, times the frame size over
-the grid size. PCK as CRW's eval_pck.py: per frame, the scale is 0.6 x the diagonal of the box
-around the ground-truth joints; frame 0 not scored; each joint's normalised distances pooled over
-all videos, PCK@a = % within a x scale, averaged over the joints. A joint outside the first frame
-cannot be propagated: a warning line names it and it is not scored in that video (CRW's map is
-empty there too, so its eval drops it).
+draw_labelmap_np: its 4-cell window adds a column and row at -2 cells (values 3e-4), and its int()
+truncates toward zero, which puts a joint within 1.5 cells of the top or left edge one cell further
+in. A joint's position in frame t is read back as CRW's process_pose: the mean position of its 3
+highest cells weighted by their values (CropMAE uses 5), in cells, times the frame size over the
+grid size. PCK as CRW's eval_pck.py: per frame, the scale is 0.6 x the diagonal of the box around
+the ground-truth joints; frame 0 not scored; each joint's normalised distances pooled over all
+videos, PCK@a = % within a x scale, averaged over the joints. A joint outside the first frame cannot
+be propagated: a warning line names it and it is not scored in that video (CRW's map is empty there
+too, so its eval drops it).
 
 Baselines: --random-init (the checkpoint's ViT drawn with its seed; SiamMAE's training model draws
 the whole model at once, so a run's own initial encoder is its --stop-step 1 checkpoint); without a
@@ -103,33 +104,40 @@ POSE_TOPK, POSE_SIGMA, PCK_AT = 3, 0.5, (0.1, 0.2)         # CRW's process_pose 
 class Args:
     """Label-propagation evaluation (DAVIS J&F, VIP mIoU, JHMDB PCK) of a checkpoint's encoder."""
     ckpt: str = H.arg(None, "checkpoint.pth (siammae, or any image method)", group="model")
-    data: str = H.arg(None, "DAVIS-2016 or -2017, VIP or JHMDB root (see --task), or 'synthetic'", group="data")
+    data: str = H.arg(None, "DAVIS-2016 or -2017, VIP or JHMDB root (see --task), or 'synthetic'",
+                      group="data")
     task: str = H.arg("davis", "davis (J&F) | vip (mIoU) | jhmdb (PCK@0.1/0.2)")
-    split: str = H.arg("val", "davis: ImageSets/2017/<split>.txt (or 480p/ for 2016); vip: lists/<split>_videos.txt; "
-                       "jhmdb: split 1's test videos always", group="data")
-    short_side: int = H.arg(None, "davis: resize frames so the short side is this (default 480; 0 = native)",
+    split: str = H.arg("val", "davis: ImageSets/2017/<split>.txt (or 480p/ for 2016); vip: "
+                       "lists/<split>_videos.txt; jhmdb: split 1's test videos always",
+                       group="data")
+    short_side: int = H.arg(None, "davis: resize frames so the short side is this (default 480; 0 "
+                                  "= native)",
                             group="data", min=0)
-    size: int = H.arg(None, "vip: long side (default 880, short side floored to a multiple of 64); jhmdb: square side "
-                      "(default 320); 0 = native", group="data", min=0)
+    size: int = H.arg(None, "vip: long side (default 880, short side floored to a multiple of "
+                      "64); jhmdb: square side (default 320); 0 = native", group="data", min=0)
     n_context: int = H.arg(20, "previous frames in the short-term memory (radius-limited)", min=0)
     topk: int = H.arg(None, "neighbours per patch (default 7; vip 10)", positive=True)
     radius: float = H.arg(20.0, "short-term memory radius (patch cells)", positive=True)
     temperature: float = H.arg(0.7, "softmax temperature", positive=True)
-    model: str = H.arg(None, "ViT size (tiny|small|base|large): picks the heads of a foreign checkpoint of "
-                       "non-standard width; checked against any checkpoint", group="model")
-    patch_size: int = H.arg(None, "checked against the checkpoint's patch size", group="model", positive=True)
+    model: str = H.arg(None, "ViT size (tiny|small|base|large): picks the heads of a foreign "
+                       "checkpoint of non-standard width; checked against any checkpoint",
+                       group="model")
+    patch_size: int = H.arg(None, "checked against the checkpoint's patch size", group="model",
+                            positive=True)
     random_init: bool = H.arg(False, "evaluate the same ViT at its initialisation", group="model")
-    online: bool = H.arg(False, "evaluate the online network's encoder (the checkpoint's `model`) instead of the "
-                         "evaluated one (for SiamMAE they are the same)")
-    holdout: int = H.arg(0, "davis: evaluate only the N videos of --split (train) that a siammae.py --holdout N run "
-                         "kept out (the lr sweep's validation)", group="data", min=0)
-    pixels: bool = H.arg(False, "baseline, no checkpoint: each patch's normalised pixels (3 x p^2 numbers, p = "
-                         "--patch-size) as its feature, through the same propagation")
-    copy_first: bool = H.arg(False, "baseline, no checkpoint: every frame's prediction is the first frame's labels "
-                             "(davis, vip) or joints (jhmdb), unmoved")
-    output: str = H.arg(None, "write predictions here (davis, vip: palette PNGs; jhmdb: <video>.json keypoints)",
+    online: bool = H.arg(False, "evaluate the online network's encoder (the checkpoint's `model`) "
+                         "instead of the evaluated one (for SiamMAE they are the same)")
+    holdout: int = H.arg(0, "davis: evaluate only the N videos of --split (train) that a "
+                         "siammae.py --holdout N run kept out (the lr sweep's validation)",
+                         group="data", min=0)
+    pixels: bool = H.arg(False, "baseline, no checkpoint: each patch's normalised pixels (3 x p^2 "
+                         "numbers, p = --patch-size) as its feature, through the same propagation")
+    copy_first: bool = H.arg(False, "baseline, no checkpoint: every frame's prediction is the "
+                             "first frame's labels (davis, vip) or joints (jhmdb), unmoved")
+    output: str = H.arg(None, "write predictions here (davis, vip: palette PNGs; jhmdb: "
+                        "<video>.json keypoints)", group="run control")
+    device: str = H.arg(None, "cpu | cuda | cuda:N (default: cuda if available)",
                         group="run control")
-    device: str = H.arg(None, "cpu | cuda | cuda:N (default: cuda if available)", group="run control")
 
 
 def resolved(a):
@@ -208,8 +216,8 @@ def keypoints_from_maps(soft, topk=POSE_TOPK):
 # Metrics (DAVIS definitions)
 # ----------------------------------------------------------------------------------------------
 def jaccard(pred, gt, void=None):
-    """Region similarity J = |P & G| / |P | G| for boolean masks, void pixels (label 255) left out of
-    both; 1 when the union is empty (DAVIS db_eval_iou)."""
+    """Region similarity J = |P & G| / |P | G| for boolean masks, void pixels (label 255) left out
+    of both; 1 when the union is empty (DAVIS db_eval_iou)."""
     keep = np.ones_like(gt, dtype=bool) if void is None else ~void
     union = (np.logical_or(pred, gt) & keep).sum()
     return 1.0 if union == 0 else (np.logical_and(pred, gt) & keep).sum() / union
@@ -228,9 +236,9 @@ def boundary(mask):
 
 
 def _dilate(b, r):
-    """b dilated by the closed disk of radius r (dx^2 + dy^2 <= r^2): for each row offset dy, a window
-    of half-width isqrt(r^2 - dy^2) along the rows (a difference of row-wise cumulative sums > 0),
-    shifted by dy (exact; the disk as a convolution is ~100x slower on a CPU at 480p)."""
+    """b dilated by the closed disk of radius r (dx^2 + dy^2 <= r^2): for each row offset dy, a
+    window of half-width isqrt(r^2 - dy^2) along the rows (a difference of row-wise cumulative sums
+    > 0), shifted by dy (exact; the disk as a convolution is ~100x slower on a CPU at 480p)."""
     if r == 0:
         return b
     H, W = b.shape
@@ -249,8 +257,8 @@ def _dilate(b, r):
 
 
 def _near(a, b, r):
-    """(a & _dilate(b, r)).sum(): the pixels of a within r of a pixel of b, with b dilated only inside
-    a's bounding box grown by r (the pixels of b that can reach a; exact)."""
+    """(a & _dilate(b, r)).sum(): the pixels of a within r of a pixel of b, with b dilated only
+    inside a's bounding box grown by r (the pixels of b that can reach a; exact)."""
     ys, xs = np.nonzero(a)
     if len(ys) == 0:
         return 0
@@ -276,14 +284,15 @@ def f_measure(pred, gt, void=None, bound_th=0.008):
 
 
 def confusion(gt, pred, n):
-    """(n, n) histogram of (ground truth, prediction) pixel pairs; ground-truth labels outside 0..n-1
-    (255) are not counted (CRW eval_vip's fast_hist)."""
+    """(n, n) histogram of (ground truth, prediction) pixel pairs; ground-truth labels outside
+    0..n-1 (255) are not counted (CRW eval_vip's fast_hist)."""
     keep = (gt >= 0) & (gt < n)
     return np.bincount(n * gt[keep].astype(np.int64) + pred[keep], minlength=n * n).reshape(n, n)
 
 
 def mean_iou(hist):
-    """Mean over classes of IoU = TP / (GT + predicted - TP), classes in neither left out (nanmean)."""
+    """Mean over classes of IoU = TP / (GT + predicted - TP), classes in neither left out
+    (nanmean)."""
     tp = np.diag(hist).astype(float)
     union = hist.sum(0) + hist.sum(1) - tp
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -309,7 +318,8 @@ def pck(videos, thresholds=PCK_AT):
                 dist.setdefault(j, []).append(np.linalg.norm(pred[t, j] - gt[t, j]) / scale)
     if not dist:
         return {a: None for a in thresholds}
-    return {a: 100 * float(np.mean([np.mean(np.array(d) <= a) for d in dist.values()])) for a in thresholds}
+    return {a: 100 * float(np.mean([np.mean(np.array(d) <= a) for d in dist.values()]))
+            for a in thresholds}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,7 +343,8 @@ def _listed_videos(root, lst, split, img_root):
     """(name, folder, frame names) of each video listed in lst (a file under root) whose frames are
     img_root/<name>/; a missing or empty list, folder or video is a one-line error naming it."""
     if not os.path.isfile(lst):
-        raise C.UserError(f"--data {root}: no {os.path.relpath(lst, root)}, the list of the --split {split} videos")
+        raise C.UserError(f"--data {root}: no {os.path.relpath(lst, root)}, the list of the "
+                          f"--split {split} videos")
     names = open(lst).read().split()
     if not names:
         raise C.UserError(f"{lst} lists no video")
@@ -346,7 +357,8 @@ def _listed_videos(root, lst, split, img_root):
 
 def _frames(folder, what):
     """Frame file names of a folder in frame order (2.jpg before 10.jpg); none -> one line."""
-    names = sorted((f for f in os.listdir(folder) if f.lower().endswith(C.IMG_EXTS)), key=C.frame_order)
+    names = sorted((f for f in os.listdir(folder) if f.lower().endswith(C.IMG_EXTS)),
+                   key=C.frame_order)
     if not names:
         raise C.UserError(f"{what}: no frames in {folder}")
     return names
@@ -355,14 +367,16 @@ def _frames(folder, what):
 def davis2016_list(root, lst):
     """{video: [(frame path, mask path)]} from a DAVIS-2016 list (ImageSets/480p/<split>.txt: one
     "/JPEGImages/480p/<video>/<frame>.jpg /Annotations/480p/<video>/<frame>.png" pair per line,
-    paths from the root), videos by name, frames in frame order. A malformed line or a missing file is one line."""
+    paths from the root), videos by name, frames in frame order. A malformed line or a missing file
+    is one line."""
     videos = {}
     for n, line in enumerate(open(lst), 1):
         if not line.strip():
             continue
         pair = line.split()
         if len(pair) != 2:
-            raise C.UserError(f"{lst} line {n}: expected '<frame> <mask>' (DAVIS-2016), got {line.strip()!r}")
+            raise C.UserError(f"{lst} line {n}: expected '<frame> <mask>' (DAVIS-2016), got "
+                              f"{line.strip()!r}")
         frame, mask = (os.path.join(root, q.lstrip("/")) for q in pair)
         for q in (frame, mask):
             if not os.path.isfile(q):
@@ -370,26 +384,31 @@ def davis2016_list(root, lst):
         videos.setdefault(os.path.basename(os.path.dirname(frame)), []).append((frame, mask))
     if not videos:
         raise C.UserError(f"{lst} lists no frame")
-    return {v: sorted(videos[v], key=lambda fm: C.frame_order(os.path.basename(fm[0]))) for v in sorted(videos)}
+    return {v: sorted(videos[v], key=lambda fm: C.frame_order(os.path.basename(fm[0])))
+            for v in sorted(videos)}
 
 
 def davis_videos(root, split, holdout=0):
     """(name, frames, masks) of each video of the split; masks[t] is None where frame t has no
     annotation. The layout is recognised from its list file: DAVIS-2016, ImageSets/480p/<split>.txt
     ("frame mask" pairs; one object per video, mask 255 = the object, read as label 1, no void), or
-    DAVIS-2017, ImageSets/2017/<split>.txt (video names; palette masks, 255 = void). Before any frame
-    is propagated, every annotation's size is checked against its frame's. Anything missing,
+    DAVIS-2017, ImageSets/2017/<split>.txt (video names; palette masks, 255 = void). Before any
+    frame is propagated, every annotation's size is checked against its frame's. Anything missing,
     unreadable or mismatched is a one-line error naming the file."""
-    img_root, ann_root = os.path.join(root, "JPEGImages", "480p"), os.path.join(root, "Annotations", "480p")
+    img_root = os.path.join(root, "JPEGImages", "480p")
+    ann_root = os.path.join(root, "Annotations", "480p")
     if not os.path.isdir(img_root) or not os.path.isdir(ann_root):
-        raise C.UserError(f"--data {root}: expected DAVIS layout JPEGImages/480p/ and Annotations/480p/")
+        raise C.UserError(f"--data {root}: expected DAVIS layout JPEGImages/480p/ and "
+                          "Annotations/480p/")
     l16 = os.path.join(root, "ImageSets", "480p", f"{split}.txt")
     lst = os.path.join(root, "ImageSets", "2017", f"{split}.txt")   # (all of Annotations/ mixes train and val)
     if os.path.isfile(l16):
-        videos = [(v, [f for f, _ in fm], [m for _, m in fm]) for v, fm in davis2016_list(root, l16).items()]
+        videos = [(v, [f for f, _ in fm], [m for _, m in fm])
+                  for v, fm in davis2016_list(root, l16).items()]
     elif not os.path.isfile(lst):
-        raise C.UserError(f"--data {root}: no ImageSets/2017/{split}.txt, the list of the --split {split} videos "
-                          f"(DAVIS-2017), nor ImageSets/480p/{split}.txt (DAVIS-2016): neither layout")
+        raise C.UserError(f"--data {root}: no ImageSets/2017/{split}.txt, the list of the --split "
+                          f"{split} videos (DAVIS-2017), nor ImageSets/480p/{split}.txt "
+                          "(DAVIS-2016): neither layout")
     else:
         videos = [(v, [os.path.join(folder, f) for f in frames],
                    [os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png") for f in frames])
@@ -402,16 +421,18 @@ def davis_videos(root, split, holdout=0):
         for f, m in zip(frames, ann):
             sm, sf = (_read(m, size=True), _read(f, size=True)) if os.path.isfile(m) else (0, 0)
             if sm != sf:
-                raise C.UserError(f"video {v}: annotation {m} is {'x'.join(map(str, sm))} px but its frame {f} is "
-                                  f"{'x'.join(map(str, sf))}: fix or remove the annotation (nothing was evaluated)")
+                raise C.UserError(f"video {v}: annotation {m} is {'x'.join(map(str, sm))} px but "
+                                  f"its frame {f} is {'x'.join(map(str, sf))}: fix or remove the "
+                                  "annotation (nothing was evaluated)")
     binary = os.path.isfile(l16)
     for v, frames, ann in videos:
         masks = [_read(m) if os.path.isfile(m) else None for m in ann]
         if binary:                                                  # 2016: 255 is the object, not void
-            masks = [None if not os.path.isfile(m) else (np.asarray(_read(m, "L")) >= 128).astype(np.uint8)
-                     for m in ann]
+            masks = [(np.asarray(_read(m, "L")) >= 128).astype(np.uint8) if os.path.isfile(m)
+                     else None for m in ann]
         if not any(i not in (0, 255) for i in np.unique(masks[0])):
-            raise C.UserError(f"video {v}: its first-frame annotation {ann[0]} has no object to propagate")
+            raise C.UserError(f"video {v}: its first-frame annotation {ann[0]} has no object to "
+                              "propagate")
         yield v, [_read(f, "RGB") for f in frames], masks
 
 
@@ -419,8 +440,8 @@ def vip_videos(root, split):
     """(name, frames, labels) of each VIP video in lists/<split>_videos.txt: the frames of
     Images/<video>/ and their class-id maps from Annotations/Category_ids/<video>/<frame>.png."""
     img_root = os.path.join(root, "Images")
-    ann_root = next((d for d in (os.path.join(root, "Annotations", "Category_ids"), os.path.join(root, "Category_ids"))
-                     if os.path.isdir(d)), None)
+    where = (os.path.join(root, "Annotations", "Category_ids"), os.path.join(root, "Category_ids"))
+    ann_root = next((d for d in where if os.path.isdir(d)), None)
     if not os.path.isdir(img_root) or ann_root is None:
         raise C.UserError(f"--data {root}: expected the VIP layout Images/<video>/ and "
                           "Annotations/Category_ids/<video>/")
@@ -429,22 +450,28 @@ def vip_videos(root, split):
         ann = [os.path.join(ann_root, v, os.path.splitext(f)[0] + ".png") for f in frames]
         missing = [a for a in ann if not os.path.isfile(a)]
         if missing:
-            raise C.UserError(f"video {v}: frame {os.path.basename(missing[0])[:-4]} has no annotation {missing[0]} "
-                              f"({len(missing)} of {len(ann)} missing; VIP scores every frame)")
-        labels = [m[..., 0] if m.ndim == 3 and (m == m[..., :1]).all() else m for m in map(_read, ann)]   # grey as RGB
+            raise C.UserError(f"video {v}: frame {os.path.basename(missing[0])[:-4]} has no "
+                              f"annotation {missing[0]} ({len(missing)} of {len(ann)} missing; VIP "
+                              "scores every frame)")
+        labels = [m[..., 0] if m.ndim == 3 and (m == m[..., :1]).all() else m   # grey saved as RGB
+                  for m in map(_read, ann)]
         ok = [*range(VIP_CLASSES), 255]
-        bad = next((a for a, m in zip(ann, labels) if m.ndim != 2 or np.setdiff1d(m, ok).size), None)
+        bad = next((a for a, m in zip(ann, labels) if m.ndim != 2 or np.setdiff1d(m, ok).size),
+                   None)
         if bad:
-            raise C.UserError(f"{bad}: not a map of class ids 0..{VIP_CLASSES - 1} (255 = not scored)")
+            raise C.UserError(f"{bad}: not a map of class ids 0..{VIP_CLASSES - 1} (255 = not "
+                              "scored)")
         yield v, [_read(os.path.join(folder, f), "RGB") for f in frames], labels
 
 
 def read_joints(path):
-    """pos_img of a JHMDB joint_positions.mat: (2, 15, T) 1-based pixel positions. scipy reads it."""
+    """pos_img of a JHMDB joint_positions.mat: (2, 15, T) 1-based pixel positions. scipy reads
+    it."""
     try:
         from scipy.io import loadmat
     except ImportError:
-        raise C.UserError("--task jhmdb reads joint_positions.mat with scipy: pip install scipy") from None
+        raise C.UserError("--task jhmdb reads joint_positions.mat with scipy: pip install "
+                          "scipy") from None
     try:
         return np.asarray(loadmat(path)["pos_img"], dtype=np.float64)
     except Exception as e:
@@ -458,20 +485,24 @@ def jhmdb_videos(root):
     splits = sorted(glob.glob(os.path.join(root, "**", "*_test_split1.txt"), recursive=True))
     img_root, pos_root = os.path.join(root, "Rename_Images"), os.path.join(root, "joint_positions")
     if not splits or not os.path.isdir(img_root) or not os.path.isdir(pos_root):
-        raise C.UserError(f"--data {root}: expected the JHMDB layout Rename_Images/<action>/<video>/, "
-                          "joint_positions/<action>/<video>/joint_positions.mat and the <action>_test_split1.txt files")
+        raise C.UserError(f"--data {root}: expected the JHMDB layout "
+                          "Rename_Images/<action>/<video>/, "
+                          "joint_positions/<action>/<video>/joint_positions.mat and the "
+                          "<action>_test_split1.txt files")
     for lst in splits:
         action = os.path.basename(lst)[:-len("_test_split1.txt")]
         for line in open(lst):
             row = line.split()
             if len(row) != 2 or row[1] not in ("1", "2"):
                 if row:
-                    raise C.UserError(f"{lst}: expected '<video>.avi 1|2' lines, got {line.strip()!r}")
+                    raise C.UserError(f"{lst}: expected '<video>.avi 1|2' lines, got "
+                                      f"{line.strip()!r}")
                 continue
             if row[1] != "2":
                 continue
             v = os.path.splitext(row[0])[0]
-            folder, mat = os.path.join(img_root, action, v), os.path.join(pos_root, action, v, "joint_positions.mat")
+            folder = os.path.join(img_root, action, v)
+            mat = os.path.join(pos_root, action, v, "joint_positions.mat")
             if not os.path.isdir(folder):
                 raise C.UserError(f"video {v} listed in {lst} has no folder {folder}")
             if not os.path.isfile(mat):
@@ -479,9 +510,10 @@ def jhmdb_videos(root):
             frames = _frames(folder, f"video {v}")
             pos = read_joints(mat)
             if pos.ndim != 3 or pos.shape[0] != 2 or pos.shape[2] != len(frames):
-                raise C.UserError(f"{mat}: pos_img is {tuple(pos.shape)}, expected (2, joints, {len(frames)}) for the "
-                                  f"{len(frames)} frames of {folder}")
-            yield v, [_read(os.path.join(folder, f), "RGB") for f in frames], pos.transpose(2, 1, 0) - 1
+                raise C.UserError(f"{mat}: pos_img is {tuple(pos.shape)}, expected (2, joints, "
+                                  f"{len(frames)}) for the {len(frames)} frames of {folder}")
+            images = [_read(os.path.join(folder, f), "RGB") for f in frames]
+            yield v, images, pos.transpose(2, 1, 0) - 1
 
 
 def synthetic_videos(task="davis", n=None):
@@ -495,7 +527,9 @@ def synthetic_videos(task="davis", n=None):
         if task == "jhmdb":
             labels = np.stack([clip.keypoints(t) for t in range(T)])
         else:
-            ids = np.array([0] + [o["shape"] + 1 for o in clip.objs], np.uint8) if task == "vip" else None
+            ids = None
+            if task == "vip":
+                ids = np.array([0] + [o["shape"] + 1 for o in clip.objs], np.uint8)
             labels = [clip.mask(t) if ids is None else ids[clip.mask(t)] for t in range(T)]
         yield f"synthetic_{i:03d}", [clip.load(t) for t in range(T)], labels
 
@@ -517,8 +551,8 @@ def resize_short(im, short_side, resample):
 
 
 def resize_frame(im, geom, resample):
-    """The task's frame geometry. geom: an int, the short side (aspect kept; DAVIS); ("long", n): the
-    long side to n, the short side scaled and floored to a multiple of 64 (VIP, as CropMAE); or
+    """The task's frame geometry. geom: an int, the short side (aspect kept; DAVIS); ("long", n):
+    the long side to n, the short side scaled and floored to a multiple of 64 (VIP, as CropMAE); or
     ("square", n): stretched to n x n (JHMDB, as CRW). 0 / n = 0: unchanged."""
     if not isinstance(geom, tuple):
         return resize_short(im, geom, resample)
@@ -534,8 +568,9 @@ def resize_frame(im, geom, resample):
 
 
 class PatchPixels(torch.nn.Module):
-    """--pixels, the raw-pixel baseline in the encoder's place: (B, 3, H, W) -> (B, 1 + N, 3 p^2), each
-    p x p patch's (normalised) pixels, row-major patches, behind a zero [CLS] as a ViT's token layout."""
+    """--pixels, the raw-pixel baseline in the encoder's place: (B, 3, H, W) -> (B, 1 + N, 3 p^2),
+    each p x p patch's (normalised) pixels, row-major patches, behind a zero [CLS] as a ViT's token
+    layout."""
 
     def __init__(self, patch_size):
         super().__init__()
@@ -549,8 +584,9 @@ class PatchPixels(torch.nn.Module):
 
 @torch.no_grad()
 def frame_features(enc, frames, geom, device):
-    """List of PIL frames -> (T, h, w, D) L2-normalised last-layer patch tokens (after the final norm)
-    of each frame resized to geom (resize_frame) and cropped at the bottom/right to (h p, w p)."""
+    """List of PIL frames -> (T, h, w, D) L2-normalised last-layer patch tokens (after the final
+    norm) of each frame resized to geom (resize_frame) and cropped at the bottom/right to (h p, w
+    p)."""
     p = enc.patch_size
     out = []
     for im in frames:
@@ -573,15 +609,18 @@ def labels_to_grid(gt0, ids, p, geom):
 
 
 def grid_to_frame(soft, p, size, out_size):
-    """(T, h, w, C) soft labels -> (T, H, W) argmax class index: bilinear to (h p, w p) with cell values
-    at patch centres, the uncovered border (< p px) repeats the edge, nearest resize to out_size."""
+    """(T, h, w, C) soft labels -> (T, H, W) argmax class index: bilinear to (h p, w p) with cell
+    values at patch centres, the uncovered border (< p px) repeats the edge, nearest resize to
+    out_size."""
     T, h, w, _ = soft.shape
-    up = F.interpolate(soft.permute(0, 3, 1, 2), scale_factor=p, mode="bilinear", align_corners=False)
+    up = F.interpolate(soft.permute(0, 3, 1, 2), scale_factor=p, mode="bilinear",
+                       align_corners=False)
     W, H = size
     up = F.pad(up, (0, W - w * p, 0, H - h * p), mode="replicate")                     # (T, C, H, W)
     idx = up.argmax(1)
     if (H, W) != tuple(out_size):
-        idx = F.interpolate(idx[:, None].float(), size=tuple(out_size), mode="nearest-exact")[:, 0].long()
+        idx = F.interpolate(idx[:, None].float(), size=tuple(out_size), mode="nearest-exact")
+        idx = idx[:, 0].long()
     return idx
 
 
@@ -599,11 +638,13 @@ def propagate_labels(enc, frames, gt0, a, geom, device):
     assert lab0.shape[:2] == feats.shape[1:3], (lab0.shape, feats.shape)
     soft = propagate(feats, lab0, a.n_context, a.topk, a.radius, a.temperature)   # (T, h, w, C)
     size = resize_frame(frames[0], geom, Image.BILINEAR).size
-    return torch.tensor([0] + ids)[grid_to_frame(soft, p, size, gt0.shape)].numpy().astype(np.uint8), ids
+    labels = torch.tensor([0] + ids)[grid_to_frame(soft, p, size, gt0.shape)]
+    return labels.numpy().astype(np.uint8), ids
 
 
 def evaluate_video(enc, frames, masks, a, geom, device):
-    """DAVIS: predicted masks (frame 0 = its annotation) and {object: (J, F)} over frames 1 .. T-2."""
+    """DAVIS: predicted masks (frame 0 = its annotation) and {object: (J, F)} over frames 1 ..
+    T-2."""
     pred, ids = propagate_labels(enc, frames, masks[0], a, geom, device)
     pred[0] = masks[0]
     T = len(frames)
@@ -625,8 +666,8 @@ def evaluate_parts(enc, frames, labels, a, geom, device):
 
 
 def evaluate_pose(enc, frames, joints, a, geom, device, name=""):
-    """JHMDB: joints (T, J, 2) ground-truth pixel positions -> predicted (T, J, 2) positions (NaN for a
-    joint that cannot be propagated: outside the first frame, which a warning line names)."""
+    """JHMDB: joints (T, J, 2) ground-truth pixel positions -> predicted (T, J, 2) positions (NaN
+    for a joint that cannot be propagated: outside the first frame, which a warning line names)."""
     a = resolved(a)
     if a.copy_first:                                                         # the no-motion baseline
         return np.repeat(np.asarray(joints[:1], float), len(frames), 0)
@@ -638,8 +679,9 @@ def evaluate_pose(enc, frames, joints, a, geom, device, name=""):
     lab0 = keypoint_maps(joints[0] / cell, h, w)                              # (h, w, 1 + J)
     for j in torch.nonzero(lab0[..., 1:].amax((0, 1)) == 0)[:, 0].tolist():   # an empty map: outside the grid
         x, y = joints[0][j]
-        print(f"warning: {name}: joint {j + 1} at ({x:.1f}, {y:.1f}) lies outside the first frame's feature grid: "
-              "not propagated or scored in this video", file=sys.stderr, flush=True)
+        print(f"warning: {name}: joint {j + 1} at ({x:.1f}, {y:.1f}) lies outside the first "
+              "frame's feature grid: not propagated or scored in this video", file=sys.stderr,
+              flush=True)
     soft = propagate(feats, lab0, a.n_context, a.topk, a.radius, a.temperature)
     return np.stack([keypoints_from_maps(s).numpy() * cell for s in soft])
 
@@ -656,40 +698,46 @@ def evaluate(a):
     H.validate(a)                                                    # ranges, finite numbers: one line each
     baseline = a.pixels or a.copy_first
     if not (a.ckpt or baseline) or not a.data:
-        raise C.UserError("--ckpt (or a baseline: --pixels, --copy-first) and --data are required (a DAVIS-2016/2017, "
-                          "VIP or JHMDB root, or 'synthetic')")
+        raise C.UserError("--ckpt (or a baseline: --pixels, --copy-first) and --data are required "
+                          "(a DAVIS-2016/2017, VIP or JHMDB root, or 'synthetic')")
     if baseline and (a.ckpt or a.random_init or a.pixels and a.copy_first):
-        raise C.UserError("--pixels and --copy-first are baselines without a checkpoint: give one of them, and no "
-                          "--ckpt / --random-init")
+        raise C.UserError("--pixels and --copy-first are baselines without a checkpoint: give one "
+                          "of them, and no --ckpt / --random-init")
     if a.pixels and not a.patch_size:
-        raise C.UserError("--pixels needs --patch-size (the cell of the propagation grid; a checkpoint's patch size)")
+        raise C.UserError("--pixels needs --patch-size (the cell of the propagation grid; a "
+                          "checkpoint's patch size)")
     if a.task not in TASKS:
         raise C.UserError(f"--task {a.task}: choose one of {', '.join(TASKS)}")
     if a.task == "davis" and a.size is not None:
         raise C.UserError("--size is for --task vip / jhmdb: DAVIS frames are set by --short-side")
     if a.task != "davis" and a.short_side is not None:
-        raise C.UserError(f"--short-side is for --task davis: --task {a.task} frames are set by --size")
+        raise C.UserError(f"--short-side is for --task davis: --task {a.task} frames are set by "
+                          "--size")
     a = resolved(a)
     device = H.resolve_device(a.device)
     if a.output:
         _lock = H.claim_dir(a.output, "--output")                   # held while this evaluation writes
     if baseline:
-        enc, ckpt = PatchPixels(a.patch_size or 1), {"method": "pixels" if a.pixels else "copy-first"}
+        enc = PatchPixels(a.patch_size or 1)
+        ckpt = {"method": "pixels" if a.pixels else "copy-first"}
     else:
         enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size, online=a.online)
     if a.holdout and (a.task != "davis" or a.data == "synthetic"):
-        raise C.UserError("--holdout is for --task davis on a DAVIS root (the train videos a --holdout run left out)")
+        raise C.UserError("--holdout is for --task davis on a DAVIS root (the train videos a "
+                          "--holdout run left out)")
     trained = ckpt.get("args", {}).get("holdout", 0) if a.ckpt and not a.random_init else a.holdout
     if a.holdout and trained != a.holdout:
-        raise C.UserError(f"--holdout {a.holdout}: {a.ckpt} was trained with --holdout {trained}: its held-out "
-                          "videos are not these")
+        raise C.UserError(f"--holdout {a.holdout}: {a.ckpt} was trained with --holdout {trained}: "
+                          "its held-out videos are not these")
     if a.online and (a.random_init or baseline):
-        raise C.UserError("--online reads a checkpoint's trained online network: not with --random-init or a baseline")
+        raise C.UserError("--online reads a checkpoint's trained online network: not with "
+                          "--random-init or a baseline")
     side = a.short_side if a.task == "davis" else a.size
     side = {"davis": 480, **SIZE}[a.task] if side is None else side
     if 0 < side < enc.patch_size:
         flag = "--short-side" if a.task == "davis" else "--size"
-        raise C.UserError(f"{flag} {side} is below the patch size {enc.patch_size}: a frame would have no patch")
+        raise C.UserError(f"{flag} {side} is below the patch size {enc.patch_size}: a frame would "
+                          "have no patch")
     enc = enc.to(device)
     synthetic = a.data == "synthetic"
     side = 0 if synthetic else side                                # synthetic clips: native 64 px
@@ -697,9 +745,11 @@ def evaluate(a):
     if synthetic:
         videos = synthetic_videos(a.task)
     else:
-        videos = {"davis": lambda: davis_videos(a.data, a.split, a.holdout), "vip": lambda: vip_videos(a.data, a.split),
+        videos = {"davis": lambda: davis_videos(a.data, a.split, a.holdout),
+                  "vip": lambda: vip_videos(a.data, a.split),
                   "jhmdb": lambda: jhmdb_videos(a.data)}[a.task]()
-    res = {"method": ckpt["method"], "random_init": a.random_init, "online": a.online, "task": a.task, "videos": 0}
+    res = {"method": ckpt["method"], "random_init": a.random_init, "online": a.online,
+           "task": a.task, "videos": 0}
     Js, Fs, hist, poses = [], [], 0, []                            # Js, Fs: each object's mean over its frames
     for name, frames, labels in videos:
         res["videos"] += 1
@@ -707,8 +757,9 @@ def evaluate(a):
             pred, per_obj = evaluate_video(enc, frames, labels, a, geom, device)
             j, f = [v[0] for v in per_obj.values()], [v[1] for v in per_obj.values()]
             Js, Fs = Js + j, Fs + f
-            line = f"J {100 * np.mean(j):5.1f}  F {100 * np.mean(f):5.1f}  objects {len(j)}" if j else \
-                "no annotated frame to score (frames 1 .. T-2)"
+            line = "no annotated frame to score (frames 1 .. T-2)"
+            if j:
+                line = f"J {100 * np.mean(j):5.1f}  F {100 * np.mean(f):5.1f}  objects {len(j)}"
         elif a.task == "vip":
             pred, h = evaluate_parts(enc, frames, labels, a, geom, device)
             hist = hist + h
@@ -717,24 +768,28 @@ def evaluate(a):
             pred = evaluate_pose(enc, frames, labels, a, geom, device, name)
             poses.append((labels, pred))
             p1 = pck([poses[-1]])[0.1]                                 # None: no frame to score
-            line = f"PCK@0.1 {'-' if p1 is None else f'{p1:5.1f}'}  joints {labels.shape[1]}  frames {len(frames)}"
+            score = "-" if p1 is None else f"{p1:5.1f}"
+            line = f"PCK@0.1 {score}  joints {labels.shape[1]}  frames {len(frames)}"
         print(f"{name:24s} {line}", flush=True)
         if a.output and a.task == "jhmdb":
             os.makedirs(a.output, exist_ok=True)
             with open(os.path.join(a.output, f"{name}.json"), "w") as fh:
-                json.dump({"xy": np.round(pred, 2).tolist(), "note": "(frames, joints, x y) 0-based pixels"}, fh)
+                json.dump({"xy": np.round(pred, 2).tolist(), "note": "(frames, joints, x y) "
+                                                                     "0-based pixels"}, fh)
         elif a.output:
             write_labels(os.path.join(a.output, name), pred)
     if not res["videos"]:
         raise C.UserError(f"--data {a.data}: no video to evaluate")
     if a.task == "davis":
         if not Js and not a.output:                    # e.g. DAVIS test-dev: first-frame masks only
-            raise C.UserError(f"no video of {a.data} has an annotated frame to score beyond the first: give --output "
-                              "to write the predicted masks")
-        res.update(J_mean=100 * float(np.mean(Js)) if Js else None, F_mean=100 * float(np.mean(Fs)) if Js else None)
+            raise C.UserError(f"no video of {a.data} has an annotated frame to score beyond the "
+                              "first: give --output to write the predicted masks")
+        res.update(J_mean=100 * float(np.mean(Js)) if Js else None,
+                   F_mean=100 * float(np.mean(Fs)) if Js else None)
         res["JF_mean"] = (res["J_mean"] + res["F_mean"]) / 2 if Js else None
     elif a.task == "vip":
-        res.update(mIoU=100 * mean_iou(hist), pixel_acc=100 * float(np.diag(hist).sum() / max(hist.sum(), 1)))
+        res.update(mIoU=100 * mean_iou(hist),
+                   pixel_acc=100 * float(np.diag(hist).sum() / max(hist.sum(), 1)))
     else:
         res.update({f"PCK@{t}": v for t, v in pck(poses).items()})
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}))

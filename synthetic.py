@@ -4,10 +4,10 @@ deterministic per index and seed (nothing downloaded, nothing written). Imported
 
 Images: 10 shape classes (label = index % 10), grey shapes of random intensity, scale, position and
 rotation over a random grey textured background, with a held-out val split, so a k-NN or linear
-probe shows whether pre-training learned something. Clips: 1-3 coloured shapes moving and turning over
-a drifting tinted background, with per-object masks (eval_video.py's synthetic DAVIS). Colour, because
-with ImageNet's per-channel normalisation every flat grey patch has one and the same norm-pix target,
-which a SiamMAE decoder could predict everywhere without reading either frame.
+probe shows whether pre-training learned something. Clips: 1-3 coloured shapes moving and turning
+over a drifting tinted background, with per-object masks (eval_video.py's synthetic DAVIS). Colour,
+because with ImageNet's per-channel normalisation every flat grey patch has one and the same
+norm-pix target, which a SiamMAE decoder could predict everywhere without reading either frame.
 """
 import numpy as np
 import torch
@@ -32,7 +32,8 @@ def shape_mask(name, xx, yy, center, s, rot):
         "star": r < 0.55 + 0.4 * np.cos(5 * a),
         "crescent": (r < 0.95) & (np.hypot(u - 0.45, v) > 0.75),
         "bar": (abs(u) < 1.0) & (abs(v) < 0.3),
-        "ell": ((abs(u + 0.35) < 0.25) & (abs(v) < 0.9)) | ((abs(v - 0.65) < 0.25) & (abs(u) < 0.6)),
+        "ell": (((abs(u + 0.35) < 0.25) & (abs(v) < 0.9))
+                | ((abs(v - 0.65) < 0.25) & (abs(u) < 0.6))),
         "dots": (np.hypot(u - 0.5, v) < 0.38) | (np.hypot(u + 0.5, v) < 0.38),
     }[name]
 
@@ -82,18 +83,20 @@ class SyntheticImages(torch.utils.data.Dataset):
 
 class SyntheticClip:
     """Procedural clip: 1-3 coloured shapes moving (and turning) over a drifting tinted texture.
-    load(t) -> PIL frame; mask(t) -> (H, W) uint8 object ids (0 = background, later objects on top)."""
+    load(t) -> PIL frame; mask(t) -> (H, W) uint8 object ids (0 = background, later objects on
+    top)."""
 
     def __init__(self, idx, split="train", n_frames=32, size=64):
         rng = np.random.default_rng([11, {"train": 0, "val": 1}[split], idx])
-        self.n, self.size = n_frames, size
-        self.bg = (rng.uniform(0.3, 0.7), rng.uniform(2, 6), rng.uniform(0, np.pi), rng.uniform(-0.02, 0.02, 2))
+        self.n = n_frames
+        self.size = size
+        self.bg = (rng.uniform(0.3, 0.7), rng.uniform(2, 6), rng.uniform(0, np.pi),
+                   rng.uniform(-0.02, 0.02, 2))
         self.objs = []
-        for _ in range(rng.integers(1, 4)):
-            self.objs.append(dict(shape=rng.integers(len(SHAPES)), s=rng.uniform(0.25, 0.4), p0=rng.uniform(-0.6, 0.6,
-                                                                                                            2),
-                                  vel=rng.uniform(-0.04, 0.04, 2), rot0=rng.uniform(0, 2 * np.pi), w=rng.uniform(-0.1,
-                                                                                                                 0.1),
+        for _ in range(rng.integers(1, 4)):                          # each one's draws in this order
+            self.objs.append(dict(shape=rng.integers(len(SHAPES)), s=rng.uniform(0.25, 0.4),
+                                  p0=rng.uniform(-0.6, 0.6, 2), vel=rng.uniform(-0.04, 0.04, 2),
+                                  rot0=rng.uniform(0, 2 * np.pi), w=rng.uniform(-0.1, 0.1),
                                   level=rng.uniform(0, 1)))
         self.tint = rng.uniform(0.3, 0.7, 3)                     # drawn last: the geometry is as before
         for o in self.objs:
@@ -106,8 +109,10 @@ class SyntheticClip:
         size = self.size
         yy, xx = np.mgrid[-1:1:size * 1j, -1:1:size * 1j]
         g, f, th, drift = self.bg
-        bx, by = xx + drift[0] * t, yy + drift[1] * t
-        pattern = 0.15 * np.sin(f * np.pi * (bx * np.cos(th) + by * np.sin(th))) * np.sin(f * np.pi * by)
+        bx = xx + drift[0] * t
+        by = yy + drift[1] * t
+        pattern = 0.15 * np.sin(f * np.pi * (bx * np.cos(th) + by * np.sin(th)))
+        pattern = pattern * np.sin(f * np.pi * by)
         img = self.tint + pattern[..., None]                                        # (H, W, 3)
         ids = np.zeros((size, size), np.uint8)
         for k, o in enumerate(self.objs):
@@ -130,9 +135,12 @@ class SyntheticClip:
         return np.clip(o["p0"] + o["vel"] * t, -0.8, 0.8), o["rot0"] + o["w"] * t
 
     def _place(self, o, t, u, v):
-        """Object o's own-frame point (u, v) (before scaling) -> its (x, y) in [-1, 1] at frame t."""
+        """Object o's own-frame point (u, v) (before scaling) -> its (x, y) in [-1, 1] at frame
+        t."""
         c, r = self._pose(o, t)
-        return c[0] + o["s"] * (u * np.cos(r) - v * np.sin(r)), c[1] + o["s"] * (u * np.sin(r) + v * np.cos(r))
+        x = c[0] + o["s"] * (u * np.cos(r) - v * np.sin(r))
+        y = c[1] + o["s"] * (u * np.sin(r) + v * np.cos(r))
+        return x, y
 
     def _to_px(self, z):                                                       # [-1, 1] -> pixels
         return (z + 1) * (self.size - 1) / 2
@@ -141,17 +149,18 @@ class SyntheticClip:
     KEYPOINTS = ((0.0, 0.0), (0.6, 0.0), (-0.6, 0.0), (0.0, 0.6), (0.0, -0.6))
 
     def keypoints(self, t):
-        """(J, 2) pixel positions (x, y) in frame t of every object's KEYPOINTS (J = 5 x objects), moving
-        with the object (translation + rotation, as source()); occlusion is not modelled (eval_video's
-        synthetic JHMDB: the 'joints' it propagates)."""
-        return self._to_px(np.array([self._place(o, t, u, v) for o in self.objs for u, v in self.KEYPOINTS]))
+        """(J, 2) pixel positions (x, y) in frame t of every object's KEYPOINTS (J = 5 x objects),
+        moving with the object (translation + rotation, as source()); occlusion is not modelled
+        (eval_video's synthetic JHMDB: the 'joints' it propagates)."""
+        points = [self._place(o, t, u, v) for o in self.objs for u, v in self.KEYPOINTS]
+        return self._to_px(np.array(points))
 
     def source(self, t1, t2):
-        """Ground-truth motion: for every pixel of frame t2, (H, W, 2) its (x, y) position in frame t1 in
-        pixels (float, may lie outside the frame), and frame t2's object ids (H, W). An object pixel
-        keeps its place in its object's own frame (translation of the centre + rotation about it); a
-        background pixel moves with the texture's drift. Occlusion is not modelled: the source of a
-        point that is hidden in t1 is where it would be."""
+        """Ground-truth motion: for every pixel of frame t2, (H, W, 2) its (x, y) position in frame
+        t1 in pixels (float, may lie outside the frame), and frame t2's object ids (H, W). An object
+        pixel keeps its place in its object's own frame (translation of the centre + rotation about
+        it); a background pixel moves with the texture's drift. Occlusion is not modelled: the
+        source of a point that is hidden in t1 is where it would be."""
         size = self.size
         yy, xx = np.mgrid[-1:1:size * 1j, -1:1:size * 1j]
         drift = self.bg[3]

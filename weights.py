@@ -10,9 +10,9 @@ Read by read_weights(path) -> (format, record); load_encoder(path) rebuilds the 
   msn-official   the official MSN file: `target_encoder`, `module.` prefix (its `fc` head left out)
   mae-style      a dict with a `model` state dict: MAE, CAN, DeiT, BEiT, ConMIM releases
   timm           a plain state dict: timm / DeiT ViTs (layer scale `ls1.gamma` read as BEiT's
-                 `gamma_1`; a position table without a [CLS] row, timm's no_embed_class, given a zero
-                 one: the same function), timm / BEiT Beit (shared or per-block relative position
-                 bias, q / v biases, layer scale)
+                 `gamma_1`; a position table without a [CLS] row, timm's no_embed_class, given a
+                 zero one: the same function), timm / BEiT Beit (shared or per-block relative
+                 position bias, q / v biases, layer scale)
 Any of these as .safetensors (the package needed only to read or write one). Heads, decoders,
 projectors, prototypes and mask tokens are left out, said by name; the BEiT index buffers are
 recomputed; any other tensor (register tokens, norm_pre, a distillation token, ...) is a one-line
@@ -46,17 +46,23 @@ POOLS = ("cls", "cls-prenorm", "mean")
 
 
 class Attention(nn.Module):
-    """qkv_bias "qkv": one qkv bias (timm ViT); "qv": BEiT's learned q and v biases, k bias 0; "none".
-    rel_pos: this block's own BEiT relative position bias table (fine-tuning expands the shared one)."""
+    """qkv_bias "qkv": one qkv bias (timm ViT); "qv": BEiT's learned q and v biases, k bias 0;
+    "none". rel_pos: this block's own BEiT relative position bias table (fine-tuning expands the
+    shared one)."""
 
     def __init__(self, dim, heads, qkv_bias="qkv", rel_pos=None):
         super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim, bias=qkv_bias == "qkv"), nn.Linear(dim, dim)
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias == "qkv")
+        self.proj = nn.Linear(dim, dim)
         if qkv_bias == "qv":
-            self.q_bias, self.v_bias = nn.Parameter(torch.zeros(dim)), nn.Parameter(torch.zeros(dim))
+            self.q_bias = nn.Parameter(torch.zeros(dim))
+            self.v_bias = nn.Parameter(torch.zeros(dim))
         if rel_pos is not None:                                      # timm Beit's per-block names
-            self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * rel_pos - 1) ** 2 + 3, heads))
-            self.register_buffer("relative_position_index", relative_position_index(rel_pos), persistent=False)
+            table = torch.zeros((2 * rel_pos - 1) ** 2 + 3, heads)
+            self.relative_position_bias_table = nn.Parameter(table)
+            self.register_buffer("relative_position_index", relative_position_index(rel_pos),
+                                 persistent=False)
 
     def qkv_bias(self):
         """The bias of the qkv projection: timm's one, BEiT's q and v with k at 0, or None."""
@@ -70,13 +76,15 @@ class Attention(nn.Module):
         q, k, v = qkv.view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
         if hasattr(self, "relative_position_bias_table"):
             bias = relative_bias(self.relative_position_bias_table, self.relative_position_index)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype).unsqueeze(0))
+        mask = None if bias is None else bias.to(q.dtype).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
 
 def relative_position_index(grid):
     """BEiT's index (1 + N, 1 + N) into the ((2g - 1)^2 + 3)-row table (same as conmim.py's)."""
-    yx = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")).flatten(1)
+    axis = torch.arange(grid)
+    yx = torch.stack(torch.meshgrid(axis, axis, indexing="ij")).flatten(1)
     rel = (yx[:, :, None] - yx[:, None, :]).permute(1, 2, 0) + (grid - 1)
     n_rel = (2 * grid - 1) ** 2 + 3
     index = torch.zeros(grid * grid + 1, grid * grid + 1, dtype=torch.long)
@@ -86,7 +94,8 @@ def relative_position_index(grid):
 
 
 def relative_bias(table, index):
-    """(heads, 1 + N, 1 + N) attention bias: the table's row for each token pair's relative offset."""
+    """(heads, 1 + N, 1 + N) attention bias: the table's row for each token pair's relative
+    offset."""
     n = index.shape[0]
     return table[index.view(-1)].view(n, n, -1).permute(2, 0, 1)
 
@@ -94,8 +103,10 @@ def relative_bias(table, index):
 class RelativePositionBias(nn.Module):
     def __init__(self, grid, heads):
         super().__init__()
-        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * grid - 1) ** 2 + 3, heads))
-        self.register_buffer("relative_position_index", relative_position_index(grid), persistent=False)
+        table = torch.zeros((2 * grid - 1) ** 2 + 3, heads)
+        self.relative_position_bias_table = nn.Parameter(table)
+        self.register_buffer("relative_position_index", relative_position_index(grid),
+                             persistent=False)
 
     def forward(self):                                               # (heads, 1 + N, 1 + N)
         return relative_bias(self.relative_position_bias_table, self.relative_position_index)
@@ -118,13 +129,16 @@ def drop_path(x, p, training):
 
 
 class Block(nn.Module):
-    """Pre-norm block; drop_path: stochastic depth (used by eval_finetune.py only); layer_scale: BEiT's
-    gamma_1 / gamma_2 (None: none); qkv_bias / rel_pos: see Attention."""
+    """Pre-norm block; drop_path: stochastic depth (used by eval_finetune.py only); layer_scale:
+    BEiT's gamma_1 / gamma_2 (None: none); qkv_bias / rel_pos: see Attention."""
 
-    def __init__(self, dim, heads, mlp_ratio=4.0, drop_path=0.0, layer_scale=None, qkv_bias="qkv", rel_pos=None):
+    def __init__(self, dim, heads, mlp_ratio=4.0, drop_path=0.0, layer_scale=None, qkv_bias="qkv",
+                 rel_pos=None):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention(dim, heads, qkv_bias, rel_pos)
-        self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp(dim, int(dim * mlp_ratio))
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, heads, qkv_bias, rel_pos)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
         if layer_scale is not None:
             self.gamma_1 = nn.Parameter(torch.full((dim,), float(layer_scale)))
             self.gamma_2 = nn.Parameter(torch.full((dim,), float(layer_scale)))
@@ -153,35 +167,39 @@ class PatchEmbed(nn.Module):
 def sincos_pos_embed(dim, grid):
     """MAE's fixed 2-D sin-cos table (grid*grid, dim): [x sin, x cos, y sin, y cos]."""
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
-    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
-                            indexing="ij")
-    return torch.cat([f(p.flatten()[:, None] * omega[None]) for p in (xs, ys) for f in (torch.sin, torch.cos)],
-                     1).float()
+    axis = torch.arange(grid, dtype=torch.float64)
+    ys, xs = torch.meshgrid(axis, axis, indexing="ij")
+    return torch.cat([f(p.flatten()[:, None] * omega[None]) for p in (xs, ys)
+                      for f in (torch.sin, torch.cos)], 1).float()
 
 
 class ViT(nn.Module):
-    """forward(x, norm=True) -> (B, 1+N, D), [CLS] first. The position table is a parameter here
-    (a checkpoint's fixed sin-cos buffer loads into it), interpolated bicubically at other sizes.
-    BEiT (ConMIM): pos_embed "none", rel_pos_bias "shared" (one table, pre-training's layout, key
+    """forward(x, norm=True) -> (B, 1+N, D), [CLS] first. The position table is a parameter here (a
+    checkpoint's fixed sin-cos buffer loads into it), interpolated bicubically at other sizes. BEiT
+    (ConMIM): pos_embed "none", rel_pos_bias "shared" (one table, pre-training's layout, key
     rel_pos_bias.*) or "block" (one per block, fine-tuning's: load_encoder(per_block_rel_pos=True)
     copies the shared table into every block, as BEiT's run_class_finetuning), layer_scale, qkv_bias
     "qv"; such an encoder takes only its training image size (the bias is tied to the patch grid).
     --random-init draws the weights as the method's own ViT does (init "trunc": DeiT / MSN,
-    "xavier": MAE / CMAE / CAN / SiamMAE, "beit": ConMIM), in the same order, for the run's seed: the
-    run's own initial encoder for MSN, CMAE and ConMIM; CAN's and SiamMAE's training models draw the
-    whole model at once (MAE's initialize_weights), so there it is another draw of the same
+    "xavier": MAE / CMAE / CAN / SiamMAE, "beit": ConMIM), in the same order, for the run's seed:
+    the run's own initial encoder for MSN, CMAE and ConMIM; CAN's and SiamMAE's training models draw
+    the whole model at once (MAE's initialize_weights), so there it is another draw of the same
     initialisation (a run's first checkpoint, --stop-step 1 at lr 0, holds its own start)."""
 
     def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, mlp_ratio=4.0,
-                 pos_embed="learned", init="trunc", drop_path=0.0, rel_pos_bias=None, layer_scale=None,
-                 qkv_bias="qkv", **_):
+                 pos_embed="learned", init="trunc", drop_path=0.0, rel_pos_bias=None,
+                 layer_scale=None, qkv_bias="qkv", **_):
         super().__init__()
-        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth, heads=heads,
-                           mlp_ratio=mlp_ratio, pos_embed="none" if pos_embed == "none" else "learned", init=init)
+        table = "none" if pos_embed == "none" else "learned"           # a sin-cos one is saved
+        self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth,
+                           heads=heads, mlp_ratio=mlp_ratio, pos_embed=table, init=init)
         extra = dict(rel_pos_bias=rel_pos_bias, layer_scale=layer_scale, qkv_bias=qkv_bias)
         default = dict(rel_pos_bias=None, layer_scale=None, qkv_bias="qkv")
-        self.config.update({k: v for k, v in extra.items() if pos_embed == "none" or v != default[k]})
-        self.patch_size, self.dim, self.grid = patch_size, dim, img_size // patch_size
+        self.config.update({k: v for k, v in extra.items()
+                            if pos_embed == "none" or v != default[k]})
+        self.patch_size = patch_size
+        self.dim = dim
+        self.grid = img_size // patch_size
         self.patch_embed = PatchEmbed(patch_size, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         if pos_embed != "none":
@@ -193,8 +211,9 @@ class ViT(nn.Module):
         if rel_pos_bias == "shared":
             self.rel_pos_bias = RelativePositionBias(self.grid, heads)
         block_rel = self.grid if rel_pos_bias == "block" else None
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, p, layer_scale, qkv_bias, block_rel)
-                                    for p in torch.linspace(0, drop_path, depth).tolist())
+        rates = torch.linspace(0, drop_path, depth).tolist()
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, p, layer_scale, qkv_bias,
+                                          block_rel) for p in rates)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Conv2d)):
@@ -202,7 +221,8 @@ class ViT(nn.Module):
                 if init == "beit":
                     nn.init.trunc_normal_(m.weight, std=0.02, a=-0.02, b=0.02)
                 elif init == "xavier":
-                    nn.init.xavier_uniform_(m.weight.view(m.weight.shape[0], -1) if conv else m.weight)
+                    flat = m.weight.view(m.weight.shape[0], -1) if conv else m.weight
+                    nn.init.xavier_uniform_(flat)
                 elif conv:
                     nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
                 else:
@@ -216,12 +236,15 @@ class ViT(nn.Module):
                 blk.mlp.fc2.weight.data.div_(math.sqrt(2.0 * layer))
 
     def check_grid(self, gh, gw):
-        """A one-line error where a BEiT encoder gets another patch grid than its training one (its relative
-        position bias is tied to it; BEiT would interpolate the tables, this code does not)."""
+        """A one-line error where a BEiT encoder gets another patch grid than its training one (its
+        relative position bias is tied to it; BEiT would interpolate the tables, this code does
+        not)."""
         if not hasattr(self, "pos_embed") and (gh, gw) != (self.grid, self.grid):
-            raise C.UserError(f"this BEiT encoder takes {self.grid * self.patch_size}px images only (its relative "
-                              f"position bias is tied to the {self.grid}x{self.grid} patch grid), got "
-                              f"{gh * self.patch_size}x{gw * self.patch_size}; leave --img-size at the checkpoint's")
+            raise C.UserError(f"this BEiT encoder takes {self.grid * self.patch_size}px images "
+                              "only (its relative position bias is tied to the "
+                              f"{self.grid}x{self.grid} patch grid), got "
+                              f"{gh * self.patch_size}x{gw * self.patch_size}; leave --img-size at "
+                              "the checkpoint's")
 
     @staticmethod
     def init_token(t, init):
@@ -240,24 +263,28 @@ class ViT(nn.Module):
             x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False), bias)
             return self.norm(x) if norm else x
         x = x + resize_pos_embed(self.pos_embed, gh, gw)[:, 1:].to(x.dtype)
-        x = torch.cat([(self.cls_token + self.pos_embed[:, :1]).expand(x.shape[0], -1, -1), x], dim=1)
+        cls = self.cls_token + self.pos_embed[:, :1]
+        x = torch.cat([cls.expand(x.shape[0], -1, -1), x], dim=1)
         x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False))
         return self.norm(x) if norm else x
 
 
 def resize_pos_embed(pe, gh, gw):
-    """A position table (1, 1 + g * g, D) (the [CLS] row first) for a gh x gw patch grid: the patch rows interpolated
-    bicubically when the grid differs (timm's resample_abs_pos_embed; also --init's), the [CLS] row as it is."""
+    """A position table (1, 1 + g * g, D) (the [CLS] row first) for a gh x gw patch grid: the patch
+    rows interpolated bicubically when the grid differs (timm's resample_abs_pos_embed; also
+    --init's), the [CLS] row as it is."""
     g = math.isqrt(pe.shape[1] - 1)
     if (gh, gw) == (g, g):
         return pe
     grid = pe[:, 1:].reshape(1, g, g, -1).permute(0, 3, 1, 2).float()
     grid = F.interpolate(grid, size=(gh, gw), mode="bicubic", align_corners=False)
-    return torch.cat([pe[:, :1], grid.permute(0, 2, 3, 1).reshape(1, gh * gw, -1).to(pe.dtype)], dim=1)
+    rows = grid.permute(0, 2, 3, 1).reshape(1, gh * gw, -1).to(pe.dtype)
+    return torch.cat([pe[:, :1], rows], dim=1)
 
 
 def check_size(encoder, size):
-    """size, or at start the one-line error the encoder's forward would give (BEiT: its training size only)."""
+    """size, or at start the one-line error the encoder's forward would give (BEiT: its training
+    size only)."""
     encoder.check_grid(size // encoder.patch_size, size // encoder.patch_size)
     return size
 
@@ -279,7 +306,8 @@ EXPORT_FILES = ("encoder.pth", "encoder.safetensors")
 
 
 def read_file(path):
-    """What a weights file holds: torch.load's object (tensors only), or a .safetensors file's dict."""
+    """What a weights file holds: torch.load's object (tensors only), or a .safetensors file's
+    dict."""
     if not path.endswith(".safetensors"):
         return C.load_checkpoint(path, ours=False)
     if not os.path.isfile(path):
@@ -292,7 +320,8 @@ def read_file(path):
     try:
         return load_file(path)
     except Exception as e:
-        raise C.UserError(f"{path} is not a readable safetensors file ({type(e).__name__})") from None
+        raise C.UserError(f"{path} is not a readable safetensors file "
+                          f"({type(e).__name__})") from None
 
 
 def read_weights(path, model=None):
@@ -310,18 +339,20 @@ def read_weights(path, model=None):
 
 
 def read_export(path):
-    """An --export folder (or one of its encoder files): the ViT from config.json's `vit`, its weights
-    from encoder.pth (else encoder.safetensors), its pooling as exported."""
+    """An --export folder (or one of its encoder files): the ViT from config.json's `vit`, its
+    weights from encoder.pth (else encoder.safetensors), its pooling as exported."""
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     try:
         config = json.load(open(os.path.join(folder, "config.json")))
-        vit, method = dict(config["vit"]), config["method"]
+        vit = dict(config["vit"])
+        method = config["method"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise C.UserError(f"{path}: a folder without a readable --export config.json ({type(e).__name__}"
-                          "): give a checkpoint file, or an --export folder") from None
+        raise C.UserError(f"{path}: a folder without a readable --export config.json "
+                          f"({type(e).__name__}): give a checkpoint file, or an --export "
+                          "folder") from None
     if os.path.isdir(path):
-        path = next((os.path.join(folder, f) for f in EXPORT_FILES
-                     if os.path.isfile(os.path.join(folder, f))), os.path.join(folder, EXPORT_FILES[0]))
+        files = [os.path.join(folder, f) for f in EXPORT_FILES]
+        path = next((f for f in files if os.path.isfile(f)), files[0])
     sd, _ = encoder_tensors(read_file(path), path)                 # the timm names read back
     args = {"seed": config.get("seed", 0), "holdout": config.get("holdout", 0)}
     return {"method": method, "vit": vit, "encoder": sd, "args": args, "step": config.get("step"),
@@ -334,8 +365,9 @@ def read_foreign(obj, path, model=None):
     tensors' shapes, its heads from --model (else timm's for the width)."""
     if not isinstance(obj, dict):
         raise C.UserError(f"{path}: not a dict of tensors")
-    fmt, sd = next(((f, obj[k]) for k, f in (("target_encoder", "msn-official"), ("model", "mae-style"))
-                    if isinstance(obj.get(k), dict)), ("timm", obj))
+    layouts = (("target_encoder", "msn-official"), ("model", "mae-style"))
+    fmt, sd = next(((f, obj[k]) for k, f in layouts if isinstance(obj.get(k), dict)),
+                   ("timm", obj))
     vit, left = encoder_tensors(sd, path, obj)
     config, notes = foreign_config(vit, path, model)
     method = {"msn-official": "msn"}.get(fmt, fmt)                  # MSN's pooling for MSN's file
@@ -349,7 +381,10 @@ def encoder_tensors(sd, path, obj=None):
     projectors, prototypes, mask tokens; recomputed: BEiT's index buffers. Any other tensor has no
     place in this ViT: a one-line refusal naming it; so is a file without a ViT (obj: the file's
     object, whose keys the refusal lists)."""
-    obj, vit, left, refused = sd if obj is None else obj, {}, {}, []
+    obj = sd if obj is None else obj
+    vit = {}                                                         # the encoder's tensors, timm's names
+    left = {}                                                        # left out: heads, decoders, by name
+    refused = []
     for key, t in sd.items():
         if not torch.is_tensor(t):
             continue
@@ -364,44 +399,50 @@ def encoder_tensors(sd, path, obj=None):
             refused.append(key)
     if not {"cls_token", "patch_embed.proj.weight", "blocks.0.attn.qkv.weight"} <= set(vit):
         keys = ", ".join(list(obj)[:6]) + (", ..." if len(obj) > 6 else "")
-        raise C.UserError(f"{path}: unknown checkpoint layout (keys: {keys}); expected this project's "
-                          "format, MSN's target_encoder, an MAE-style 'model' or a timm ViT state dict")
+        raise C.UserError(f"{path}: unknown checkpoint layout (keys: {keys}); expected this "
+                          "project's format, MSN's target_encoder, an MAE-style 'model' or a timm "
+                          "ViT state dict")
     if refused:
         more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
-        raise C.UserError(f"{path}: {refused[0]}{more} has no place in this project's ViT (register "
-                          "tokens, norm_pre, a distillation token are other architectures): not read")
+        raise C.UserError(f"{path}: {refused[0]}{more} has no place in this project's ViT "
+                          "(register tokens, norm_pre, a distillation token are other "
+                          "architectures): not read")
     return vit, left
 
 
 def foreign_config(vit, path, model=None):
     """(the ViT config, notes) of a foreign encoder's tensors: width, patch, depth, MLP ratio, the
-    position scheme (a learned table; a table without a [CLS] row gets a zero one, which is what timm's
-    no_embed_class computes; none, BEiT's, with its relative bias shared or per block), layer scale,
-    the q / k / v biases. May add the [CLS] row to vit."""
-    dim, w = vit["cls_token"].shape[-1], vit["patch_embed.proj.weight"]
-    p, notes = w.shape[-1], []
+    position scheme (a learned table; a table without a [CLS] row gets a zero one, which is what
+    timm's no_embed_class computes; none, BEiT's, with its relative bias shared or per block), layer
+    scale, the q / k / v biases. May add the [CLS] row to vit."""
+    dim = vit["cls_token"].shape[-1]
+    w = vit["patch_embed.proj.weight"]                               # (dim, channels, p, p)
+    p = w.shape[-1]
+    notes = []
     if w.shape[1] != 3:
-        raise C.UserError(f"{path}: its patch embedding takes {w.shape[1]} channels; this project's "
-                          "ViT takes RGB images")
+        raise C.UserError(f"{path}: its patch embedding takes {w.shape[1]} channels; this "
+                          "project's ViT takes RGB images")
     if model is not None and (model not in SIZES or SIZES[model][0] != dim):
         raise C.UserError(f"--model {model} does not match {path} (width {dim})")
     heads = SIZES[model][2] if model else HEADS.get(dim)            # None: load_encoder asks for --model
     rel = "shared" if "rel_pos_bias.relative_position_bias_table" in vit else \
         "block" if "blocks.0.attn.relative_position_bias_table" in vit else None
-    config = dict(patch_size=p, dim=dim, heads=heads, mlp_ratio=vit["blocks.0.mlp.fc1.weight"].shape[0] / dim,
-                  depth=1 + max(int(k.split(".")[1]) for k in vit if k.startswith("blocks.")))
+    mlp_ratio = vit["blocks.0.mlp.fc1.weight"].shape[0] / dim
+    depth = 1 + max(int(k.split(".")[1]) for k in vit if k.startswith("blocks."))
+    config = dict(patch_size=p, dim=dim, heads=heads, mlp_ratio=mlp_ratio, depth=depth)
     if "pos_embed" in vit:
         if rel:
-            raise C.UserError(f"{path}: an absolute position table and a relative position bias both: "
-                              "not a layout this project's ViT has")
+            raise C.UserError(f"{path}: an absolute position table and a relative position bias "
+                              "both: not a layout this project's ViT has")
         n = vit["pos_embed"].shape[1]
         if math.isqrt(n - 1) ** 2 != n - 1:
             if math.isqrt(n) ** 2 != n:
                 raise C.UserError(f"{path}: pos_embed has {n} rows, not a square grid (with or "
                                   "without a [CLS] row)")
-            vit["pos_embed"] = torch.cat([vit["pos_embed"].new_zeros(1, 1, dim), vit["pos_embed"]], 1)
-            notes.append("pos_embed has no [CLS] row (timm's no_embed_class): a zero row added, the "
-                         "same function")
+            zero = vit["pos_embed"].new_zeros(1, 1, dim)
+            vit["pos_embed"] = torch.cat([zero, vit["pos_embed"]], 1)
+            notes.append("pos_embed has no [CLS] row (timm's no_embed_class): a zero row added, "
+                         "the same function")
         config |= dict(img_size=math.isqrt(vit["pos_embed"].shape[1] - 1) * p, pos_embed="learned",
                        init="trunc")
     else:                                                            # BEiT: the grid from the table
@@ -430,26 +471,29 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
     fmt, ckpt = read_weights(path, model)
     if online:
         if fmt != "ours" or "model" not in ckpt:
-            raise C.UserError(f"--online: {path} is not a checkpoint of this project's training scripts "
-                              "(no `model`)")
+            raise C.UserError(f"--online: {path} is not a checkpoint of this project's training "
+                              "scripts (no `model`)")
         ckpt["encoder"] = online_encoder(ckpt, path)
     v = ckpt["vit"]
     if v["heads"] is None:
         raise C.UserError(f"{path}: width {v['dim']} is not a standard ViT size; give --model")
     if fmt in ("ours", "export") and model is not None and \
             SIZES.get(model, ())[:3] != (v["dim"], v["depth"], v["heads"]):
-        raise C.UserError(f"--model {model} does not match {path} (width {v['dim']}, depth {v['depth']})")
+        raise C.UserError(f"--model {model} does not match {path} (width {v['dim']}, depth "
+                          f"{v['depth']})")
     if patch_size is not None and patch_size != v["patch_size"]:
-        raise C.UserError(f"--patch-size {patch_size} does not match {path} (patch {v['patch_size']})")
+        raise C.UserError(f"--patch-size {patch_size} does not match {path} (patch "
+                          f"{v['patch_size']})")
     if ckpt["method"] == "conmim" and v.get("pos_embed") != "none":
-        print(f"{path}: a ConMIM checkpoint from before its BEiT backbone (learned absolute position "
-              "embeddings, which let its objective be solved by position alone): evaluated as the plain "
-              "ViT it is")
+        print(f"{path}: a ConMIM checkpoint from before its BEiT backbone (learned absolute "
+              "position embeddings, which let its objective be solved by position alone): "
+              "evaluated as the plain ViT it is")
     said = [f"left out {', '.join(f'{k} ({n})' for k, n in ckpt['left_out'].items())}"] \
         if ckpt.get("left_out") else []
     if said or ckpt.get("notes"):
         C.print0(f"{path} ({fmt}): {'; '.join(said + ckpt.get('notes', []))}")
-    vit, sd = dict(v), ckpt["encoder"]
+    vit = dict(v)
+    sd = ckpt["encoder"]
     if per_block_rel_pos and vit.get("rel_pos_bias") == "shared":
         vit["rel_pos_bias"] = "block"
         sd = dict(sd)
@@ -460,10 +504,11 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
     torch.manual_seed(ckpt["args"].get("seed", 0))
     enc = ViT(**vit, drop_path=drop_path)
     if not random_init:
-        bad = next((k for k, t in sd.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+        bad = next((k for k, t in sd.items()
+                    if t.is_floating_point() and not torch.isfinite(t).all()), None)
         if bad:                                                      # it would score 0 on every metric
-            raise C.UserError(f"{path}: the encoder's {bad} holds NaN or infinite values (a corrupted "
-                              "file, or a diverged run's weights)")
+            raise C.UserError(f"{path}: the encoder's {bad} holds NaN or infinite values (a "
+                              "corrupted file, or a diverged run's weights)")
         try:
             enc.load_state_dict(sd)
         except RuntimeError as e:
@@ -473,10 +518,12 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
 
 
 def online_encoder(ckpt, path):
-    """The online network's encoder in a checkpoint's `model` (MSN: net.encoder.*; CMAE, ConMIM, CAN,
-    SiamMAE: encoder.*): the keys under the prefix whose names are exactly those of the evaluated
-    `encoder` (for CMAE, CAN and SiamMAE the same weights: they evaluate the online encoder)."""
-    model, names = ckpt.get("model") or {}, set(ckpt["encoder"])
+    """The online network's encoder in a checkpoint's `model` (MSN: net.encoder.*; CMAE, ConMIM,
+    CAN, SiamMAE: encoder.*): the keys under the prefix whose names are exactly those of the
+    evaluated `encoder` (for CMAE, CAN and SiamMAE the same weights: they evaluate the online
+    encoder)."""
+    model = ckpt.get("model") or {}
+    names = set(ckpt["encoder"])
     for prefix in sorted({k[:k.index("encoder.") + 8] for k in model if "encoder." in k}):
         sd = {k[len(prefix):]: v for k, v in model.items() if k.startswith(prefix)}
         if set(sd) == names:
@@ -509,13 +556,18 @@ def init_weights(path, model, encoder, method):
         elif rec.get("model"):
             left.append(f"the {rec['method']} network's heads and decoders (another method's)")
     else:
-        what = {"export": f"an --export of {rec['method']}", "msn-official": "the official MSN layout",
+        what = {"export": f"an --export of {rec['method']}",
+                "msn-official": "the official MSN layout",
                 "mae-style": "an MAE-style model dict"}.get(fmt, "a timm ViT")
     source |= {at + k: v for k, v in rec["encoder"].items()}   # the evaluated encoder (MSN's, ConMIM's EMA)
     fixed = {n for n, _ in model.named_buffers() if n.endswith("pos_embed")}   # sin-cos: never learned
-    own, load, fresh, resized = model.state_dict(), {}, [], []
+    own = model.state_dict()
+    load = {}                                                        # the tensors loaded
+    fresh = []                                                       # the model's tensors not in the file
+    resized = []
     for k, v in own.items():
-        src, name = source.get(k), k.removeprefix(at)
+        src = source.get(k)
+        name = k.removeprefix(at)
         if k in fixed:                                                 # this model's own, never the file's
             if src is not None and (src.shape != v.shape or not torch.equal(src.to(v.dtype), v)):
                 left.append(f"{name} (the file's; this model's is fixed)")
@@ -528,7 +580,8 @@ def init_weights(path, model, encoder, method):
         elif k.startswith(at):                                          # the encoder must come whole
             why = f"no {name}" if src is None else \
                 f"{name} of shape {tuple(src.shape)}, this model's {tuple(v.shape)}"
-            raise C.UserError(f"--init {path}: its encoder has {why} (another size or architecture)")
+            raise C.UserError(f"--init {path}: its encoder has {why} (another size or "
+                              "architecture)")
         else:
             fresh.append(k)
     extra = sorted(k.removeprefix(at) for k in source if k.startswith(at) and k not in own)
@@ -538,7 +591,8 @@ def init_weights(path, model, encoder, method):
     unused = [k for k in source if not k.startswith(at) and k not in own]
     if unused:                                                         # the same method, other flags
         left.append(f"{len(unused)} tensors this model does not have (e.g. {unused[0]})")
-    bad = next((k for k, v in load.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    bad = next((k for k, v in load.items()
+                if v.is_floating_point() and not torch.isfinite(v).all()), None)
     if bad:
         raise C.UserError(f"--init {path}: {bad} holds NaN or infinite values")
     model.load_state_dict(load, strict=False)
@@ -568,11 +622,13 @@ def timm_config(v, pool):
     """(timm.create_model's kwargs, how timm gives the evaluation's features) of a ViT config: the
     model that loads export()'s state dict strict (ConMIM's BEiT: timm's Beit, its shared table or,
     fine-tuned, one per block)."""
-    beit, qkv = v.get("pos_embed") == "none", v.get("qkv_bias", "qkv")
-    name = "beit_base_patch16_224" if beit else f"vit_{TIMM_NAMES.get(v['dim'], 'small')}_patch16_224"
+    beit = v.get("pos_embed") == "none"
+    qkv = v.get("qkv_bias", "qkv")
+    size = TIMM_NAMES.get(v["dim"], "small")
+    name = "beit_base_patch16_224" if beit else f"vit_{size}_patch16_224"
     kw = dict(model_name=name, pretrained=False, num_classes=0, img_size=v["img_size"],
-              patch_size=v["patch_size"], embed_dim=v["dim"], depth=v["depth"], num_heads=v["heads"],
-              mlp_ratio=v["mlp_ratio"], init_values=v.get("layer_scale"))
+              patch_size=v["patch_size"], embed_dim=v["dim"], depth=v["depth"],
+              num_heads=v["heads"], mlp_ratio=v["mlp_ratio"], init_values=v.get("layer_scale"))
     if beit:
         if qkv == "qkv":
             raise C.UserError("--export: a BEiT encoder with one qkv bias has no timm model")
@@ -581,8 +637,10 @@ def timm_config(v, pool):
                    global_pool="token")
     else:                                                            # timm's "avg" without fc_norm: our "mean"
         if qkv == "qv":
-            raise C.UserError("--export: a ViT with q / v biases and a position table has no timm model")
-        kw |= dict(global_pool="avg" if pool == "mean" else "token", fc_norm=False, qkv_bias=qkv == "qkv")
+            raise C.UserError("--export: a ViT with q / v biases and a position table has no timm "
+                              "model")
+        kw |= dict(global_pool="avg" if pool == "mean" else "token", fc_norm=False,
+                   qkv_bias=qkv == "qkv")
     how = {"cls": "vit(x)", "cls-prenorm": "vit(x) with vit.norm = torch.nn.Identity()",
            "mean": "vit.forward_features(x)[:, 1:].mean(1)" if beit else "vit(x)"}[pool]
     return kw, how
@@ -591,9 +649,9 @@ def timm_config(v, pool):
 def export(out, enc, ckpt, pool, source):
     """--export OUT: the evaluated encoder alone, in timm's names, as encoder.pth (and
     encoder.safetensors where that package is; an earlier export's removed where it is not), and
-    config.json: how timm rebuilds it (`timm.create_model(**config["timm"])`, load_state_dict strict),
-    the pooling and how timm gives it, the preprocessing, the ViT config this module reads back.
-    Each file written whole (temp + rename); nothing else is written into OUT."""
+    config.json: how timm rebuilds it (`timm.create_model(**config["timm"])`, load_state_dict
+    strict), the pooling and how timm gives it, the preprocessing, the ViT config this module reads
+    back. Each file written whole (temp + rename); nothing else is written into OUT."""
     v = ckpt["vit"]
     kw, how = timm_config(v, pool)
     sd = {k: t.contiguous() for k, t in enc.state_dict().items()}
@@ -609,15 +667,18 @@ def export(out, enc, ckpt, pool, source):
     except ImportError:                                              # optional: never required
         if os.path.exists(st):
             os.remove(st)                                            # an earlier export's: not this encoder
-    config = {"method": ckpt["method"], "step": ckpt.get("step"), "source": os.path.basename(source),
-              "seed": ckpt.get("args", {}).get("seed", 0), "holdout": ckpt.get("args", {}).get("holdout", 0),
+    run_args = ckpt.get("args", {})
+    config = {"method": ckpt["method"], "step": ckpt.get("step"),
+              "source": os.path.basename(source), "seed": run_args.get("seed", 0),
+              "holdout": run_args.get("holdout", 0),
               "pool": pool, "features": how, "timm": kw,
               "img_size": v["img_size"], "mean": C.IMAGENET_MEAN, "std": C.IMAGENET_STD,
-              "resize": "bicubic to img_size * 256 / 224, centre crop img_size (eval_linear.eval_transform)",
+              "resize": "bicubic to img_size * 256 / 224, centre crop img_size "
+                        "(eval_linear.eval_transform)",
               "vit": v}
     with open(os.path.join(out, "config.json.tmp"), "w") as f:
         json.dump(config, f, indent=1)
     os.replace(os.path.join(out, "config.json.tmp"), os.path.join(out, "config.json"))
-    C.print0(f"the {ckpt['method']} encoder -> {out}: encoder.pth, config.json (timm: {kw['model_name']}, "
-             f"pooling {pool})")
+    C.print0(f"the {ckpt['method']} encoder -> {out}: encoder.pth, config.json (timm: "
+             f"{kw['model_name']}, pooling {pool})")
     return config

@@ -109,10 +109,11 @@ def test_a_flag_that_several_scripts_declare_has_one_group_and_range_in_all():
         assert len(set(copies.values())) == 1, (name, copies)
 
 
-@pytest.mark.parametrize("path", ["msn.py", "cmae.py", "conmim.py", "can.py", "siammae.py"])
-def test_a_method_files_code_keeps_within_100_columns(path):
-    """The method files are read beside their papers: a line's code (all before its trailing comment, docstrings
-    included) at most 100 columns; ruff's 120 leave room for a shape comment beside it (ruff.toml)."""
+@pytest.mark.parametrize("path", sorted(f for f in os.listdir(ROOT) if f.endswith(".py")))
+def test_every_files_code_keeps_within_100_columns(path):
+    """One style in every file of the repository's root (the method files, read beside their papers, and what
+    they import and the evaluations): a line's code (all before its trailing comment, docstrings included) at
+    most 100 columns; ruff's 120 leave room for a shape comment beside it (ruff.toml)."""
     import io
     import tokenize
     src = open(os.path.join(ROOT, path)).read()
