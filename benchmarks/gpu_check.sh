@@ -72,7 +72,8 @@ if [ -n "${SMALL:-}" ]; then            # dry run: model, micro-batches (msn cma
     PB=8; CIFAR_FLAGS=(--small --workers 0); COMPILED=(); PM=(all)   # eager only (a CPU compile takes minutes), one process
     PROBE=(--small --methods cmae --sections step loop syncs)
     LP=(benchmarks/loop_probe.py --small); M4=(cmae); WS=(0); CV=(fixed); ITEM=(90 30 10 60 0 0 60)   # 0: the
-    RI=(60 60 0 0 0 0); RS=(--warmup 1 --steps 1 --profile 1)   # recipe: caps (0: realstep's dry run has them)
+    RI=(150 300 0 0 0 0); RS=(--warmup 1 --steps 1 --profile 1)   # recipe: caps, wide (a loaded CPU);
+    # 0: realstep's dry run has them
     # other parts' dry runs cover it (cifar: gpu_cifar.py; the loop's workers rows)
 else                                    # the recipes (README) and their default micro-batches
     S=small; B=base; MB=(512 512 512 256 512); STEPS=(); E2E=(--n-images 1024 --workers 15); DATA=(--workers 15)
