@@ -72,7 +72,7 @@ if [ -n "${SMALL:-}" ]; then            # dry run: model, micro-batches (msn cma
     PB=8; CIFAR_FLAGS=(--small --workers 0); COMPILED=(); PM=(all)   # eager only (a CPU compile takes minutes), one process
     PROBE=(--small --methods cmae --sections step loop syncs)
     LP=(benchmarks/loop_probe.py --small); M4=(cmae); WS=(0); CV=(fixed); ITEM=(90 30 10 60 0 0 60)   # 0: the
-    RI=(150 300 0 0 0 0); RS=(--warmup 1 --steps 1 --profile 1)   # recipe: caps, wide (a loaded CPU);
+    RI=(150 300 0 0 0 0); RS=(--warmup 1 --steps 1 --profile 1); CB=(2 1)   # recipe: caps, wide (a loaded CPU);
     # 0: realstep's dry run has them
     # other parts' dry runs cover it (cifar: gpu_cifar.py; the loop's workers rows)
 else                                    # the recipes (README) and their default micro-batches
@@ -81,7 +81,7 @@ else                                    # the recipes (README) and their default
     PROBE=(--workers 15)
     LP=(benchmarks/loop_probe.py --workers 15 --warm 8 --steps 40)             # + --data (the unpacked folder)
     M4=(msn cmae conmim can); WS=(4 8 15); CV=(compiled); ITEM=(220 90 70 80 110 40 40)
-    RI=(100 70 100 80 80 60); RS=(--warmup 10 --steps 20 --profile 3)
+    RI=(100 70 100 80 80 60); RS=(--warmup 10 --steps 20 --profile 3); CB=(512 128)   # CB: CAN's cached step
 fi
 dev=$($py -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 {
@@ -139,7 +139,7 @@ case $part in
         tp=(benchmarks/throughput.py "${COMPILED[@]}" "${RS[@]}")
         item "${RI[0]}" $py "${tp[@]}" --method msn --model $S --batch-size "${MB[0]}"
         before=$(mktemp -d)                # c898b5c: CAN's embedding pass before issue 93 (it ran the decoder)
-        cached=(--method can --model $B --batch-size "${MB[0]}" --micro-batch "$(( ${MB[0]} / 4 ))" "${STEPS[@]}")
+        cached=(--method can --model $B --batch-size "${CB[0]}" --micro-batch "${CB[1]}" "${STEPS[@]}")
         if git archive c898b5c '*.py' | tar -x -C "$before"; then
             item "$(( ${RI[1]} / 2 ))" $py "$before/benchmarks/throughput.py" "${cached[@]}"
         else echo "no git history here: CAN's step before c898b5c not timed" | tee -a "$log"; fi
