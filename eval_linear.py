@@ -370,11 +370,11 @@ class KNNMonitor:
                 ftr, ytr = share_features(self.encoder, self.train, *how)    # this process's share of the bank
                 fva, yva = sharded_features(self.encoder, self.val, *how)    # every query
                 self.encoder.train(was)
+            classes = len(self.train.classes)                        # scored: a signal here ends it too
+            res = sharded_knn(ftr, ytr, len(self.train), fva, self.to_train[yva], classes,
+                              self.run.device)
         finally:
             ctl.trained = trained
-        classes = len(self.train.classes)
-        res = sharded_knn(ftr, ytr, len(self.train), fva, self.to_train[yva], classes,
-                          self.run.device)
         if not C.is_main():
             return None
         self.log.write({"step": step, **{k: round(v, 3) for k, v in res.items()}})

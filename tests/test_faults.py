@@ -606,20 +606,22 @@ def test_ctrl_c_says_what_it_interrupted_and_what_is_kept(tmp_path, capsys, monk
         assert capsys.readouterr().err.strip() == f"error: interrupted by a second Ctrl-C: stopped at once; {said}"
 
 
-def test_a_stop_signal_in_a_k_nn_evaluation_ends_the_run_at_once_with_that_steps_checkpoint(tmp_path):
+@pytest.mark.parametrize("part,call", [("share_features", 3), ("sharded_knn", 2)])
+def test_a_stop_signal_in_a_k_nn_evaluation_ends_the_run_at_once_with_that_steps_checkpoint(part, call, tmp_path):
     """--eval-every: the monitor writes the step's checkpoint before it evaluates, and a SIGTERM during the
-    evaluation ends the program at once, exit 0, that checkpoint kept (the run waited for the whole k-NN, minutes on
-    CPU, past train.sbatch's 120 s grace, with nothing saved: killed, the steps since the last checkpoint lost)."""
+    evaluation, its extraction or its scoring, ends the program at once, exit 0, that checkpoint kept (the run waited
+    for the whole k-NN, minutes on CPU, past train.sbatch's 120 s grace, with nothing saved: killed, the steps since
+    the last checkpoint lost). Step 1's evaluation: share_features' 3rd call, sharded_knn's 2nd."""
     code = ("import os, signal, time, can, eval_linear as E, harness as H, synthetic as S\n"
             "few = S.SyntheticImages                      # 24 + 8 images: the evaluations take no time\n"
             "S.SyntheticImages = lambda split='train', **kw: few(split, n=24 if split == 'train' else 8)\n"
-            "real, n = E.share_features, [0]\n"
+            f"real, n = E.{part}, [0]\n"
             "def slow(*a, **k):\n"
             "    n[0] += 1\n"
-            "    if n[0] == 3:                                # step 1's evaluation (step 0's: calls 1 and 2)\n"
+            f"    if n[0] == {call}:\n"
             "        os.kill(os.getpid(), signal.SIGTERM); time.sleep(60)\n"
             "    return real(*a, **k)\n"
-            "E.share_features = slow\n"
+            f"E.{part} = slow\n"
             "H.main(can.train, can.Args)")
     t = time.time()
     r = run_cli("-c", code, *CAN_CLI[1:], "--data", "synthetic", "--eval-every", "1", "--epochs", "2",
