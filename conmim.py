@@ -492,12 +492,11 @@ class WeakStrongViews:
         [(size, scale, _, _)] = view_specs(a)
         self.crop = T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(
             size, scale=scale, interpolation=T.InterpolationMode.BICUBIC)])
-        self.gpu_aug = a.gpu_aug
-        self.strong = C.color_augment(**STRONG)
+        self.strong = None if a.gpu_aug else C.color_augment(**STRONG)   # None: STRONG on the device
 
     def __call__(self, img):
         img = self.crop(img)
-        if self.gpu_aug:
+        if self.strong is None:
             return (C.to_uint8(img),)                                # the crop: both views, on the device
         return C.to_uint8(img), C.to_uint8(self.strong(img))         # (student, teacher)
 
