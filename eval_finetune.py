@@ -5,6 +5,7 @@ CMAE, ConMIM and CAN report as their headline result, with each official fine-tu
   python eval_finetune.py --ckpt runs/conmim/checkpoint.pth --data /imagenet   # BEiT-style recipe
   torchrun --nproc_per_node=8 eval_finetune.py --ckpt runs/can/checkpoint.pth --data /imagenet
   python eval_finetune.py --ckpt runs/cmae/checkpoint.pth --data synthetic [--random-init]
+  python eval_finetune.py --linear --ckpt runs/can/checkpoint.pth --data /imagenet   # linear probe
 
 Reads every checkpoint eval_linear.py reads (this project's image methods, the official MSN file,
 MAE-style and timm/DeiT files). The model (MAE `models_vit` with global_pool, BEiT with
@@ -45,6 +46,25 @@ are 1-d (no decay). It takes only its pre-training image size (BEiT would interp
 another --img-size is a one-line error.
   - Evaluation each epoch on val/ (Resize img*256/224 bicubic + CenterCrop), top-1 / top-5.
 
+The papers' linear probe (`--linear`): the encoder frozen (no gradient, eval mode, no drop path),
+its features through a fresh head, trained with the protocol of the checkpoint's method:
+
+  "mae" (CMAE, CAN, ConMIM and foreign files: MAE's main_linprobe.py and FINETUNE.md, which CAN's
+  repository runs unchanged; ConMIM's has no linear-probe script): the CLS token after the final
+  norm (--cls_token) -> BatchNorm1d(D, affine=False, eps 1e-6) -> Linear (trunc-normal std 0.01),
+  LARS (momentum 0.9, trust coefficient 0.001, weight decay 0; MoCo v3's, below), lr = blr 0.1 x
+  batch / 256, global batch 16384, 90 epochs, 10 warm-up epochs from 0, cosine to 0,
+  RandomResizedCrop(0.08-1, bicubic) + flip, cross-entropy.
+  "msn" (MSN: linear_eval.py, configs/eval/lineval_msn_vits16.yaml): the last block's CLS token
+  before the final norm -> LayerNorm(D) -> L2 normalisation -> Linear (normal std 0.01), SGD with
+  Nesterov momentum 0.9, weight decay 0, lr 6.4 ABSOLUTE for the global batch 8192 (32 x 256),
+  100 epochs, no warm-up, cosine to 0, RandomResizedCrop(0.08-1, bilinear) + flip.
+Differences: the evaluation's resize is Resize(img*256/224, bicubic) for both (MSN's: bilinear);
+torch's SGD keeps the gradient in its momentum buffer where MSN's src/sgd.py keeps lr x gradient
+(equal at a constant lr; the cosine lowers it slowly); MAE's crop is util/crop.py's
+RandomResizedCrop (torchvision's, a fallback for extreme aspect ratios aside). BatchNorm's
+statistics are per micro-batch and per process (MAE: per GPU's 512; no SyncBN in either).
+
 Output: <output-dir>/checkpoint.pth (resumable, method "finetune", the fine-tuned encoder under
 `encoder`), log.jsonl (val_top1, val_top5 and val_loss, the cross-entropy without smoothing, after
 each epoch; a run stopped at an epoch's last step, by --stop-step or a signal, evaluates that epoch
@@ -52,6 +72,7 @@ when resumed), and a final JSON line with best_top1, last_top1, last_top5 and la
 """
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +91,11 @@ RECIPES = {  # per-method defaults of the fields left at None
 SMALL_LAYER_DECAY = {"beit": 0.45}  # --preset small: chosen on held-out images (docs/RESULTS.md; CAN: 0.65 better)
 METHOD_RECIPE = {"conmim": "beit"}                       # every other checkpoint: "mae"
 OFFICIAL_BATCH, OFFICIAL_EPOCHS = 1024, 100                # both recipes' (ViT-B)
+LINEAR = {  # --linear: the protocols' values (the docstring), each filling what was not given
+    "mae": dict(batch_size=16384, epochs=90, blr=0.1, lr=None, warmup_epochs=10, pool="cls"),
+    "msn": dict(batch_size=8192, epochs=100, blr=None, lr=6.4, warmup_epochs=0, pool="cls-prenorm"),
+}
+METHOD_LINEAR = {"msn": "msn"}                             # every other checkpoint: "mae"
 
 
 def identity_rules(cls, preset):
@@ -127,6 +153,10 @@ class Args(H.RunArgs):
                             "always evaluated)", group="run control", min=0)
     labels_per_class: int = H.arg(0, "fine-tune on this many labelled images of each class, a "
                                   "fixed draw (not --seed); 0 = all", min=0)
+    linear: bool = H.arg(False, "the papers' linear probe of the frozen encoder instead (MAE's or "
+                         "MSN's protocol; its own defaults: --linear --help)", group="model")
+    pool: str = H.arg(None, "--linear: cls | cls-prenorm | mean (default: the protocol's)",
+                      group="model")
 
     # --data synthetic: a CPU-sized run (150 steps of 64, about 2 min on 2 cores). The recipe's heavy
     # regularisation (MixUp, CutMix, RandAugment, erasing) is off: at 150 steps it kept both the
@@ -144,6 +174,37 @@ class Args(H.RunArgs):
     preset_rules = identity_rules                                    # recipes.presets: no pre-training rules here
 
 
+@dataclass
+class LinearArgs(Args):
+    """The papers' linear probe of a checkpoint's frozen encoder (MAE's or MSN's protocol)."""
+    linear: bool = H.arg(True, "the papers' linear probe of the frozen encoder", group="model")
+    recipe: str = H.arg(None, "mae | msn: the protocol (default: from the checkpoint's method)")
+    epochs: int = H.arg(None, "training epochs (default: the protocol's: MAE 90, MSN 100)",
+                        group="optimisation", positive=True)
+    batch_size: int = H.arg(None, "GLOBAL batch, all processes (default: the protocol's: MAE "
+                            "16384, MSN 8192)", group="optimisation", positive=True)
+    warmup_lr: float = H.arg(0.0, "lr at the start of warm-up", group="optimisation", min=0)
+    min_lr: float = H.arg(0.0, "lr at the end of the cosine schedule", group="optimisation", min=0)
+    weight_decay: float = H.arg(0.0, "weight decay (LARS / SGD; both protocols: 0)",
+                                group="optimisation", min=0)
+    drop_path: float = H.arg(0.0, "stochastic depth: none in a frozen encoder", group="model",
+                             min=0)
+    smoothing: float = H.arg(0.0, "label smoothing (none: the protocols' cross-entropy)")
+    mixup: float = H.arg(0.0, "MixUp alpha (0 = off, as both protocols)")
+    cutmix: float = H.arg(0.0, "CutMix alpha (0 = off, as both protocols)")
+    reprob: float = H.arg(0.0, "random erasing probability (0 = off, as both protocols)")
+    randaug_magnitude: int = H.arg(-1, "RandAugment magnitude (-1 = off, as both protocols)")
+
+    # --data synthetic: a CPU-sized probe (150 steps of 64).
+    SYNTHETIC = dict(epochs=5, batch_size=64, micro_batch=0, workers=2, log_every=20,
+                     steps_per_epoch=30, crop_scale=(0.3, 1.0))
+    # --preset small: 32-px CIFAR-10 on 2 CPU cores, batch 256, warm-up the protocol's share of the run, 10
+    # epochs (the time). lr: MSN's SGD its lr per image (6.4 x 256 / 8192); MAE's LARS its lr per step, 6.4
+    # (= 0.1 x 16384 / 256): a LARS step moves a weight by lr x 0.001 x its norm whatever the batch.
+    PRESETS = {"small": dict(batch_size=256, micro_batch=0, epochs=10, eval_every=5, workers=2,
+                             log_every=50)}
+
+
 # ----------------------------------------------------------------------------------------------
 # Model: encoder -> mean of patch tokens (no final norm) -> fc_norm -> head
 # ----------------------------------------------------------------------------------------------
@@ -158,6 +219,63 @@ class Classifier(nn.Module):
 
     def forward(self, x):                                            # (B, 3, H, W) -> (B, classes)
         return self.head(self.fc_norm(self.encoder(x, norm=False)[:, 1:].mean(1)))
+
+
+class LinearProbe(nn.Module):
+    """--linear: the frozen encoder's features (`pool`) -> MAE's head (protocol "mae": BatchNorm1d
+    without affine, Linear trunc-normal std 0.01) or MSN's LinearClassifier ("msn": LayerNorm, L2
+    normalisation, Linear normal std 0.01). Only the head has parameters that train."""
+
+    def __init__(self, encoder, num_classes, protocol, pool):
+        super().__init__()
+        self.encoder = encoder.requires_grad_(False)
+        self.pool = pool
+        self.l2 = protocol == "msn"
+        D = encoder.dim
+        self.norm = nn.LayerNorm(D) if self.l2 else nn.BatchNorm1d(D, affine=False, eps=1e-6)
+        self.head = nn.Linear(D, num_classes)
+        init = nn.init.normal_ if self.l2 else nn.init.trunc_normal_
+        init(self.head.weight, std=0.01)
+        nn.init.zeros_(self.head.bias)
+
+    def train(self, mode=True):                                      # the encoder stays in eval mode
+        super().train(mode)
+        self.encoder.eval()
+        return self
+
+    def forward(self, x):                                            # (B, 3, H, W) -> (B, classes)
+        with torch.no_grad():
+            f = eval_linear.features_of(self.encoder, x, self.pool)  # (B, D)
+        z = self.norm(f.float())
+        return self.head(F.normalize(z, dim=-1) if self.l2 else z)
+
+
+class LARS(torch.optim.Optimizer):
+    """MAE's util/lars.py (MoCo v3's LARS): a tensor of more than one dimension takes the update
+    u = g + wd p scaled by trust x ||p|| / ||u|| (by 1 where either norm is 0); biases and other
+    1-d tensors the plain gradient (no decay, no scaling); then mu <- momentum mu + u,
+    p <- p - lr mu."""
+
+    def __init__(self, params, lr=0.0, weight_decay=0.0, momentum=0.9, trust_coefficient=0.001):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                      trust_coefficient=trust_coefficient))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                u = p.grad
+                if p.ndim > 1:
+                    u = u.add(p, alpha=g["weight_decay"])
+                    p_norm = torch.norm(p)
+                    u_norm = torch.norm(u)
+                    trust = g["trust_coefficient"] * p_norm / u_norm
+                    u = u.mul(torch.where((p_norm > 0) & (u_norm > 0), trust, 1.0))
+                mu = self.state[p].setdefault("mu", torch.zeros_like(p))
+                mu.mul_(g["momentum"]).add_(u)
+                p.add_(mu, alpha=-g["lr"])
 
 
 def layer_id(name, depth):
@@ -246,10 +364,12 @@ def labelled(train, n):
     train.count_unreadable_of(len(train.samples))
 
 
-def train_transform(a, size):
-    """RandomResizedCrop(bicubic) + flip + RandAugment(2, m) -> normalised float, random erasing."""
+def train_transform(a, size, bicubic=True):
+    """RandomResizedCrop(bicubic, else bilinear) + flip + RandAugment(2, m) -> normalised float,
+    random erasing."""
     from torchvision import transforms as T
-    ops = [T.RandomResizedCrop(size, scale=a.crop_scale, interpolation=T.InterpolationMode.BICUBIC),
+    how = T.InterpolationMode.BICUBIC if bicubic else T.InterpolationMode.BILINEAR
+    ops = [T.RandomResizedCrop(size, scale=a.crop_scale, interpolation=how),
            T.RandomHorizontalFlip()]
     if a.randaug_magnitude >= 0:
         ops.append(T.RandAugment(2, a.randaug_magnitude, interpolation=T.InterpolationMode.BICUBIC))
@@ -284,23 +404,13 @@ def evaluate(model, val, size, a, run):
 # ----------------------------------------------------------------------------------------------
 # Fine-tuning
 # ----------------------------------------------------------------------------------------------
-def finetune(args):
-    if not args.ckpt:
-        raise C.UserError("--ckpt is required (a pre-trained checkpoint)")
-    for k in ("smoothing", "reprob"):
-        if not 0 <= getattr(args, k) <= 1:
-            raise C.UserError(f"--{k.replace('_', '-')} must be in [0, 1], got {getattr(args, k)}")
-    if args.mixup < 0 or args.cutmix < 0 or args.eval_batch <= 0:
-        raise C.UserError("--mixup and --cutmix must be >= 0 and --eval-batch positive")
-    if not -1 <= args.randaug_magnitude <= 30:
-        raise C.UserError("--randaug-magnitude must be in 0..30 (RandAugment's 31 bins) or -1 "
-                          f"(off), got {args.randaug_magnitude}")
-    enc, ckpt = weights.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size,
-                                     args.drop_path, per_block_rel_pos=True)
-    recipe = args.recipe or METHOD_RECIPE.get(ckpt["method"], "mae")
+def finetune_recipe(args, method):
+    """The fine-tuning recipe's name; its values fill the flags left at None (a preset: the lr per
+    image and the warm-up's share of the run)."""
+    recipe = args.recipe or METHOD_RECIPE.get(method, "mae")
     if recipe not in RECIPES:
         raise C.UserError(f"--recipe must be mae or beit, got {recipe!r}")
-    rec = RECIPES[recipe]                                            # the recipe fills what was not given
+    rec = RECIPES[recipe]
     small = args.preset not in (None, "synthetic")                   # a short run: preset_rules
     if args.lr is None and args.blr is None:
         args.lr, args.blr = rec["lr"], rec["blr"]
@@ -318,6 +428,51 @@ def finetune(args):
             args.layer_decay = SMALL_LAYER_DECAY.get(recipe, rec["layer_decay"])
     if not 0 <= args.layer_decay <= 1:
         raise C.UserError(f"--layer-decay must be in [0, 1], got {args.layer_decay}")
+    return recipe
+
+
+def linear_recipe(args, method):
+    """--linear: the protocol's name; its values fill the flags left at None (a preset, and --data
+    synthetic: the lr per image and the warm-up's share of the run)."""
+    protocol = args.recipe or METHOD_LINEAR.get(method, "mae")
+    if protocol not in LINEAR:
+        raise C.UserError(f"--linear: --recipe must be mae or msn, got {protocol!r}")
+    if args.layer_decay is not None:
+        raise C.UserError("--layer-decay: a linear probe trains no layer of the encoder")
+    rec = LINEAR[protocol]
+    short = args.preset is not None
+    args.batch_size = args.batch_size or rec["batch_size"]
+    args.epochs = args.epochs or rec["epochs"]
+    if args.lr is None and args.blr is None:
+        args.lr, args.blr = rec["lr"], rec["blr"]
+        if short and args.lr:                                        # SGD (MSN): the lr per image
+            args.lr = float(f"{args.lr * args.batch_size / rec['batch_size']:.4g}")
+        elif short:                     # LARS (MAE): its step is lr x 0.001 x |p| at any batch: the lr per step
+            args.lr, args.blr = float(f"{args.blr * rec['batch_size'] / 256:.4g}"), None
+    if args.warmup_epochs is None:
+        share = args.epochs / rec["epochs"] if short else 1
+        args.warmup_epochs = rec["warmup_epochs"] * share
+    args.pool = args.pool or rec["pool"]
+    if args.pool not in eval_linear.POOLS:
+        raise C.UserError(f"--pool must be one of {', '.join(eval_linear.POOLS)}, got "
+                          f"{args.pool!r}")
+    return protocol
+
+
+def finetune(args):
+    if not args.ckpt:
+        raise C.UserError("--ckpt is required (a pre-trained checkpoint)")
+    for k in ("smoothing", "reprob"):
+        if not 0 <= getattr(args, k) <= 1:
+            raise C.UserError(f"--{k.replace('_', '-')} must be in [0, 1], got {getattr(args, k)}")
+    if args.mixup < 0 or args.cutmix < 0 or args.eval_batch <= 0:
+        raise C.UserError("--mixup and --cutmix must be >= 0 and --eval-batch positive")
+    if not -1 <= args.randaug_magnitude <= 30:
+        raise C.UserError("--randaug-magnitude must be in 0..30 (RandAugment's 31 bins) or -1 "
+                          f"(off), got {args.randaug_magnitude}")
+    enc, ckpt = weights.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size,
+                                     args.drop_path, per_block_rel_pos=True)
+    recipe = (linear_recipe if args.linear else finetune_recipe)(args, ckpt["method"])
     size = weights.check_size(enc, args.img_size or ckpt["vit"]["img_size"])
     if size % enc.patch_size:
         raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size "
@@ -325,8 +480,13 @@ def finetune(args):
     if not args.holdout:            # the folder evaluated, as resolved (naming the default --split val is the same)
         args.split = eval_linear.eval_split(args.data, args.split)
     run = H.setup(args, "finetune")
-    per, micro = H.batch_plan(args, run, 1024, "the recipe's lr and its batch statistics (MixUp "
-                              "per process batch) were tuned at 1024")
+    if args.linear:
+        official = LINEAR[recipe]["batch_size"]
+        per, micro = H.batch_plan(args, run, official, "the protocol's lr and its head's batch "
+                                  f"statistics were set at {official}")
+    else:
+        per, micro = H.batch_plan(args, run, 1024, "the recipe's lr and its batch statistics "
+                                  "(MixUp per process batch) were tuned at 1024")
     train, val, _ = eval_linear.splits(args.data, True, args.split, args.holdout)
     if len(val.classes) != len(train.classes):      # names sorted, val's within train's: same count = same classes
         raise C.UserError(f"--data {args.data}: val/ must have the same classes as train/ for "
@@ -334,16 +494,23 @@ def finetune(args):
     eval_linear.check_readable(val, args.workers)                  # an unreadable val/ image: now, not after an epoch
     if args.labels_per_class:
         labelled(train, args.labels_per_class)
-    viewed = C.Views(train, train_transform(args, size), args.seed)
+    bicubic = not (args.linear and recipe == "msn")                 # MSN's linear crop: bilinear
+    viewed = C.Views(train, train_transform(args, size, bicubic), args.seed)
     loader = C.make_loader(viewed, per, args.workers, args.seed)
     ipe = min(len(loader), args.steps_per_epoch or len(loader))
     total = args.epochs * ipe
     lr = (args.lr or args.blr * args.batch_size / 256) * args.lr_factor
 
-    model = Classifier(enc, len(train.classes)).to(run.device).train()    # the head: seeded in setup
-    C.set_grad_checkpointing(model, args.grad_ckpt)
-    groups = param_groups(model, args.weight_decay, args.layer_decay)
-    opt = torch.optim.AdamW(groups, lr=lr, betas=args.betas, fused=run.device.type == "cuda")
+    if args.linear:                                                  # the head: seeded in setup
+        model = LinearProbe(enc, len(train.classes), recipe, args.pool).to(run.device).train()
+        head = [p for p in model.parameters() if p.requires_grad]
+        opt = LARS(head, lr, args.weight_decay) if recipe == "mae" else \
+            torch.optim.SGD(head, lr, momentum=0.9, nesterov=True, weight_decay=args.weight_decay)
+    else:
+        model = Classifier(enc, len(train.classes)).to(run.device).train()
+        C.set_grad_checkpointing(model, args.grad_ckpt)
+        groups = param_groups(model, args.weight_decay, args.layer_decay)
+        opt = torch.optim.AdamW(groups, lr=lr, betas=args.betas, fused=run.device.type == "cuda")
     start = H.resume_run(run, "finetune", args, model, opt, data={"train": train, "val": val})
     net, ddp = H.distribute(torch.compile(model) if args.compile else model, run)
     mix = Mix(args, len(train.classes))
@@ -355,10 +522,12 @@ def finetune(args):
         + ([f"lr-factor {args.lr_factor:g}"] if args.lr_factor != 1 else [])      # what the printed lr is
     source = "random init" if args.random_init else args.ckpt
     few = f" ({args.labels_per_class} a class)" if args.labels_per_class else ""
-    C.print0(f"fine-tuning {ckpt['method']} ({source}), recipe {recipe}: {len(train)} images{few}"
-             f", {len(train.classes)} classes, {ipe} steps/epoch, {total} steps, lr {lr:.3g}"
-             + (f" (= {' x '.join(why)})" if len(why) > 1 else "") + ", layer decay "
-             f"{args.layer_decay}, warm-up {args.warmup_epochs:g} epochs; evaluated on {where}/ "
+    what = f"linear probe of {ckpt['method']} ({source}, {args.pool}), protocol {recipe}" \
+        if args.linear else f"fine-tuning {ckpt['method']} ({source}), recipe {recipe}"
+    how = f"{type(opt).__name__}" if args.linear else f"layer decay {args.layer_decay}"
+    C.print0(f"{what}: {len(train)} images{few}, {len(train.classes)} classes, {ipe} steps/epoch, "
+             f"{total} steps, lr {lr:.3g}" + (f" (= {' x '.join(why)})" if len(why) > 1 else "")
+             + f", {how}, warm-up {args.warmup_epochs:g} epochs; evaluated on {where}/ "
              f"({len(val)} images)")
     vals = {}                                                        # epoch -> (top1, top5, val loss)
     if start and os.path.isfile(os.path.join(run.out, "log.jsonl")):     # resumed: the epochs already evaluated
@@ -396,7 +565,8 @@ def finetune(args):
                 part = soft_target_ce(logits, target[sl]) * (len(logits) / len(x))   # share of the mean
                 run.scaler.scale(part).backward()
                 loss = loss + part.detach()
-            norm = C.optimizer_step(run, opt, list(model.parameters()), args.clip_grad)
+            norm = C.optimizer_step(run, opt, [p for g in opt.param_groups for p in g["params"]],
+                                    args.clip_grad)
             parts = {"loss": loss, "grad_norm": norm}
             if C.end_step(run, log, save, batches, step + 1, epoch, parts, lr=lr_now):
                 return None
@@ -406,6 +576,7 @@ def finetune(args):
     top1, top5, vloss = vals[max(vals)] if vals else evaluate(model, val, size, args, run)   # else: as it stands
     best = max([v[0] for v in vals.values()] + [top1])
     res = {"method": ckpt["method"], "random_init": args.random_init, "recipe": recipe,
+           **({"linear": True, "pool": args.pool} if args.linear else {}),
            "split": where, "train_images": len(train),
            "best_top1": round(best, 2), "last_top1": round(top1, 2), "last_top5": round(top5, 2),
            "last_val_loss": None if vloss is None else round(vloss, 4)}
@@ -414,4 +585,4 @@ def finetune(args):
 
 
 if __name__ == "__main__":
-    H.main(finetune, Args)
+    H.main(finetune, LinearArgs if "--linear" in sys.argv[1:] else Args)

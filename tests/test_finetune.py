@@ -600,3 +600,139 @@ def test_the_finetune_sweep_pairs_the_runs_reports_their_curves_and_reuses_finis
     with pytest.raises(SystemExit, match="error: the run failed; its output is in .*held.*_pre.log"):
         sweep.main([*argv[:6], "--holdout", "6", "--out", str(tmp_path / "held"), *argv[10:]])
     assert len(ran) == 1 and ran[0][ran[0].index("--holdout") + 1] == "6"
+
+
+# ---- --linear: the papers' linear probe ---------------------------------------------------------------------
+def linear_args(ckpt, out, *flags):
+    """eval_finetune.py --linear's arguments as the command line makes them (LinearArgs), on synthetic data."""
+    return H.parse_args(FT.LinearArgs, ["--linear", "--ckpt", ckpt, "--data", "synthetic", "--output-dir", str(out),
+                                        "--workers", "0", "--device", "cpu", "--eval-batch", "500", *flags])
+
+
+def test_lars_is_its_update_rule():
+    """LARS against MAE's util/lars.py rule written out in float64, three steps with weight decay: a matrix's update
+    g + wd p scaled by 0.001 |p| / |g + wd p| (1 for a zero matrix), a bias's the plain gradient, momentum 0.9."""
+    torch.manual_seed(0)
+    params = [torch.randn(4, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64),
+              torch.zeros(2, 3, dtype=torch.float64)]                 # a zero matrix: no trust scaling
+    mine = [p.clone().requires_grad_() for p in params]
+    opt = FT.LARS(mine, lr=0.5, weight_decay=0.1)
+    mus = [torch.zeros_like(p) for p in params]
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(mine, grads):
+            p.grad = g.clone()
+        opt.step()
+        for i, (p, g) in enumerate(zip(params, grads)):             # the rule, by hand
+            u = g
+            if p.ndim > 1:
+                u = g + 0.1 * p
+                pn, un = float(p.norm()), float(u.norm())
+                u = u * (0.001 * pn / un if pn > 0 and un > 0 else 1.0)
+            mus[i] = 0.9 * mus[i] + u
+            params[i] = p - 0.5 * mus[i]
+        for p, q in zip(mine, params):
+            assert torch.allclose(p.detach(), q, rtol=1e-12, atol=1e-15), step
+
+
+@pytest.mark.parametrize("method,protocol", [("cmae", "mae"), ("msn", "msn")])
+def test_the_linear_probe_trains_its_head_alone_on_the_protocols_features(method, protocol, tmp_path, monkeypatch):
+    """--linear: the encoder's weights are equal after the run and never get a gradient; the head reads the
+    protocol's features (MAE: the CLS token after the final norm, through BatchNorm without affine; MSN: the CLS
+    token before it, through LayerNorm and L2 normalisation) and its optimiser is LARS / SGD with Nesterov."""
+    ckpt = vit_checkpoint(tmp_path / "c.pth", method)
+    seen = {}
+    real_step = C.optimizer_step
+
+    def step(run, opt, params, max_norm=0.0):
+        seen["opt"] = opt
+        seen["grads"] = [n for n, p in seen["model"].encoder.named_parameters() if p.grad is not None]
+        return real_step(run, opt, params, max_norm)
+    monkeypatch.setattr(C, "optimizer_step", step)
+    init = FT.LinearProbe.__init__
+    monkeypatch.setattr(FT.LinearProbe, "__init__", lambda self, *a: (init(self, *a), seen.setdefault("model", self))[0])
+    res = FT.finetune(linear_args(ckpt, tmp_path / "o", "--epochs", "1", "--steps-per-epoch", "3", "--batch-size", "8"))
+    assert res["linear"] and res["recipe"] == protocol and res["pool"] == {"mae": "cls", "msn": "cls-prenorm"}[protocol]
+    out = C.load_checkpoint(str(tmp_path / "o" / "checkpoint.pth"), "finetune")
+    src = C.load_checkpoint(ckpt)["encoder"]
+    assert all(torch.equal(out["encoder"][k], v) for k, v in src.items())                 # frozen: weights equal
+    assert all(torch.equal(out["model"][f"encoder.{k}"], v) for k, v in src.items())
+    assert seen["grads"] == []                                                             # no gradient reached it
+    back, rec = W.load_encoder(str(tmp_path / "o" / "checkpoint.pth"))                   # every tool's reader: the
+    with torch.no_grad():                                                                  # source's encoder
+        torch.testing.assert_close(back(torch.ones(2, 3, 16, 16)), W.load_encoder(ckpt)[0](torch.ones(2, 3, 16, 16)))
+    model = seen["model"]
+    if protocol == "mae":
+        assert isinstance(seen["opt"], FT.LARS) and isinstance(model.norm, torch.nn.BatchNorm1d)
+        assert not model.norm.affine and "norm.weight" not in out["model"] and model.norm.eps == 1e-6
+        assert not torch.equal(out["model"]["norm.running_mean"], torch.zeros(32))      # its statistics trained
+    else:
+        opt = seen["opt"]
+        assert isinstance(opt, torch.optim.SGD) and opt.defaults["nesterov"] and opt.defaults["momentum"] == 0.9
+        assert isinstance(model.norm, torch.nn.LayerNorm) and "norm.weight" in out["model"]
+    x = torch.randn(3, 3, 16, 16)
+    model.eval()
+    head_in = []
+    model.head.register_forward_hook(lambda m, i, o: head_in.append(i[0]))
+    model(x)
+    tokens = model.encoder(x, norm=protocol == "mae")[:, 0]                             # the protocol's CLS token
+    want = model.norm(tokens)
+    want = F.normalize(want, dim=-1) if protocol == "msn" else want
+    assert torch.allclose(head_in[0], want, atol=1e-6)
+    model.train()
+    assert not model.encoder.training and model.norm.training                           # frozen: eval mode
+
+
+@pytest.mark.parametrize("method,batch,epochs,lr,blr,warmup", [("cmae", 16384, 90, None, 0.1, 10),
+                                                               ("msn", 8192, 100, 6.4, None, 0)])
+def test_the_linear_protocol_fills_its_values_and_refuses_what_it_has_not(method, batch, epochs, lr, blr, warmup,
+                                                                          tmp_path, monkeypatch):
+    """The checkpoint's method picks MAE's or MSN's protocol; its values fill every flag not given (the official
+    ones; --preset small: batch 256, 10 epochs, warm-up the same share, LARS's lr per step 6.4 and SGD's lr per
+    image 6.4 x 256 / 8192); --layer-decay and a fine-tuning recipe are refused in one line."""
+    seen = []
+    monkeypatch.setattr(H, "setup", lambda args, name: (seen.append(args), (_ for _ in ()).throw(KeyboardInterrupt))[1])
+    ckpt = vit_checkpoint(tmp_path / "c.pth", method)
+    with pytest.raises(KeyboardInterrupt):
+        FT.finetune(H.parse_args(FT.LinearArgs, ["--linear", "--ckpt", ckpt, "--data", str(tmp_path)]))
+    a = seen[-1]
+    assert (a.batch_size, a.epochs, a.lr, a.blr, a.warmup_epochs, a.min_lr, a.weight_decay) == \
+        (batch, epochs, lr, blr, warmup, 0.0, 0.0)
+    assert (a.mixup, a.cutmix, a.smoothing, a.reprob, a.randaug_magnitude, a.drop_path) == (0, 0, 0, 0, -1, 0)
+    with pytest.raises(KeyboardInterrupt):
+        FT.finetune(H.parse_args(FT.LinearArgs, ["--linear", "--ckpt", ckpt, "--data", "synthetic", "--preset",
+                                                 "small"]))
+    a = seen[-1]
+    assert (a.batch_size, a.epochs, a.blr) == (256, 10, None)
+    assert a.lr == pytest.approx(6.4 if method == "cmae" else 0.2)
+    assert a.warmup_epochs == pytest.approx(warmup * 10 / epochs)
+    for flags, needle in [(["--layer-decay", "0.65"], "--layer-decay"), (["--recipe", "beit"], "mae or msn")]:
+        with pytest.raises(C.UserError, match=needle):
+            FT.finetune(H.parse_args(FT.LinearArgs, ["--linear", "--ckpt", ckpt, "--data", "synthetic", *flags]))
+
+
+def test_a_linear_probe_resumes_exactly(tmp_path):
+    """Stopped after its first epoch and rerun, the probe ends with the uninterrupted run's head, BatchNorm
+    statistics and LARS momentum, tensor for tensor."""
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
+
+    def make(out, stop_epoch=0):
+        return linear_args(ckpt, out, "--epochs", "2", "--steps-per-epoch", "2", "--batch-size", "8",
+                           "--stop-epoch", str(stop_epoch))
+    full, _ = exact_resume(FT.finetune, make, tmp_path, "finetune", ("model", "encoder"))
+    part = C.load_checkpoint(str(tmp_path / "part" / "checkpoint.pth"), "finetune")
+    for k, v in full["optimizer"]["state"].items():
+        assert torch.equal(v["mu"], part["optimizer"]["state"][k]["mu"])
+
+
+def test_linear_on_the_command_line_runs_the_protocol(tmp_path):
+    """`python eval_finetune.py --linear ...` parses the probe's own defaults (its --help says them) and runs."""
+    ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
+    r = run_cli("eval_finetune.py", "--linear", "--help")
+    assert r.returncode == 0 and "16384" in r.stdout and "LARS" not in r.stderr
+    r = run_cli("eval_finetune.py", "--linear", "--ckpt", ckpt, "--data", "synthetic", "--output-dir",
+                str(tmp_path / "o"), "--epochs", "1", "--steps-per-epoch", "2", "--batch-size", "8", "--workers", "0",
+                "--device", "cpu", "--eval-batch", "500")
+    assert r.returncode == 0, r.stderr
+    assert "linear probe of cmae" in r.stdout and "protocol mae" in r.stdout and "LARS" in r.stdout
+    assert json.loads(r.stdout.strip().splitlines()[-2])["linear"] is True
