@@ -76,6 +76,8 @@ class Args:
                       "under --data, any folder, into --output)")
     output: str = H.arg(None, "--mode embed: the folder for features.npy (N, D) and files.txt "
                         "(paths under --data)", group="run control")
+    tokens: bool = H.arg(False, "--mode embed: also tokens.npy (N, h, w, D), each image's "
+                         "last-block patch tokens after the final norm (eval_dense.py's)")
     export: str = H.arg(None, "write the encoder alone to this folder (encoder.pth, "
                         "encoder.safetensors where that package is, config.json: timm's model, "
                         "the pooling, mean / std), then exit", group="model")
@@ -131,11 +133,13 @@ class Pixels(nn.Module):
 def features_of(encoder, x, how):
     """(B, 3, H, W) -> (B, D): "cls" the CLS token after the final norm, "cls-prenorm" before it
     (MSN's evaluations), "mean" the mean of the normed patch tokens."""
-    if how not in POOLS:
+    if how not in POOLS + ("tokens",):
         raise C.UserError(f"--pool must be one of {', '.join(POOLS)}, got {how!r}")
     if isinstance(encoder, Pixels):
         return encoder(x)
     tokens = encoder(x, norm=how != "cls-prenorm")
+    if how == "tokens":                                              # --mode embed --tokens: (B, N, D)
+        return tokens[:, 1:]
     return tokens[:, 1:].mean(1) if how == "mean" else tokens[:, 0]
 
 
@@ -611,6 +615,11 @@ def embed(a, enc, ckpt, device):
         ds = C.ImageFiles(a.data, every=True)
     feats, _ = features(replace(a, cache=False), enc.to(device), ckpt, "embed", ds, device)
     np.save(os.path.join(a.output, "features.npy"), feats.numpy().astype(np.float32))
+    if a.tokens:                                                     # the square crop's grid, row-major
+        tok, _ = features(replace(a, cache=False, pool="tokens"), enc, ckpt, "embed", ds, device)
+        g = round(tok.shape[1] ** 0.5)
+        np.save(os.path.join(a.output, "tokens.npy"),
+                tok.view(len(tok), g, g, -1).numpy().astype(np.float32))
     names = [os.path.relpath(p, a.data) for p, _ in getattr(ds, "samples", [])]
     names = names or [str(i) for i in range(len(ds))]
     with open(os.path.join(a.output, "files.txt"), "w") as f:
@@ -661,6 +670,8 @@ def evaluate(a):
         raise C.UserError(f"--subset-file is read by --mode lowshot or all, not {a.mode}")
     if a.export:
         return weights.export(a.export, enc, ckpt, weights.pool_of(ckpt, a.pool), a.ckpt)
+    if a.tokens and (a.mode != "embed" or a.pixels):
+        raise C.UserError("--tokens writes a checkpoint's patch tokens with --mode embed")
     if a.mode == "embed":
         return embed(a, enc, ckpt, device)
     train, val, val_to_train = splits(a.data, split=a.split, holdout=a.holdout)   # layout checked before any extraction

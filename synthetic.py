@@ -38,8 +38,9 @@ def shape_mask(name, xx, yy, center, s, rot):
     }[name]
 
 
-def synthetic_image(idx, seed=0, split="train", size=64):
-    """Procedural image of one of 10 shape classes (label = idx % 10), deterministic per index.
+def synthetic_image(idx, seed=0, split="train", size=64, mask=False):
+    """Procedural image of one of 10 shape classes (label = idx % 10), deterministic per index;
+    mask=True: (image, label, the shape's (size, size) boolean mask) (eval_dense.py's labels).
 
     Grey images: random shape intensity, scale, position and rotation over a random grey textured
     background. No colour and no class-specific intensity: only the outline identifies the class,
@@ -63,7 +64,8 @@ def synthetic_image(idx, seed=0, split="train", size=64):
     u = ((xx - cx) * np.cos(rot) + (yy - cy) * np.sin(rot)) / s                # shape-frame x
     fg = (fg * (1 + 0.1 * np.sin(6 * u)))[..., None].repeat(3, -1)             # faintly textured fill
     img = np.where(m[..., None], fg, img)
-    return Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)), label
+    img = Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8))
+    return (img, label, m) if mask else (img, label)
 
 
 class SyntheticImages(torch.utils.data.Dataset):
