@@ -131,13 +131,13 @@ def set_grad_checkpointing(model, on=True):
 
 
 def save_image_grid(path, rows, labels, step=None, tb=None):
-    """rows: (B, 3, H, W) ImageNet-normalised tensors -> one PNG (rank 0), a labelled row each,
+    """rows: (B, 3, H, W) normalised tensors (normalize()) -> one PNG (rank 0), a labelled row each,
     tiles >= 64 px; also to `tb` (the run's TensorBoard writer)."""
     if not is_main():
         return
     from PIL import ImageDraw
     from torchvision.utils import make_grid
-    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in MEAN_STD)
     imgs = torch.cat([(r.detach().float().cpu() * std + mean).clamp(0, 1) for r in rows])
     k = max(1, math.ceil(64 / imgs.shape[-2]))
     imgs = F.interpolate(imgs, scale_factor=k, mode="nearest")
@@ -282,6 +282,7 @@ def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
 
 # ---- Data --------------------------------------------------------------------------------------
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+MEAN_STD = [IMAGENET_MEAN, IMAGENET_STD]               # what normalize() uses now (set_mean_std)
 IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 
 
@@ -294,11 +295,24 @@ def frame_order(name):
 _MEAN_STD = {}                                           # device -> (mean, std): built once (a copy to a GPU waits)
 
 
+def set_mean_std(mean=None, std=None):
+    """The per-channel mean and std (of pixels in [0, 1]) that normalize() uses from now on, in
+    this process and the DataLoader workers it starts later: a run's --mean / --std (harness.setup),
+    a weights file's (weights.load_encoder); None: ImageNet's. Returns them as tuples."""
+    mean, std = tuple(mean or IMAGENET_MEAN), tuple(std or IMAGENET_STD)
+    if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+        raise UserError(f"--mean / --std take 3 numbers each (one per channel, pixels in [0, 1]), "
+                        f"std > 0; got {' '.join(map(str, mean))} / {' '.join(map(str, std))}")
+    MEAN_STD[:] = mean, std
+    _MEAN_STD.clear()
+    return mean, std
+
+
 def normalize(x):
-    """uint8 (or float in [0, 1]) (..., 3, H, W) on any device -> float, ImageNet mean/std."""
+    """uint8 (or float in [0, 1]) (..., 3, H, W) on any device -> float, (x - mean) / std with the
+    MEAN_STD in force (ImageNet's unless set_mean_std changed them)."""
     if x.device not in _MEAN_STD:
-        _MEAN_STD[x.device] = [torch.tensor(v, device=x.device).view(3, 1, 1)
-                               for v in (IMAGENET_MEAN, IMAGENET_STD)]
+        _MEAN_STD[x.device] = [torch.tensor(v, device=x.device).view(3, 1, 1) for v in MEAN_STD]
     mean, std = _MEAN_STD[x.device]
     return ((x.float() / 255 if x.dtype == torch.uint8 else x) - mean) / std
 

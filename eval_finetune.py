@@ -473,6 +473,8 @@ def finetune(args):
     enc, ckpt = weights.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size,
                                      args.drop_path, per_block_rel_pos=True)
     recipe = (linear_recipe if args.linear else finetune_recipe)(args, ckpt["method"])
+    if (args.mean, args.std) == (C.IMAGENET_MEAN, C.IMAGENET_STD):  # not given: the checkpoint's (H.setup sets them)
+        args.mean, args.std = weights.mean_std(ckpt)
     size = weights.check_size(enc, args.img_size or ckpt["vit"]["img_size"])
     if size % enc.patch_size:
         raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size "

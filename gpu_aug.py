@@ -126,7 +126,7 @@ def color_augment_batch(x, jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2
 def _normalize(x):
     """common.normalize of float [0, 1] images, with the channel constants as Python numbers (traced
     into the compiled graph as constants; common.normalize keeps one tensor per device instead)."""
-    constants = enumerate(zip(C.IMAGENET_MEAN, C.IMAGENET_STD))
+    constants = enumerate(zip(*C.MEAN_STD))
     return torch.cat([(x[:, i:i + 1] - m) / s for i, (m, s) in constants], 1)
 
 

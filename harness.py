@@ -114,6 +114,11 @@ class RunArgs:
                        "process's CPUs))", group="data", min=0)
     seed: int = arg(0, "random seed (weights, data order, augmentation)", group="run control",
                     min=0)
+    mean: tuple = arg(C.IMAGENET_MEAN, "per-channel mean of the pixels in [0, 1] that the "
+                      "normalisation subtracts (ImageNet's by default; scripts/mean_std.py "
+                      "measures a folder's); kept in the checkpoint, used by every evaluation",
+                      group="data", nargs="+")
+    std: tuple = arg(C.IMAGENET_STD, "per-channel std it divides by", group="data", nargs="+")
     resume: bool = arg(True, "continue from <output-dir>/checkpoint.pth if present (a rerun "
                        "resumes; one with other model / data / recipe flags is refused); "
                        "--no-resume starts over", group="run control")
@@ -238,6 +243,7 @@ def setup(args, method):
     world, device, precision, autocast, scaler, out, ckpt, guard, control, tb (TensorBoard writer or
     None), lock, data (the fingerprinted datasets, set by resume_run), resuming."""
     validate(args)
+    args.mean, args.std = C.set_mean_std(args.mean, args.std)
     rank, world, device = init_distributed(args.device)
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     if precision not in ("bf16", "fp16", "fp32"):

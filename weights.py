@@ -354,7 +354,8 @@ def read_export(path):
         files = [os.path.join(folder, f) for f in EXPORT_FILES]
         path = next((f for f in files if os.path.isfile(f)), files[0])
     sd, _ = encoder_tensors(read_file(path), path)                 # the timm names read back
-    args = {"seed": config.get("seed", 0), "holdout": config.get("holdout", 0)}
+    args = {"seed": config.get("seed", 0), "holdout": config.get("holdout", 0),
+            "mean": config.get("mean"), "std": config.get("std")}
     return {"method": method, "vit": vit, "encoder": sd, "args": args, "step": config.get("step"),
             "pool": config.get("pool")}
 
@@ -461,6 +462,13 @@ def pool_of(record, asked=None):
     return asked or record.get("pool") or DEFAULT_POOL.get(record["method"], "cls")
 
 
+def mean_std(record):
+    """The normalisation a file's encoder was trained with: its run's --mean / --std, an export's
+    config.json, else ImageNet's (foreign files)."""
+    args = record.get("args") or {}
+    return tuple(args.get("mean") or C.IMAGENET_MEAN), tuple(args.get("std") or C.IMAGENET_STD)
+
+
 def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path=0.0,
                  per_block_rel_pos=False, online=False):
     """(encoder, record) of any file read_weights reads, the ViT rebuilt from its config, loaded
@@ -490,6 +498,9 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
               "evaluated as the plain ViT it is")
     said = [f"left out {', '.join(f'{k} ({n})' for k, n in ckpt['left_out'].items())}"] \
         if ckpt.get("left_out") else []
+    mean, std = C.set_mean_std(*mean_std(ckpt))                    # every evaluation normalises as it trained
+    if (mean, std) != (C.IMAGENET_MEAN, C.IMAGENET_STD):
+        said.append(f"normalised with its mean {mean} and std {std}")
     if said or ckpt.get("notes"):
         C.print0(f"{path} ({fmt}): {'; '.join(said + ckpt.get('notes', []))}")
     vit = dict(v)
@@ -672,7 +683,7 @@ def export(out, enc, ckpt, pool, source):
               "source": os.path.basename(source), "seed": run_args.get("seed", 0),
               "holdout": run_args.get("holdout", 0),
               "pool": pool, "features": how, "timm": kw,
-              "img_size": v["img_size"], "mean": C.IMAGENET_MEAN, "std": C.IMAGENET_STD,
+              "img_size": v["img_size"], "mean": mean_std(ckpt)[0], "std": mean_std(ckpt)[1],
               "resize": "bicubic to img_size * 256 / 224, centre crop img_size "
                         "(eval_linear.eval_transform)",
               "vit": v}

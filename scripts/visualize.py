@@ -58,7 +58,8 @@ def last_attention(enc, x, pool):
 
 def heat(x, a, grid):
     """The image x (B, 3, H, W) normalised, darkened where the attention a (B, N) is low: a picture in [0, 1]."""
-    img = (x * torch.tensor(C.IMAGENET_STD).view(3, 1, 1) + torch.tensor(C.IMAGENET_MEAN).view(3, 1, 1)).clamp(0, 1)
+    mean, std = (torch.tensor(v).view(3, 1, 1) for v in C.MEAN_STD)     # the checkpoint's (weights.load_encoder)
+    img = (x * std + mean).clamp(0, 1)
     a = a / a.amax(1, keepdim=True).clamp_min(1e-12)
     a = F.interpolate(a.view(-1, 1, grid, grid), size=x.shape[-2:], mode="nearest")
     return img * (0.15 + 0.85 * a) + torch.tensor([0.6, 0.1, 0.0]).view(3, 1, 1) * a * (1 - img)

@@ -12,6 +12,8 @@ sys.path.insert(1, os.path.join(ROOT, "scripts"))             # the tools a user
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    import common
+    common.set_mean_std()                                     # ImageNet's: a test's --mean / checkpoint never leaks
 
 
 def pytest_configure(config):

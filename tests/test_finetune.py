@@ -650,7 +650,8 @@ def test_the_linear_probe_trains_its_head_alone_on_the_protocols_features(method
         return real_step(run, opt, params, max_norm)
     monkeypatch.setattr(C, "optimizer_step", step)
     init = FT.LinearProbe.__init__
-    monkeypatch.setattr(FT.LinearProbe, "__init__", lambda self, *a: (init(self, *a), seen.setdefault("model", self))[0])
+    monkeypatch.setattr(FT.LinearProbe, "__init__",
+                        lambda self, *a: (init(self, *a), seen.setdefault("model", self))[0])
     res = FT.finetune(linear_args(ckpt, tmp_path / "o", "--epochs", "1", "--steps-per-epoch", "3", "--batch-size", "8"))
     assert res["linear"] and res["recipe"] == protocol and res["pool"] == {"mae": "cls", "msn": "cls-prenorm"}[protocol]
     out = C.load_checkpoint(str(tmp_path / "o" / "checkpoint.pth"), "finetune")
