@@ -582,7 +582,8 @@ def test_a_stop_signal_before_the_run_begins_exits_0_saying_nothing_was_written(
 def test_ctrl_c_says_what_it_interrupted_and_what_is_kept(tmp_path, capsys, monkeypatch):
     """Ctrl-C in an evaluation (which writes no checkpoint): "interrupted (Ctrl-C)", exit 130; a second Ctrl-C in a
     run: stopped at once, and which checkpoint is kept, or that none of this run was written."""
-    code = ("import os, signal, time, harness as H, eval_linear as E, weights as W; "
+    code = ("import os, signal, time, harness as H, eval_linear as E, weights as W; "   # SIGINT as a terminal's: a
+            "signal.signal(signal.SIGINT, signal.default_int_handler); "                # job started with & ignores it
             "W.load_encoder = lambda *a, **k: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30)); "
             "H.main(E.evaluate, E.Args)")
     r = run_cli("-c", code, "--ckpt", vit_checkpoint(tmp_path / "c.pth", "cmae"), "--data", "synthetic")
