@@ -193,6 +193,7 @@ def fit(train, classes, a, device):
     g = torch.Generator().manual_seed(a.seed)
     steps = a.epochs * -(-len(train) // a.batch_size)
     step = 0
+    bar = eval_linear.Progress(f"the head, {a.epochs} epochs", a.epochs)
     for _ in range(a.epochs):
         order = torch.randperm(len(train), generator=g).tolist()
         for i in range(0, len(order), a.batch_size):
@@ -206,6 +207,8 @@ def fit(train, classes, a, device):
             loss.backward()
             opt.step()
             step += 1
+        bar.step()
+    bar.done()
     return head.eval()
 
 
