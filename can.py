@@ -202,11 +202,11 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, patch_size, dim):
+    def __init__(self, patch_size, dim, in_chans=3):
         super().__init__()
-        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
+        self.proj = nn.Conv2d(in_chans, dim, patch_size, patch_size)
 
-    def forward(self, x):                                            # (B, 3, H, W) -> (B, N, D)
+    def forward(self, x):                                            # (B, C, H, W) -> (B, N, D)
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
@@ -237,14 +237,16 @@ class ViT(nn.Module):
     """forward(x, ids_keep=None, norm=True) -> (B, 1 + n, D), [CLS] first; ids_keep (B, n): the
     visible patches, the only ones the encoder sees."""
 
-    def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0):
+    def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0,
+                 in_chans=3):
         super().__init__()
         self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth,
                            heads=heads, mlp_ratio=4.0, pos_embed="sincos", init="xavier")  # ckpt["vit"]
+        self.config |= {"in_chans": in_chans} if in_chans != 3 else {}             # RGB's: unsaid
         self.patch_size = patch_size
         self.dim = dim
         self.grid = img_size // patch_size
-        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.patch_embed = PatchEmbed(patch_size, dim, in_chans)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.register_buffer("pos_embed", sincos_pos_embed(dim, self.grid))    # fixed, in the state dict
         rates = torch.linspace(0, drop_path, depth).tolist()         # stochastic depth, rising
@@ -268,7 +270,7 @@ def make_vit(a):
     if a.model not in SIZES:
         raise C.UserError(f"--model must be one of {', '.join(SIZES)}, got {a.model!r}")
     dim, depth, heads = SIZES[a.model]
-    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path)
+    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path, a.in_chans)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,17 +297,17 @@ def restore_tokens(x, mask_token, ids_restore):
 
 
 def patchify(imgs, p):
-    """(B, 3, H, W) -> (B, N, p*p*3), row-major patches, (p, p, 3) inside each patch (MAE)."""
+    """(B, C, H, W) -> (B, N, p*p*C), row-major patches, (p, p, C) inside each patch (MAE)."""
     B, C3, H, W = imgs.shape
     x = imgs.reshape(B, C3, H // p, p, W // p, p)
     return torch.einsum("bchpwq->bhwpqc", x).reshape(B, (H // p) * (W // p), p * p * C3)
 
 
 def unpatchify(x, p):
-    """Inverse of patchify for square images: (B, N, p*p*3) -> (B, 3, h p, h p)."""
+    """Inverse of patchify for square images: (B, N, p*p*C) -> (B, C, h p, h p)."""
     B, N, _ = x.shape
-    h = int(round(N ** 0.5))
-    return torch.einsum("bhwpqc->bchpwq", x.reshape(B, h, h, p, p, 3)).reshape(B, 3, h * p, h * p)
+    h, c = int(round(N ** 0.5)), x.shape[-1] // (p * p)
+    return torch.einsum("bhwpqc->bchpwq", x.reshape(B, h, h, p, p, c)).reshape(B, c, h * p, h * p)
 
 
 def norm_pix(target, eps=1e-6):
@@ -359,7 +361,7 @@ class CAN(nn.Module):
         self.decoder = nn.ModuleList(Block(dd, a.decoder_heads) for _ in range(a.decoder_depth))
         self.grad_ckpt = False
         self.decoder_norm = nn.LayerNorm(dd, eps=1e-6)
-        self.decoder_pred = nn.Linear(dd, p * p * 3)
+        self.decoder_pred = nn.Linear(dd, p * p * a.in_chans)
         xavier_init(self)                                                     # MAE: the whole model
         nn.init.normal_(self.mask_token, std=0.02)
 
@@ -465,7 +467,7 @@ def train_step(net, x, sigma, noise, ids_keep, ids_restore, mask, a, micro=None,
     B = x.shape[1]
     def rows(t, sl):                                                    # (2, b, ...) -> (2b, ...) view-major
         return t[:, sl].flatten(0, 1)
-    target = patchify(x.flatten(0, 1), a.patch_size).view(2, B, -1, 3 * a.patch_size ** 2)
+    target = patchify(x.flatten(0, 1), a.patch_size).view(2, B, -1, a.in_chans * a.patch_size ** 2)
     target = norm_pix(target) if a.norm_pix else target
     noise_px = patchify(noise.flatten(0, 1), a.patch_size).view_as(target)
     micro = micro or B

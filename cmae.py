@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchvision.transforms import functional as TF
 
 import common as C
 import harness as H
@@ -213,11 +214,11 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, patch_size, dim):
+    def __init__(self, patch_size, dim, in_chans=3):
         super().__init__()
-        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
+        self.proj = nn.Conv2d(in_chans, dim, patch_size, patch_size)
 
-    def forward(self, x):                                            # (B, 3, H, W) -> (B, N, D)
+    def forward(self, x):                                            # (B, C, H, W) -> (B, N, D)
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
@@ -248,14 +249,16 @@ class ViT(nn.Module):
     """forward(x, ids_keep=None, norm=True) -> (B, 1 + n, D), [CLS] first; ids_keep (B, n): the
     visible patches, the only ones the encoder sees."""
 
-    def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0):
+    def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0,
+                 in_chans=3):
         super().__init__()
         self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth,
                            heads=heads, mlp_ratio=4.0, pos_embed="sincos", init="xavier")  # ckpt["vit"]
+        self.config |= {"in_chans": in_chans} if in_chans != 3 else {}             # RGB's: unsaid
         self.patch_size = patch_size
         self.dim = dim
         self.grid = img_size // patch_size
-        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.patch_embed = PatchEmbed(patch_size, dim, in_chans)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.register_buffer("pos_embed", sincos_pos_embed(dim, self.grid))    # fixed, in the state dict
         rates = torch.linspace(0, drop_path, depth).tolist()         # stochastic depth, rising
@@ -279,7 +282,7 @@ def make_vit(a):
     if a.model not in SIZES:
         raise C.UserError(f"--model must be one of {', '.join(SIZES)}, got {a.model!r}")
     dim, depth, heads = SIZES[a.model]
-    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path)
+    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path, a.in_chans)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,17 +313,17 @@ def restore_tokens(x, mask_token, ids_restore):
 
 
 def patchify(imgs, p):
-    """(B, 3, H, W) -> (B, N, p*p*3), row-major patches, (p, p, 3) inside each patch (MAE)."""
+    """(B, C, H, W) -> (B, N, p*p*C), row-major patches, (p, p, C) inside each patch (MAE)."""
     B, C3, H, W = imgs.shape
     x = imgs.reshape(B, C3, H // p, p, W // p, p)
     return torch.einsum("bchpwq->bhwpqc", x).reshape(B, (H // p) * (W // p), p * p * C3)
 
 
 def unpatchify(x, p):
-    """Inverse of patchify for square images: (B, N, p*p*3) -> (B, 3, h p, h p)."""
+    """Inverse of patchify for square images: (B, N, p*p*C) -> (B, C, h p, h p)."""
     B, N, _ = x.shape
-    h = int(round(N ** 0.5))
-    return torch.einsum("bhwpqc->bchpwq", x.reshape(B, h, h, p, p, 3)).reshape(B, 3, h * p, h * p)
+    h, c = int(round(N ** 0.5)), x.shape[-1] // (p * p)
+    return torch.einsum("bhwpqc->bchpwq", x.reshape(B, h, h, p, p, c)).reshape(B, c, h * p, h * p)
 
 
 def norm_pix(target, eps=1e-6):
@@ -375,7 +378,7 @@ class CMAE(nn.Module):
         self.encoder = make_vit(a)
         D, g, p = self.encoder.dim, self.encoder.grid, a.patch_size
         dd, heads = a.decoder_dim, a.decoder_heads
-        self.pixel_decoder = Decoder(D, g, dd, a.decoder_depth, heads, p * p * 3)
+        self.pixel_decoder = Decoder(D, g, dd, a.decoder_depth, heads, p * p * a.in_chans)
         self.feature_decoder = Decoder(D, g, dd, a.feature_decoder_depth, heads, D)
         self.projector = mlp_head(D, a.proj_hidden, a.proj_dim)
         self.predictor = mlp_head(a.proj_dim, a.proj_hidden, a.proj_dim)
@@ -491,8 +494,8 @@ class PixelShiftViews:
         S = self.S
         no_shift = torch.zeros(2, dtype=torch.long)
         dh, dw = (torch.randint(0, self.shift, (2,)) if self.shift > 0 else no_shift).tolist()
-        source = C.to_uint8(m.crop((0, 0, S, S)))
-        target = C.to_uint8(self.color(m.crop((dw, dh, dw + S, dh + S))))
+        source = C.to_uint8(TF.crop(m, 0, 0, S, S))                  # PIL, or a tensor (--in-chans)
+        target = C.to_uint8(self.color(TF.crop(m, dh, dw, S, S)))
         return source, target, torch.tensor([dh, dw])
 
 

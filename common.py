@@ -131,14 +131,16 @@ def set_grad_checkpointing(model, on=True):
 
 
 def save_image_grid(path, rows, labels, step=None, tb=None):
-    """rows: (B, 3, H, W) normalised tensors (normalize()) -> one PNG (rank 0), a labelled row each,
-    tiles >= 64 px; also to `tb` (the run's TensorBoard writer)."""
+    """rows: (B, C, H, W) normalised tensors (normalize()) -> one PNG (rank 0), a labelled row each,
+    tiles >= 64 px (one channel drawn grey, more than 3: the first three as RGB); also to `tb` (the
+    run's TensorBoard writer)."""
     if not is_main():
         return
     from PIL import ImageDraw
     from torchvision.utils import make_grid
-    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in MEAN_STD)
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in MEAN_STD)
     imgs = torch.cat([(r.detach().float().cpu() * std + mean).clamp(0, 1) for r in rows])
+    imgs = imgs.expand(-1, 3, -1, -1) if imgs.shape[1] == 1 else imgs[:, :3]   # grey; N: the first 3
     k = max(1, math.ceil(64 / imgs.shape[-2]))
     imgs = F.interpolate(imgs, scale_factor=k, mode="nearest")
     grid = make_grid(imgs, nrow=rows[0].shape[0], padding=2, pad_value=1.0)              # (3, H', W')
@@ -283,7 +285,7 @@ def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
 # ---- Data --------------------------------------------------------------------------------------
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 MEAN_STD = [IMAGENET_MEAN, IMAGENET_STD]               # what normalize() uses now (set_mean_std)
-IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
+IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff", ".npy")
 
 
 def frame_order(name):
@@ -295,24 +297,36 @@ def frame_order(name):
 _MEAN_STD = {}                                           # device -> (mean, std): built once (a copy to a GPU waits)
 
 
-def set_mean_std(mean=None, std=None):
+def set_mean_std(mean=None, std=None, chans=None):
     """The per-channel mean and std (of pixels in [0, 1]) that normalize() uses from now on, in
-    this process and the DataLoader workers it starts later: a run's --mean / --std (harness.setup),
-    a weights file's (weights.load_encoder); None: ImageNet's. Returns them as tuples."""
+    this process and the DataLoader workers it starts later, and with them the number of channels
+    read_image() reads (`chans`, default len(mean)): a run's --mean / --std / --in-chans
+    (harness.setup), a weights file's (weights.load_encoder); None: ImageNet's (one channel: their
+    average). Returns them as tuples."""
     mean, std = tuple(mean or IMAGENET_MEAN), tuple(std or IMAGENET_STD)
-    if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
-        raise UserError(f"--mean / --std take 3 numbers each (one per channel, pixels in [0, 1]), "
-                        f"std > 0; got {' '.join(map(str, mean))} / {' '.join(map(str, std))}")
+    chans = chans or len(mean)
+    if chans == 1 and (mean, std) == (IMAGENET_MEAN, IMAGENET_STD):
+        mean, std = (round(sum(mean) / 3, 3),), (round(sum(std) / 3, 3),)   # grey: (0.449,), (0.226,)
+    if len(mean) != chans or len(std) != chans or min(std) <= 0:
+        raise UserError(f"--mean / --std take {chans} numbers each (one per channel of --in-chans "
+                        f"{chans}, pixels in [0, 1]), std > 0; got {' '.join(map(str, mean))} / "
+                        f"{' '.join(map(str, std))} (python scripts/mean_std.py DIR --in-chans "
+                        f"{chans} measures them)")
     MEAN_STD[:] = mean, std
     _MEAN_STD.clear()
     return mean, std
 
 
+def channels():
+    """The channels of the images in force (set_mean_std): 3 RGB unless a run or file said other."""
+    return len(MEAN_STD[0])
+
+
 def normalize(x):
-    """uint8 (or float in [0, 1]) (..., 3, H, W) on any device -> float, (x - mean) / std with the
+    """uint8 (or float in [0, 1]) (..., C, H, W) on any device -> float, (x - mean) / std with the
     MEAN_STD in force (ImageNet's unless set_mean_std changed them)."""
     if x.device not in _MEAN_STD:
-        _MEAN_STD[x.device] = [torch.tensor(v, device=x.device).view(3, 1, 1) for v in MEAN_STD]
+        _MEAN_STD[x.device] = [torch.tensor(v, device=x.device).view(-1, 1, 1) for v in MEAN_STD]
     mean, std = _MEAN_STD[x.device]
     return ((x.float() / 255 if x.dtype == torch.uint8 else x) - mean) / std
 
@@ -330,9 +344,51 @@ def to_rgb(img):
 
 
 def to_uint8(img):
-    """PIL image -> uint8 tensor (3, H, W): workers ship uint8, 4x less than float."""
+    """PIL image -> uint8 tensor (3, H, W): workers ship uint8, 4x less than float. A tensor (what
+    read_image gives for other channel counts) passes as it is."""
+    if isinstance(img, torch.Tensor):
+        return img
     img = img if img.mode == "RGB" else to_rgb(img)
     return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
+
+
+def read_image(path):
+    """An image file as training and evaluation read it, by the channels in force (channels()): 3:
+    an 8-bit RGB PIL image (any image converted, to_rgb); 1: a (1, H, W) tensor (colour converted
+    to grey); N: a (N, H, W) tensor from a .npy array ((N, H, W) or (H, W, N)), a multi-page TIFF
+    (one page per channel) or an image with N bands. Tensors hold uint8, or float32 in [0, 1]
+    (16-bit values / 65535; float arrays must lie in [0, 1]). ValueError on anything else."""
+    c = channels()
+    if str(path).lower().endswith(".npy"):
+        return array_image(np.load(path), c)
+    with Image.open(path) as img:
+        if c == 3:
+            return to_rgb(img)
+        if c == 1 and img.mode in ("L", "P", "RGB", "RGBA", "LA", "CMYK", "YCbCr"):
+            return torch.from_numpy(np.asarray(img.convert("L")).copy())[None]
+        from PIL import ImageSequence
+        pages = [np.asarray(p) for p in ImageSequence.Iterator(img)]   # a TIFF stack: a page a channel
+        return array_image(pages[0] if len(pages) == 1 else np.stack(pages), c)
+
+
+def array_image(a, c):
+    """An array of c channels, (c, H, W) or (H, W, c) (or (H, W) for c = 1) -> (c, H, W) tensor:
+    uint8 kept, other integers (16-bit) / 65535, floats as they are (in [0, 1])."""
+    a = a[None] if a.ndim == 2 else a
+    if a.ndim == 3 and a.shape[0] != c and a.shape[-1] == c:
+        a = a.transpose(2, 0, 1)
+    if a.ndim != 3 or a.shape[0] != c:
+        raise ValueError(f"an array of shape {tuple(a.shape)}, not {c} channels ((C, H, W) or "
+                         f"(H, W, C) with C = --in-chans {c})")
+    if a.dtype == np.uint8:
+        return torch.from_numpy(np.ascontiguousarray(a))
+    if a.dtype.kind in "ui" and a.size and (a.min() < 0 or a.max() > 65535):
+        raise ValueError(f"{a.dtype} values outside 0-65535: save 8 or 16 bits per channel")
+    if a.dtype.kind in "ui":
+        return torch.from_numpy(a.astype(np.float32) / 65535)
+    if a.dtype.kind != "f" or not (np.isfinite(a).all() and 0 <= a.min() and a.max() <= 1):
+        raise ValueError(f"{a.dtype} values: floats must lie in [0, 1] (or save uint8 / uint16)")
+    return torch.from_numpy(a.astype(np.float32))
 
 
 BLUR_SIGMA = (0.1, 2.0)
@@ -351,20 +407,53 @@ class GaussianBlur:
             return img
         from PIL import ImageFilter
         s = self.sigma[0] + float(torch.rand(())) * (self.sigma[1] - self.sigma[0])
+        if isinstance(img, torch.Tensor):                            # N channels: torchvision's, cut at 3 sigma
+            from torchvision.transforms import functional as TF
+            return TF.gaussian_blur(img, 2 * math.ceil(3 * s) + 1, s)
         return img.filter(ImageFilter.GaussianBlur(radius=s))
 
 
 def color_augment(jitter=(0.4, 0.4, 0.4, 0.1), p_jitter=0.8, p_gray=0.2, p_blur=0.5,
                   p_solarize=0.0):
     """SimCLR/BYOL photometric augmentation of PIL images: colour jitter, greyscale, blur,
-    solarisation."""
+    solarisation. Other channel counts (tensors): brightness and contrast jitter per channel, blur,
+    solarisation (saturation, hue and greyscale are RGB's: harness.setup says they are left out)."""
     from torchvision import transforms as T
+    if channels() != 3:
+        return T.Compose([T.RandomApply([ChannelJitter(*jitter[:2])], p=p_jitter),
+                          *([GaussianBlur(p_blur)] if p_blur > 0 else []),
+                          T.RandomApply([solarize], p=p_solarize)])
     ops = [T.RandomApply([T.ColorJitter(*jitter)], p=p_jitter), T.RandomGrayscale(p=p_gray)]
     if p_blur > 0:
         ops.append(GaussianBlur(p_blur))
     if p_solarize > 0:
         ops.append(T.RandomSolarize(128, p=p_solarize))
     return T.Compose(ops)
+
+
+class ChannelJitter:
+    """ColorJitter's brightness and contrast for (C, H, W) tensors of any C, a factor per channel:
+    x_c * b_c, then blended with its mean by k_c (b_c ~ U[1 - brightness, 1 + brightness], k_c ~
+    U[1 - contrast, 1 + contrast]), clipped to the value range (uint8 or [0, 1])."""
+
+    def __init__(self, brightness, contrast):
+        self.b, self.k = brightness, contrast
+
+    def __call__(self, x):
+        top = 255 if x.dtype == torch.uint8 else 1.0
+        c = x.shape[0]
+        b = 1 + (2 * torch.rand(c, 1, 1) - 1) * self.b
+        k = 1 + (2 * torch.rand(c, 1, 1) - 1) * self.k
+        y = (x.float() * b).clamp(0, top)
+        m = y.mean(dim=(1, 2), keepdim=True)
+        y = ((y - m) * k + m).clamp(0, top)
+        return y.round().to(torch.uint8) if x.dtype == torch.uint8 else y
+
+
+def solarize(x):
+    """RandomSolarize(threshold half the range) for tensors of any channel count."""
+    top = 255 if x.dtype == torch.uint8 else 1.0
+    return torch.where(x >= (128 if top == 255 else 0.5), top - x, x)
 
 
 class CountsUnreadable:
@@ -414,7 +503,7 @@ class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
         self.skip = skip_unreadable
         self.held = []
         self.count_unreadable_of(len(self.samples))
-        self.reader = read_rgb                          # gpu_decode.encoded() swaps in its reader
+        self.reader = read_image                         # gpu_decode.encoded() swaps in its reader
 
     def fingerprint(self):
         """What a resumed run must find again (harness.resume_run): the counts, the files (and
@@ -439,11 +528,6 @@ class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
                 self.unreadable(j, path, e, "image", "using the next readable image")
         raise UserError(f"100 consecutive unreadable images from {self.samples[i][0]}: is --data "
                         "right?")
-
-
-def read_rgb(path):
-    with Image.open(path) as img:
-        return to_rgb(img)
 
 
 def image_dataset(data, split="train", skip_unreadable=False, holdout=0):

@@ -262,11 +262,11 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, patch_size, dim):
+    def __init__(self, patch_size, dim, in_chans=3):
         super().__init__()
-        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
+        self.proj = nn.Conv2d(in_chans, dim, patch_size, patch_size)
 
-    def forward(self, x):                                            # (B, 3, H, W) -> (B, N, D)
+    def forward(self, x):                                            # (B, C, H, W) -> (B, N, D)
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
@@ -295,15 +295,16 @@ class ViT(nn.Module):
     to the patch grid)."""
 
     def __init__(self, img_size=224, patch_size=16, dim=768, depth=12, heads=12, drop_path=0.0,
-                 layer_scale=0.1):
+                 layer_scale=0.1, in_chans=3):
         super().__init__()
         self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth,
                            heads=heads, mlp_ratio=4.0, pos_embed="none", rel_pos_bias="shared",
                            layer_scale=layer_scale, qkv_bias="qv", init="beit")   # ckpt["vit"]
+        self.config |= {"in_chans": in_chans} if in_chans != 3 else {}             # RGB's: unsaid
         self.patch_size = patch_size
         self.dim = dim
         self.grid = img_size // patch_size
-        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.patch_embed = PatchEmbed(patch_size, dim, in_chans)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.rel_pos_bias = RelativePositionBias(self.grid, heads)
         self.blocks = nn.ModuleList(Block(dim, heads, layer_scale, p)
@@ -335,7 +336,8 @@ def make_vit(a):
     if a.model not in SIZES:
         raise C.UserError(f"--model must be one of {', '.join(SIZES)}, got {a.model!r}")
     dim, depth, heads = SIZES[a.model]
-    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path, layer_scale(a))
+    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path, layer_scale(a),
+               a.in_chans)
 
 
 def layer_scale(a):

@@ -76,7 +76,9 @@ class Args:
 # Data: (PIL image, label map (H, W) uint8, name) of each image of a split
 # ----------------------------------------------------------------------------------------------
 def pairs(root, split, max_images=0):
-    """The split's (image path or PIL image, label array or path, name), by the layout of root."""
+    """(the split's (image path or PIL image, label array or path, name), davis: its labels are
+    DAVIS-2016 masks), by the layout of root."""
+    davis = root != "synthetic" and os.path.isdir(os.path.join(root, "ImageSets", "480p"))
     if root == "synthetic":
         from synthetic import synthetic_image
         n = {"train": 400, "val": 100}[split if split == "train" else "val"]
@@ -85,7 +87,7 @@ def pairs(root, split, max_images=0):
             im, label, mask = synthetic_image(i, 0, "train" if split == "train" else "val",
                                               mask=True)
             out.append((im, (mask * (label + 1)).astype(np.uint8), f"synthetic_{i:04d}"))
-    elif os.path.isdir(os.path.join(root, "ImageSets", "480p")):
+    elif davis:
         lst = os.path.join(root, "ImageSets", "480p", f"{split}.txt")
         if not os.path.isfile(lst):
             raise C.UserError(f"--data {root}: no ImageSets/480p/{split}.txt (DAVIS-2016)")
@@ -109,21 +111,18 @@ def pairs(root, split, max_images=0):
             raise C.UserError(f"--data {root}: no images in {folder}")
     if max_images and len(out) > max_images:
         out = [out[i] for i in np.linspace(0, len(out) - 1, max_images).round().astype(int)]
-    return out
+    return out, davis
 
 
-def load_pair(image, label, binary):
-    """(RGB PIL image, (H, W) uint8 labels); DAVIS-2016 masks: 255 -> object 1. Sizes must agree."""
+def load_pair(image, label, davis):
+    """(RGB PIL image, (H, W) uint8 labels); DAVIS-2016 masks: object 1. Sizes must agree."""
     im = image if isinstance(image, Image.Image) else eval_video._read(image, "RGB")
     lab = label
     if not isinstance(label, np.ndarray):
-        lab = eval_video._read(label, "L" if binary else None)
-    lab = np.asarray(lab)
+        lab = eval_video.davis_mask(label) if davis else np.asarray(eval_video._read(label))
     if lab.ndim != 2:
         raise C.UserError(f"label map {label}: {lab.shape} is not one class id a pixel (a palette "
                           "or greyscale PNG)")
-    if binary:
-        lab = (lab >= 128).astype(np.uint8)
     if lab.shape != (im.size[1], im.size[0]):
         raise C.UserError(f"label map {label} is {lab.shape[1]}x{lab.shape[0]} px but its image "
                           f"is {im.size[0]}x{im.size[1]}")
@@ -131,14 +130,11 @@ def load_pair(image, label, binary):
 
 
 def resized(im, lab, short, p):
-    """Image and labels with the short side `short` (aspect kept), cropped to whole patches:
-    ((3, H, W) uint8, (H, W) int64)."""
-    w, h = im.size
-    s = short / min(w, h)
-    size = (max(p, round(w * s)), max(p, round(h * s)))
-    im = im.resize(size, Image.BICUBIC)
-    lab = Image.fromarray(lab).resize(size, Image.NEAREST)
-    H_, W_ = size[1] // p * p, size[0] // p * p
+    """Image and labels with the short side `short` (aspect kept; bicubic, nearest), cropped to
+    whole patches: ((3, H, W) uint8, (H, W) int64)."""
+    im = eval_video.resize_short(im, short, Image.BICUBIC)
+    lab = eval_video.resize_short(Image.fromarray(lab), short, Image.NEAREST)
+    H_, W_ = im.size[1] // p * p, im.size[0] // p * p
     return C.to_uint8(im)[:, :H_, :W_], torch.from_numpy(np.asarray(lab)[:H_, :W_].astype(np.int64))
 
 
@@ -149,12 +145,12 @@ def patch_tokens(enc, x, p):
     return tok[0].float().view(x.shape[-2] // p, x.shape[-1] // p, -1)
 
 
-def extract(enc, items, binary, size, p, device):
+def extract(enc, items, davis, size, p, device):
     """[(tokens (h, w, D) on the CPU, labels (H, W))] of each item."""
     out = []
     with eval_linear.Progress(f"tokens of {len(items)} images", len(items)) as bar:
         for image, label, _ in items:
-            x, lab = resized(*load_pair(image, label, binary), size, p)
+            x, lab = resized(*load_pair(image, label, davis), size, p)
             out.append((patch_tokens(enc, x[None].to(device), p).cpu(), lab))
             bar.step()
     return out
@@ -240,14 +236,17 @@ def evaluate(a):
     else:
         enc, ckpt = weights.load_encoder(a.ckpt, a.random_init, a.model, a.patch_size,
                                          online=a.online)
+        if C.channels() != 3:
+            raise C.UserError(f"{a.ckpt}: its encoder takes {C.channels()} channel(s); "
+                              "eval_dense.py reads RGB images")
         p, size = enc.patch_size, a.img_size or ckpt["vit"]["img_size"]
     if size < p:
         raise C.UserError(f"--img-size {size} is smaller than the patch ({p} px)")
-    binary = a.data != "synthetic" and os.path.isdir(os.path.join(a.data, "ImageSets", "480p"))
-    train_items, val_items = (pairs(a.data, s, a.max_images) for s in ("train", a.split))
+    (train_items, davis), (val_items, _) = (pairs(a.data, s, a.max_images)
+                                            for s in ("train", a.split))
     enc = enc.to(device).eval()
-    train = extract(enc, train_items, binary, size, p, device)
-    val = extract(enc, val_items, binary, size, p, device)
+    train = extract(enc, train_items, davis, size, p, device)
+    val = extract(enc, val_items, davis, size, p, device)
     seen = [int(lab[lab != 255].max()) for _, lab in train + val if (lab != 255).any()]
     classes = max(seen + [1]) + 1
     head = fit(train, classes, a, device)

@@ -462,6 +462,9 @@ def linear_recipe(args, method):
 def finetune(args):
     if not args.ckpt:
         raise C.UserError("--ckpt is required (a pre-trained checkpoint)")
+    if args.linear and not isinstance(args, LinearArgs):             # Args' defaults are fine-tuning's
+        raise C.UserError("finetune(Args(linear=True)): give LinearArgs(...), whose defaults are the "
+                          "linear protocol's (no MixUp, RandAugment, label smoothing, ...)")
     for k in ("smoothing", "reprob"):
         if not 0 <= getattr(args, k) <= 1:
             raise C.UserError(f"--{k.replace('_', '-')} must be in [0, 1], got {getattr(args, k)}")
@@ -473,8 +476,13 @@ def finetune(args):
     enc, ckpt = weights.load_encoder(args.ckpt, args.random_init, args.model, args.patch_size,
                                      args.drop_path, per_block_rel_pos=True)
     recipe = (linear_recipe if args.linear else finetune_recipe)(args, ckpt["method"])
-    if (args.mean, args.std) == (C.IMAGENET_MEAN, C.IMAGENET_STD):  # not given: the checkpoint's (H.setup sets them)
-        args.mean, args.std = weights.mean_std(ckpt)
+    args.in_chans = ckpt["vit"].get("in_chans", 3)                  # the images the encoder takes
+    mean, std = weights.mean_std(ckpt)                             # not given: the checkpoint's
+    args.mean, args.std = args.mean or mean, args.std or std        # (H.setup sets them)
+    if args.in_chans != 3 and args.randaug_magnitude >= 0:
+        raise C.UserError(f"RandAugment's operations (colour, posterize, equalize, ...) are RGB "
+                          f"images'; {args.ckpt} takes {args.in_chans} channel(s): give "
+                          "--randaug-magnitude -1")
     size = weights.check_size(enc, args.img_size or ckpt["vit"]["img_size"])
     if size % enc.patch_size:
         raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size "

@@ -325,6 +325,12 @@ def pck(videos, thresholds=PCK_AT):
 # ----------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------
+def davis_mask(path):
+    """A DAVIS-2016 annotation, (H, W) uint8: 1 on the object (>= 128 in its greyscale), else 0
+    (2016's masks are 0 / 255; in 2017's palettes 255 is void)."""
+    return (np.asarray(_read(path, "L")) >= 128).astype(np.uint8)
+
+
 def _read(path, convert=None, size=False):
     """A PIL image converted to `convert`, or its array (labels), or with size=True only its (width,
     height) from the header; unreadable -> one line naming it."""
@@ -428,8 +434,7 @@ def davis_videos(root, split, holdout=0):
     for v, frames, ann in videos:
         masks = [_read(m) if os.path.isfile(m) else None for m in ann]
         if binary:                                                  # 2016: 255 is the object, not void
-            masks = [(np.asarray(_read(m, "L")) >= 128).astype(np.uint8) if os.path.isfile(m)
-                     else None for m in ann]
+            masks = [davis_mask(m) if os.path.isfile(m) else None for m in ann]
         if not any(i not in (0, 255) for i in np.unique(masks[0])):
             raise C.UserError(f"video {v}: its first-frame annotation {ann[0]} has no object to "
                               "propagate")
@@ -722,6 +727,9 @@ def evaluate(a):
         ckpt = {"method": "pixels" if a.pixels else "copy-first"}
     else:
         enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size, online=a.online)
+        if C.channels() != 3:
+            raise C.UserError(f"{a.ckpt}: its encoder takes {C.channels()} channel(s); "
+                              "eval_video.py reads RGB videos")
     if a.holdout and (a.task != "davis" or a.data == "synthetic"):
         raise C.UserError("--holdout is for --task davis on a DAVIS root (the train videos a "
                           "--holdout run left out)")

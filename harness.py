@@ -114,11 +114,16 @@ class RunArgs:
                        "process's CPUs))", group="data", min=0)
     seed: int = arg(0, "random seed (weights, data order, augmentation)", group="run control",
                     min=0)
-    mean: tuple = arg(C.IMAGENET_MEAN, "per-channel mean of the pixels in [0, 1] that the "
-                      "normalisation subtracts (ImageNet's by default; scripts/mean_std.py "
-                      "measures a folder's); kept in the checkpoint, used by every evaluation",
-                      group="data", nargs="+")
-    std: tuple = arg(C.IMAGENET_STD, "per-channel std it divides by", group="data", nargs="+")
+    mean: tuple = arg(None, "per-channel mean of the pixels in [0, 1] that the normalisation "
+                      "subtracts (default: ImageNet's; --in-chans 1: their average; "
+                      "scripts/mean_std.py measures a folder's); kept in the checkpoint, used by "
+                      "every evaluation", group="data", nargs="+")
+    std: tuple = arg(None, "per-channel std it divides by (default: as --mean)", group="data",
+                     nargs="+")
+    in_chans: int = arg(3, "image channels: 3 RGB (every image converted); 1 grey (converted); "
+                        "N: .npy arrays (N, H, W) or (H, W, N), multi-page .tif stacks or N-band "
+                        "images, uint8 / uint16 / float in [0, 1], with --mean / --std of N "
+                        "numbers", group="data", positive=True)
     resume: bool = arg(True, "continue from <output-dir>/checkpoint.pth if present (a rerun "
                        "resumes; one with other model / data / recipe flags is refused); "
                        "--no-resume starts over", group="run control")
@@ -183,9 +188,9 @@ def parse_args(cls, argv=None):
         kw = dict(default=argparse.SUPPRESS, help=text.replace("%", "%%"))
         if f.type in (bool, "bool"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        elif isinstance(f.default, tuple):
-            n = f.metadata.get("nargs", len(f.default))
-            group.add_argument(flag, type=type(f.default[0]), nargs=n, **kw)
+        elif isinstance(f.default, tuple) or "nargs" in f.metadata:      # None: float numbers
+            n = f.metadata.get("nargs", len(f.default or ()))
+            group.add_argument(flag, type=type(f.default[0]) if f.default else float, nargs=n, **kw)
         else:
             kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
             group.add_argument(flag, type=kind, **kw)
@@ -243,7 +248,7 @@ def setup(args, method):
     world, device, precision, autocast, scaler, out, ckpt, guard, control, tb (TensorBoard writer or
     None), lock, data (the fingerprinted datasets, set by resume_run), resuming."""
     validate(args)
-    args.mean, args.std = C.set_mean_std(args.mean, args.std)
+    args.mean, args.std = C.set_mean_std(args.mean, args.std, args.in_chans)
     rank, world, device = init_distributed(args.device)
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     if precision not in ("bf16", "fp16", "fp32"):
@@ -251,6 +256,8 @@ def setup(args, method):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
     if not args.data:
         raise UserError("--data is required: an image folder (ImageFolder layout) or 'synthetic'")
+    if args.data == "synthetic" and args.in_chans != 3:
+        raise UserError(f"--data synthetic is RGB; --in-chans {args.in_chans} needs a folder")
     if args.data != "synthetic" and not os.path.isdir(args.data):                   # before any plan is printed
         raise UserError(f"--data {args.data}: no such directory (give an image folder or "
                         "'synthetic')")
@@ -273,6 +280,10 @@ def setup(args, method):
         print(f"{method}: {world} process(es) on {device}, precision {precision}, torch.compile "
               f"{'on' if args.compile else 'off'}{aug}, output {out}")
         print(json.dumps(dataclasses.asdict(args)))
+        if args.in_chans != 3:
+            print(f"--in-chans {args.in_chans}: the colour augmentation is brightness and contrast "
+                  "jitter per channel, blur and solarisation where the recipe has them; its "
+                  "saturation, hue and random greyscale are RGB's: left out")
         recipes = C.optional("recipes") if getattr(args, "preset", None) else None
         if recipes:                                                         # what the preset set, and why
             print(recipes.explain(type(args), args.preset, args))
@@ -433,9 +444,14 @@ def device_defaults(args, device):
         if args.compile:
             import torch._dynamo
             torch._dynamo.config.suppress_errors = True
+    rgb = [f for f in ("gpu_aug", "resident") if getattr(args, f, False)]
+    if rgb and args.in_chans != 3:                                  # their decoders and colour ops are RGB's
+        raise UserError(f"--{rgb[0].replace('_', '-')} takes RGB images; with --in-chans "
+                        f"{args.in_chans} leave it off (the workers read and augment)")
     if getattr(args, "gpu_aug", False) is None:
-        args.gpu_aug = device.type == "cuda" and os.path.isfile(C.sibling("gpu_aug"))
-        if device.type == "cuda" and not args.gpu_aug:
+        args.gpu_aug = device.type == "cuda" and args.in_chans == 3 and \
+            os.path.isfile(C.sibling("gpu_aug"))
+        if device.type == "cuda" and not args.gpu_aug and args.in_chans == 3:
             print0("no gpu_aug.py next to this file: the colour augmentation runs in the workers")
     if getattr(args, "gpu_aug", False) and not os.path.isfile(C.sibling("gpu_aug")):   # the method reads it
         raise UserError("--gpu-aug needs gpu_aug.py next to this file (or --no-gpu-aug: colour in "

@@ -198,6 +198,9 @@ class Args(H.RunArgs):
         """validate()'s rules for MSN's own flags."""
         if self.resident and self.gpu_decode:
             raise C.UserError("--resident and --gpu-decode: choose one (both decode on the device)")
+        if self.gpu_decode and self.in_chans != 3:
+            raise C.UserError(f"--gpu-decode takes RGB images; with --in-chans {self.in_chans} "
+                              "leave it off (the workers read and augment)")
         if self.focal_size % self.patch_size:
             raise C.UserError(f"--focal-size {self.focal_size} is not a multiple of --patch-size "
                               f"{self.patch_size}")
@@ -263,11 +266,11 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, patch_size, dim):
+    def __init__(self, patch_size, dim, in_chans=3):
         super().__init__()
-        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
+        self.proj = nn.Conv2d(in_chans, dim, patch_size, patch_size)
 
-    def forward(self, x):                                            # (B, 3, H, W) -> (B, N, D)
+    def forward(self, x):                                            # (B, C, H, W) -> (B, N, D)
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
@@ -287,14 +290,16 @@ class ViT(nn.Module):
     """forward(x, ids_keep=None, norm=True) -> (B, 1 + n, D), [CLS] first; ids_keep (B, n): the
     patches kept (MSN's patch drop). Init as official (trunc_init; cls, pos-embed trunc-normal)."""
 
-    def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, drop_path=0.0):
+    def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, drop_path=0.0,
+                 in_chans=3):
         super().__init__()
         self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth,
                            heads=heads, mlp_ratio=4.0, pos_embed="learned", init="trunc")  # ckpt["vit"]
+        self.config |= {"in_chans": in_chans} if in_chans != 3 else {}             # RGB's: unsaid
         self.patch_size = patch_size
         self.dim = dim
         self.grid = img_size // patch_size
-        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.patch_embed = PatchEmbed(patch_size, dim, in_chans)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         pos_embed = torch.zeros(1, 1 + self.grid ** 2, dim)
         self.pos_embed = nn.Parameter(nn.init.trunc_normal_(pos_embed, std=0.02))
@@ -328,7 +333,7 @@ def make_vit(a):
     if a.model not in SIZES:
         raise C.UserError(f"--model must be one of {', '.join(SIZES)}, got {a.model!r}")
     dim, depth, heads = SIZES[a.model]
-    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path)
+    return ViT(a.img_size, a.patch_size, dim, depth, heads, a.drop_path, a.in_chans)
 
 
 def random_masking(n, grid, ratio, device=None):

@@ -118,6 +118,9 @@ class Args(H.RunArgs):
 
     def check(self):
         """harness.validate's rules for SiamMAE's own flags."""
+        if self.in_chans != 3:
+            raise C.UserError(f"--in-chans {self.in_chans}: SiamMAE reads the RGB frames of "
+                              "videos (--in-chans 3 only)")
         if not 1 <= self.gap[0] <= self.gap[1]:
             raise C.UserError(f"--gap must be 1 <= min <= max frames (0 pairs a frame with "
                               f"itself), got {self.gap}")

@@ -156,9 +156,9 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, patch_size, dim):
+    def __init__(self, patch_size, dim, in_chans=3):
         super().__init__()
-        self.proj = nn.Conv2d(3, dim, patch_size, patch_size)
+        self.proj = nn.Conv2d(in_chans, dim, patch_size, patch_size)
 
     def forward(self, x):
         return self.proj(x).flatten(2).transpose(1, 2)
@@ -188,7 +188,7 @@ class ViT(nn.Module):
 
     def __init__(self, img_size=224, patch_size=16, dim=384, depth=12, heads=6, mlp_ratio=4.0,
                  pos_embed="learned", init="trunc", drop_path=0.0, rel_pos_bias=None,
-                 layer_scale=None, qkv_bias="qkv", **_):
+                 layer_scale=None, qkv_bias="qkv", in_chans=3, **_):
         super().__init__()
         table = "none" if pos_embed == "none" else "learned"           # a sin-cos one is saved
         self.config = dict(img_size=img_size, patch_size=patch_size, dim=dim, depth=depth,
@@ -197,10 +197,11 @@ class ViT(nn.Module):
         default = dict(rel_pos_bias=None, layer_scale=None, qkv_bias="qkv")
         self.config.update({k: v for k, v in extra.items()
                             if pos_embed == "none" or v != default[k]})
+        self.config |= {"in_chans": in_chans} if in_chans != 3 else {}             # RGB's: unsaid
         self.patch_size = patch_size
         self.dim = dim
         self.grid = img_size // patch_size
-        self.patch_embed = PatchEmbed(patch_size, dim)
+        self.patch_embed = PatchEmbed(patch_size, dim, in_chans)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         if pos_embed != "none":
             self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid ** 2, dim))
@@ -420,9 +421,10 @@ def foreign_config(vit, path, model=None):
     w = vit["patch_embed.proj.weight"]                               # (dim, channels, p, p)
     p = w.shape[-1]
     notes = []
-    if w.shape[1] != 3:
-        raise C.UserError(f"{path}: its patch embedding takes {w.shape[1]} channels; this "
-                          "project's ViT takes RGB images")
+    if w.shape[1] not in (1, 3):
+        raise C.UserError(f"{path}: its patch embedding takes {w.shape[1]} channels and the file "
+                          "does not say their normalisation (this project's checkpoints and "
+                          "exports do): give it as one of them, or --init a run with it")
     if model is not None and (model not in SIZES or SIZES[model][0] != dim):
         raise C.UserError(f"--model {model} does not match {path} (width {dim})")
     heads = SIZES[model][2] if model else HEADS.get(dim)            # None: load_encoder asks for --model
@@ -431,6 +433,7 @@ def foreign_config(vit, path, model=None):
     mlp_ratio = vit["blocks.0.mlp.fc1.weight"].shape[0] / dim
     depth = 1 + max(int(k.split(".")[1]) for k in vit if k.startswith("blocks."))
     config = dict(patch_size=p, dim=dim, heads=heads, mlp_ratio=mlp_ratio, depth=depth)
+    config |= {"in_chans": 1} if w.shape[1] == 1 else {}
     if "pos_embed" in vit:
         if rel:
             raise C.UserError(f"{path}: an absolute position table and a relative position bias "
@@ -498,9 +501,10 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
               "evaluated as the plain ViT it is")
     said = [f"left out {', '.join(f'{k} ({n})' for k, n in ckpt['left_out'].items())}"] \
         if ckpt.get("left_out") else []
-    mean, std = C.set_mean_std(*mean_std(ckpt))                    # every evaluation normalises as it trained
+    chans = v.get("in_chans", 3)                               # every evaluation reads and normalises
+    mean, std = C.set_mean_std(*mean_std(ckpt), chans)         # its images as it trained
     if (mean, std) != (C.IMAGENET_MEAN, C.IMAGENET_STD):
-        said.append(f"normalised with its mean {mean} and std {std}")
+        said.append(f"{chans} channel(s), normalised with its mean {mean} and std {std}")
     if said or ckpt.get("notes"):
         C.print0(f"{path} ({fmt}): {'; '.join(said + ckpt.get('notes', []))}")
     vit = dict(v)
@@ -586,6 +590,10 @@ def init_weights(path, model, encoder, method):
         if src is not None and src.shape != v.shape and k == at + "pos_embed":
             src = resize_pos_embed(src, encoder.grid, encoder.grid)
             resized.append(f"{name} {math.isqrt(source[k].shape[1] - 1)}^2 -> {encoder.grid}^2")
+        if src is not None and k == at + "patch_embed.proj.weight" and src.shape[1] == 3 and \
+                src.shape[1] != v.shape[1] and src.shape[::2] == v.shape[::2]:
+            src = adapt_channels(src, v.shape[1])
+            resized.append(f"{name} 3 -> {v.shape[1]} channels (adapt_channels)")
         if src is not None and src.shape == v.shape:
             load[k] = src
         elif k.startswith(at):                                          # the encoder must come whole
@@ -623,6 +631,17 @@ def init_weights(path, model, encoder, method):
     return load
 
 
+def adapt_channels(w, chans):
+    """An RGB patch embedding (D, 3, p, p) for `chans` input channels, timm's adapt_input_conv rule:
+    one channel: the sum of the three filters (a grey image gives the response its RGB copy gave);
+    N: the filters repeated R, G, B, R, ... to N and scaled 3 / N (for N a multiple of 3 an image
+    equal in every channel keeps its response)."""
+    w32 = w.float()
+    if chans == 1:
+        return w32.sum(1, keepdim=True).to(w.dtype)
+    return (w32.repeat(1, math.ceil(chans / 3), 1, 1)[:, :chans] * (3 / chans)).to(w.dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Writing: --export, the encoder alone for timm and any other library
 # ----------------------------------------------------------------------------------------------
@@ -640,6 +659,7 @@ def timm_config(v, pool):
     kw = dict(model_name=name, pretrained=False, num_classes=0, img_size=v["img_size"],
               patch_size=v["patch_size"], embed_dim=v["dim"], depth=v["depth"],
               num_heads=v["heads"], mlp_ratio=v["mlp_ratio"], init_values=v.get("layer_scale"))
+    kw |= {"in_chans": v["in_chans"]} if v.get("in_chans", 3) != 3 else {}
     if beit:
         if qkv == "qkv":
             raise C.UserError("--export: a BEiT encoder with one qkv bias has no timm model")
@@ -679,11 +699,12 @@ def export(out, enc, ckpt, pool, source):
         if os.path.exists(st):
             os.remove(st)                                            # an earlier export's: not this encoder
     run_args = ckpt.get("args", {})
+    mean, std = mean_std(ckpt)
     config = {"method": ckpt["method"], "step": ckpt.get("step"),
               "source": os.path.basename(source), "seed": run_args.get("seed", 0),
               "holdout": run_args.get("holdout", 0),
               "pool": pool, "features": how, "timm": kw,
-              "img_size": v["img_size"], "mean": mean_std(ckpt)[0], "std": mean_std(ckpt)[1],
+              "img_size": v["img_size"], "mean": mean, "std": std,
               "resize": "bicubic to img_size * 256 / 224, centre crop img_size "
                         "(eval_linear.eval_transform)",
               "vit": v}

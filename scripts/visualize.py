@@ -57,12 +57,14 @@ def last_attention(enc, x, pool):
 
 
 def heat(x, a, grid):
-    """The image x (B, 3, H, W) normalised, darkened where the attention a (B, N) is low: a picture in [0, 1]."""
-    mean, std = (torch.tensor(v).view(3, 1, 1) for v in C.MEAN_STD)     # the checkpoint's (weights.load_encoder)
+    """The image x (B, C, H, W) normalised, darkened where the attention a (B, N) is low and tinted red where it
+    is high (the first channel, grey images: brighter): a picture in [0, 1] of C channels."""
+    mean, std = (torch.tensor(v).view(-1, 1, 1) for v in C.MEAN_STD)     # the checkpoint's (weights.load_encoder)
     img = (x * std + mean).clamp(0, 1)
+    tint = torch.tensor([0.6, 0.1, 0.0, *[0.0] * x.shape[1]])[:x.shape[1]].view(-1, 1, 1)
     a = a / a.amax(1, keepdim=True).clamp_min(1e-12)
     a = F.interpolate(a.view(-1, 1, grid, grid), size=x.shape[-2:], mode="nearest")
-    return img * (0.15 + 0.85 * a) + torch.tensor([0.6, 0.1, 0.0]).view(3, 1, 1) * a * (1 - img)
+    return img * (0.15 + 0.85 * a) + tint * a * (1 - img)
 
 
 def method_model(ckpt):

@@ -341,7 +341,7 @@ def test_a_16_bit_greyscale_png_is_scaled_to_8_bits_not_clipped_to_white(tmp_pat
     g = (np.arange(64 * 64).reshape(64, 64) * 16).astype(np.uint16)          # 0 .. 65520
     Image.fromarray(g).save(tmp_path / "g16.png")
     assert Image.open(tmp_path / "g16.png").mode == "I;16"
-    for x in (np.asarray(C.read_rgb(tmp_path / "g16.png")),
+    for x in (np.asarray(C.read_image(tmp_path / "g16.png")),
               C.to_uint8(Image.open(tmp_path / "g16.png")).permute(1, 2, 0).numpy()):
         assert x.shape == (64, 64, 3) and (x == (g >> 8)[..., None]).all()
     Image.fromarray(g.astype(np.float32)).save(tmp_path / "f.tif")

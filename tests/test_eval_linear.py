@@ -234,8 +234,8 @@ def test_the_sweeps_validation_is_train_images_held_out_of_training_never_val(tm
     assert len(held) == 5 and not set(held) & set(rest) and sorted(held + rest) == sorted(every)
     assert len({p.split(os.sep)[-2] for p in held}) > 1                    # a draw, not the first files
     read = []
-    real = C.read_rgb
-    monkeypatch.setattr(C, "read_rgb", lambda p: (read.append(p), real(p))[1])
+    real = C.read_image
+    monkeypatch.setattr(C, "read_image", lambda p: (read.append(p), real(p))[1])
     mod = importlib.import_module("msn")
     mod.train(mod.Args(data=data, output_dir=str(tmp_path / "run"), model="nano", patch_size=4, img_size=16, epochs=1,
                        batch_size=4, workers=0, knn=False, warmup_epochs=0, holdout=5, **TINY["msn"]))

@@ -75,6 +75,11 @@ def test_a_runs_mean_and_std_reach_its_network_its_checkpoint_its_export_and_eve
                         batch_size=8, warmup_epochs=0, blr=1e-3, workers=0, eval_batch=500, device="cpu"))
     assert set(seen) == {MEAN}                                          # fine-tuning normalises as it pre-trained
     assert tuple(C.load_checkpoint(str(tmp_path / "ft" / "checkpoint.pth"))["args"]["mean"]) == MEAN
+    seen.clear()                                                        # values given win, ImageNet's too
+    FT.finetune(FT.Args(ckpt=ckpt, data="synthetic", output_dir=str(tmp_path / "ft2"), epochs=1, steps_per_epoch=1,
+                        batch_size=8, warmup_epochs=0, blr=1e-3, workers=0, eval_batch=500, device="cpu",
+                        mean=C.IMAGENET_MEAN, std=C.IMAGENET_STD))
+    assert set(seen) == {C.IMAGENET_MEAN}
 
 
 def test_bad_mean_or_std_is_one_line(tmp_path):
