@@ -130,17 +130,21 @@ class Pixels(nn.Module):
         return x.flatten(1)
 
 
-def features_of(encoder, x, how):
-    """(B, 3, H, W) -> (B, D): "cls" the CLS token after the final norm, "cls-prenorm" before it
-    (MSN's evaluations), "mean" the mean of the normed patch tokens."""
-    if how not in POOLS + ("tokens",):
+def features_of(encoder, x, how, tokens=False):
+    """(B, C, H, W) -> (B, D): "cls" the CLS token after the final norm, "cls-prenorm" before it
+    (MSN's evaluations), "mean" the mean of the normed patch tokens. tokens (--mode embed
+    --tokens, one forward): (B, 1 + N, D), that feature, then the patch tokens after the norm."""
+    if how not in POOLS:
         raise C.UserError(f"--pool must be one of {', '.join(POOLS)}, got {how!r}")
     if isinstance(encoder, Pixels):
         return encoder(x)
-    tokens = encoder(x, norm=how != "cls-prenorm")
-    if how == "tokens":                                              # --mode embed --tokens: (B, N, D)
-        return tokens[:, 1:]
-    return tokens[:, 1:].mean(1) if how == "mean" else tokens[:, 0]
+    if not tokens:
+        t = encoder(x, norm=how != "cls-prenorm")
+        return t[:, 1:].mean(1) if how == "mean" else t[:, 0]
+    pre = encoder(x, norm=False)
+    t = encoder.norm(pre)
+    f = pre[:, 0] if how == "cls-prenorm" else t[:, 1:].mean(1) if how == "mean" else t[:, 0]
+    return torch.cat([f[:, None], t[:, 1:]], 1)
 
 
 class Progress:
@@ -435,7 +439,7 @@ def splits(data, skip_unreadable=False, split=None, holdout=0):
     return train, val, mapping
 
 
-def features(a, enc, ckpt, split, ds, device):
+def features(a, enc, ckpt, split, ds, device, tokens=False):
     """(N, D) float features and (N,) labels (ds's own class indices) of a split, cached on disk.
     The cache key holds everything they depend on: the checkpoint file (path, size, mtime), how it
     is read (pooling, size, --random-init, --model, --patch-size) and the split's images (class
@@ -460,7 +464,7 @@ def features(a, enc, ckpt, split, ds, device):
         autocast = torch.autocast("cuda", torch.bfloat16)
     else:
         autocast = torch.autocast("cpu", enabled=False)
-    out = extract_features(enc, dl, device, lambda e, x: features_of(e, x, pool), autocast)
+    out = extract_features(enc, dl, device, lambda e, x: features_of(e, x, pool, tokens), autocast)
     if a.cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         C.save_checkpoint(path, out)
@@ -613,13 +617,13 @@ def embed(a, enc, ckpt, device):
         ds = C.image_dataset(a.data, "train")
     else:
         ds = C.ImageFiles(a.data, every=True)
-    feats, _ = features(replace(a, cache=False), enc.to(device), ckpt, "embed", ds, device)
-    np.save(os.path.join(a.output, "features.npy"), feats.numpy().astype(np.float32))
+    feats, _ = features(replace(a, cache=False), enc.to(device), ckpt, "embed", ds, device, a.tokens)
     if a.tokens:                                                     # the square crop's grid, row-major
-        tok, _ = features(replace(a, cache=False, pool="tokens"), enc, ckpt, "embed", ds, device)
+        feats, tok = feats[:, 0], feats[:, 1:]
         g = round(tok.shape[1] ** 0.5)
         np.save(os.path.join(a.output, "tokens.npy"),
-                tok.view(len(tok), g, g, -1).numpy().astype(np.float32))
+                tok.reshape(len(tok), g, g, -1).numpy().astype(np.float32))
+    np.save(os.path.join(a.output, "features.npy"), feats.numpy().astype(np.float32))
     names = [os.path.relpath(p, a.data) for p, _ in getattr(ds, "samples", [])]
     names = names or [str(i) for i in range(len(ds))]
     with open(os.path.join(a.output, "files.txt"), "w") as f:

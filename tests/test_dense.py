@@ -90,18 +90,27 @@ def test_a_checkpoint_is_probed_on_its_last_blocks_normed_patch_tokens_and_davis
     assert 0 <= res["miou"] <= 100
 
 
-def test_embed_tokens_writes_each_images_patch_tokens(tmp_path):
+@pytest.mark.parametrize("pool", ["mean", "cls", "cls-prenorm"])
+def test_embed_tokens_writes_each_images_patch_tokens(pool, tmp_path, monkeypatch):
     """eval_linear.py --mode embed --tokens: tokens.npy (N, h, w, D), the tokens eval_dense.py probes, beside
-    features.npy."""
+    features.npy, the same features as without --tokens, from one pass of the encoder over the images."""
     ckpt = vit_checkpoint(tmp_path / "c.pth", "cmae")
     folder = tmp_path / "imgs"
     folder.mkdir()
     for i in range(3):
         Image.fromarray(np.full((16, 16, 3), 40 * i, np.uint8)).save(folder / f"{i}.png")
-    E.evaluate(E.Args(ckpt=ckpt, data=str(folder), mode="embed", tokens=True, output=str(tmp_path / "o"),
+    E.evaluate(E.Args(ckpt=ckpt, data=str(folder), mode="embed", pool=pool, output=str(tmp_path / "f"), workers=0,
+                      device="cpu"))
+    calls = []
+    real = W.ViT.forward
+    monkeypatch.setattr(W.ViT, "forward", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    E.evaluate(E.Args(ckpt=ckpt, data=str(folder), mode="embed", pool=pool, tokens=True, output=str(tmp_path / "o"),
                       workers=0, device="cpu"))
+    assert len(calls) == 1                                               # 3 images, one batch, one forward
     tok = np.load(tmp_path / "o" / "tokens.npy")
-    assert tok.shape == (3, 4, 4, 32) and np.load(tmp_path / "o" / "features.npy").shape == (3, 32)
+    assert tok.shape == (3, 4, 4, 32)
+    np.testing.assert_allclose(np.load(tmp_path / "o" / "features.npy"), np.load(tmp_path / "f" / "features.npy"),
+                               atol=1e-6)
     enc, _ = W.load_encoder(ckpt)
     x = C.to_uint8(Image.open(folder / "2.png"))[None]
     np.testing.assert_allclose(tok[2], D.patch_tokens(enc, x, 4).numpy(), atol=1e-5)

@@ -737,3 +737,12 @@ def test_linear_on_the_command_line_runs_the_protocol(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "linear probe of cmae" in r.stdout and "protocol mae" in r.stdout and "LARS" in r.stdout
     assert json.loads(r.stdout.strip().splitlines()[-2])["linear"] is True
+
+
+def test_the_linear_probe_called_from_code_takes_its_own_defaults():
+    """finetune(Args(linear=True)) would run the probe with fine-tuning's MixUp, RandAugment and label smoothing:
+    refused in one line naming LinearArgs, whose defaults are the protocol's."""
+    with pytest.raises(C.UserError, match="LinearArgs"):
+        FT.finetune(FT.Args(ckpt="any.pth", linear=True))
+    a = FT.LinearArgs(ckpt="any.pth")
+    assert (a.mixup, a.cutmix, a.smoothing, a.reprob, a.randaug_magnitude) == (0, 0, 0, 0, -1)
