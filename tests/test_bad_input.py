@@ -328,7 +328,7 @@ def test_a_checkpoint_with_a_non_finite_weight_is_one_line_naming_the_tensor(tmp
     with pytest.raises(C.UserError, match=r"the encoder's blocks.0.attn.qkv.weight holds NaN"):
         FT.finetune(FT.Args(ckpt=ck, data=data, output_dir=str(tmp_path / "o")))
     E.evaluate(E.Args(ckpt=ck, data=data, workers=0, device="cpu", cache=False, random_init=True))   # not read
-    monkeypatch.setattr(E, "features_of", lambda enc, x, how: torch.full((len(x), 4), float("inf")))
+    monkeypatch.setattr(E, "features_of", lambda enc, x, how, tokens=False: torch.full((len(x), 4), float("inf")))
     with pytest.raises(C.UserError, match="the encoder gave NaN or infinite features for 18 of 18 images"):
         E.evaluate(E.Args(ckpt=vit_checkpoint(tmp_path / "ok.pth", "cmae"), data=data, workers=0, device="cpu",
                           cache=False))
