@@ -285,7 +285,7 @@ def gradient_cache(forward, coupled, n, micro, scale=None, ddp=None):
 # ---- Data --------------------------------------------------------------------------------------
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 MEAN_STD = [IMAGENET_MEAN, IMAGENET_STD]               # what normalize() uses now (set_mean_std)
-IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff", ".npy")
+IMG_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")   # + .npy: image_exts()
 
 
 def frame_order(name):
@@ -320,6 +320,11 @@ def set_mean_std(mean=None, std=None, chans=None):
 def channels():
     """The channels of the images in force (set_mean_std): 3 RGB unless a run or file said other."""
     return len(MEAN_STD[0])
+
+
+def image_exts():
+    """The files a folder's images are: IMG_EXTS, and .npy arrays where the channels are not RGB."""
+    return IMG_EXTS + ((".npy",) if channels() != 3 else ())
 
 
 def normalize(x):
@@ -489,14 +494,15 @@ class ImageFiles(torch.utils.data.Dataset, CountsUnreadable):
                             "'synthetic')")
         classes = [] if every else sorted(d.name for d in os.scandir(root) if d.is_dir())
         self.samples = []
+        exts = image_exts()
         for ci, c in enumerate(classes or [""]):
             for dirpath, _, files in sorted(os.walk(os.path.join(root, c), followlinks=True)):
                 self.samples += [(os.path.join(dirpath, f), ci) for f in sorted(files)
-                                 if f.lower().endswith(IMG_EXTS)]
+                                 if f.lower().endswith(exts)]
             if not classes:
                 break
         if not self.samples:
-            raise UserError(f"--data {root}: no images found ({'/'.join(IMG_EXTS)}) in it or its "
+            raise UserError(f"--data {root}: no images found ({'/'.join(exts)}) in it or its "
                             "sub-folders")
         self.root = root
         self.classes = classes or ["all"]

@@ -18,12 +18,12 @@ import common as C  # noqa: E402
 
 def mean_std(folder, max_images=5000, chans=3):
     """((chans,) mean, (chans,) std) over every pixel of up to max_images images under folder."""
+    C.set_mean_std([0.5] * chans, [1.0] * chans)                     # read_image reads `chans` channels
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs
-                   if f.lower().endswith(C.IMG_EXTS))
+                   if f.lower().endswith(C.image_exts()))
     if not files:
         raise C.UserError(f"{folder}: no images")
     pick = np.unique(np.linspace(0, len(files) - 1, min(max_images, len(files))).round().astype(int))
-    C.set_mean_std([0.5] * chans, [1.0] * chans)                     # read_image reads `chans` channels
     total, sq, n = np.zeros(chans), np.zeros(chans), 0
     for i in pick:
         try:

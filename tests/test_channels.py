@@ -224,3 +224,25 @@ def test_init_adapts_an_rgb_patch_embedding_as_timm_does(chans, tmp_path, capsys
     if chans % 3 == 0 or chans == 1:
         torch.testing.assert_close(F.conv2d(x.expand(-1, chans, -1, -1), w, stride=4),
                                    F.conv2d(x.expand(-1, 3, -1, -1), w3, stride=4), atol=1e-5, rtol=1e-5)
+
+
+def test_arrays_are_images_only_where_the_channels_are_not_rgb_and_mean_std_measures_them(tmp_path):
+    """A stray .npy in an RGB folder is no image (the RGB readers and a run's file list stay as they were);
+    with --in-chans 4 the folder's images are its arrays, and scripts/mean_std.py --in-chans 4 pools their
+    pixels per channel."""
+    data = tmp_path / "d"
+    data.mkdir()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(data / "a.png")
+    np.save(data / "b.npy", np.zeros((4, 8, 8), np.uint8))
+    assert [p for p, _ in C.ImageFiles(str(data), every=True).samples] == [str(data / "a.png")]
+    C.set_mean_std(MEAN4, STD4)
+    assert len(C.ImageFiles(str(data), every=True).samples) == 2
+    C.set_mean_std()
+    array_folder(tmp_path / "arr")
+    arrays = [np.load(f) for f in sorted((tmp_path / "arr").rglob("*.npy"))]
+    px = np.concatenate([a.reshape(4, -1) for a in arrays], 1) / 255
+    r = run_cli("scripts/mean_std.py", str(tmp_path / "arr"), "--in-chans", "4")
+    got = r.stdout.split()
+    assert got[:3] == ["--in-chans", "4", "--mean"] and got[7] == "--std", r.stdout + r.stderr
+    np.testing.assert_allclose([float(v) for v in got[3:7]], px.mean(1), atol=1e-4)
+    np.testing.assert_allclose([float(v) for v in got[8:12]], px.std(1), atol=1e-4)
