@@ -463,8 +463,8 @@ def finetune(args):
     if not args.ckpt:
         raise C.UserError("--ckpt is required (a pre-trained checkpoint)")
     if args.linear and not isinstance(args, LinearArgs):             # Args' defaults are fine-tuning's
-        raise C.UserError("finetune(Args(linear=True)): give LinearArgs(...), whose defaults are the "
-                          "linear protocol's (no MixUp, RandAugment, label smoothing, ...)")
+        raise C.UserError("finetune(Args(linear=True)): give LinearArgs(...), whose defaults are "
+                          "the linear protocol's (no MixUp, RandAugment, label smoothing, ...)")
     for k in ("smoothing", "reprob"):
         if not 0 <= getattr(args, k) <= 1:
             raise C.UserError(f"--{k.replace('_', '-')} must be in [0, 1], got {getattr(args, k)}")

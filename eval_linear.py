@@ -617,7 +617,8 @@ def embed(a, enc, ckpt, device):
         ds = C.image_dataset(a.data, "train")
     else:
         ds = C.ImageFiles(a.data, every=True)
-    feats, _ = features(replace(a, cache=False), enc.to(device), ckpt, "embed", ds, device, a.tokens)
+    feats, _ = features(replace(a, cache=False), enc.to(device), ckpt, "embed", ds, device,
+                        a.tokens)
     if a.tokens:                                                     # the square crop's grid, row-major
         feats, tok = feats[:, 0], feats[:, 1:]
         g = round(tok.shape[1] ** 0.5)
