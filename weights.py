@@ -423,8 +423,8 @@ def foreign_config(vit, path, model=None):
     notes = []
     if w.shape[1] not in (1, 3):
         raise C.UserError(f"{path}: its patch embedding takes {w.shape[1]} channels and the file "
-                          "does not say their normalisation (this project's checkpoints and "
-                          "exports do): give it as one of them, or --init a run with it")
+                          "does not say their normalisation: not read (this project's "
+                          "checkpoints and exports of N-channel runs say it)")
     if model is not None and (model not in SIZES or SIZES[model][0] != dim):
         raise C.UserError(f"--model {model} does not match {path} (width {dim})")
     heads = SIZES[model][2] if model else HEADS.get(dim)            # None: load_encoder asks for --model
