@@ -235,10 +235,7 @@ def evaluate(a):
         p, size = a.patch_size, a.img_size
     else:
         enc, ckpt = weights.load_encoder(a.ckpt, a.random_init, a.model, a.patch_size,
-                                         online=a.online)
-        if C.channels() != 3:
-            raise C.UserError(f"{a.ckpt}: its encoder takes {C.channels()} channel(s); "
-                              "eval_dense.py reads RGB images")
+                                         online=a.online, rgb_only="eval_dense.py")
         p, size = enc.patch_size, a.img_size or ckpt["vit"]["img_size"]
     if size < p:
         raise C.UserError(f"--img-size {size} is smaller than the patch ({p} px)")

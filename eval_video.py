@@ -726,10 +726,8 @@ def evaluate(a):
         enc = PatchPixels(a.patch_size or 1)
         ckpt = {"method": "pixels" if a.pixels else "copy-first"}
     else:
-        enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size, online=a.online)
-        if C.channels() != 3:
-            raise C.UserError(f"{a.ckpt}: its encoder takes {C.channels()} channel(s); "
-                              "eval_video.py reads RGB videos")
+        enc, ckpt = load_encoder(a.ckpt, a.random_init, a.model, a.patch_size, online=a.online,
+                                 rgb_only="eval_video.py")
     if a.holdout and (a.task != "davis" or a.data == "synthetic"):
         raise C.UserError("--holdout is for --task davis on a DAVIS root (the train videos a "
                           "--holdout run left out)")

@@ -449,9 +449,9 @@ def device_defaults(args, device):
         raise UserError(f"--{rgb[0].replace('_', '-')} takes RGB images; with --in-chans "
                         f"{args.in_chans} leave it off (the workers read and augment)")
     if getattr(args, "gpu_aug", False) is None:
-        args.gpu_aug = device.type == "cuda" and args.in_chans == 3 and \
-            os.path.isfile(C.sibling("gpu_aug"))
-        if device.type == "cuda" and not args.gpu_aug and args.in_chans == 3:
+        wanted = device.type == "cuda" and args.in_chans == 3
+        args.gpu_aug = wanted and os.path.isfile(C.sibling("gpu_aug"))
+        if wanted and not args.gpu_aug:
             print0("no gpu_aug.py next to this file: the colour augmentation runs in the workers")
     if getattr(args, "gpu_aug", False) and not os.path.isfile(C.sibling("gpu_aug")):   # the method reads it
         raise UserError("--gpu-aug needs gpu_aug.py next to this file (or --no-gpu-aug: colour in "

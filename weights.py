@@ -473,12 +473,14 @@ def mean_std(record):
 
 
 def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path=0.0,
-                 per_block_rel_pos=False, online=False):
+                 per_block_rel_pos=False, online=False, rgb_only=None):
     """(encoder, record) of any file read_weights reads, the ViT rebuilt from its config, loaded
     strict, in eval mode. random_init: the same ViT at its default initialisation drawn with the
     run's seed (weights not loaded). per_block_rel_pos: a BEiT encoder's shared relative position
     bias becomes one table per block, each a copy (fine-tuning, as BEiT / ConMIM's
-    run_class_finetuning). online: the online network's encoder of a training checkpoint."""
+    run_class_finetuning). online: the online network's encoder of a training checkpoint.
+    rgb_only: the reading tool's name, which reads RGB images only (an encoder of other channels
+    refused)."""
     fmt, ckpt = read_weights(path, model)
     if online:
         if fmt != "ours" or "model" not in ckpt:
@@ -502,6 +504,9 @@ def load_encoder(path, random_init=False, model=None, patch_size=None, drop_path
     said = [f"left out {', '.join(f'{k} ({n})' for k, n in ckpt['left_out'].items())}"] \
         if ckpt.get("left_out") else []
     chans = v.get("in_chans", 3)                               # every evaluation reads and normalises
+    if rgb_only and chans != 3:
+        raise C.UserError(f"{path}: its encoder takes {chans} channel(s); {rgb_only} reads RGB "
+                          "images")
     mean, std = C.set_mean_std(*mean_std(ckpt), chans)         # its images as it trained
     if (mean, std) != (C.IMAGENET_MEAN, C.IMAGENET_STD):
         said.append(f"{chans} channel(s), normalised with its mean {mean} and std {std}")
