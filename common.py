@@ -410,11 +410,11 @@ class GaussianBlur:
     def __call__(self, img):
         if torch.rand(()) >= self.p:
             return img
-        from PIL import ImageFilter
         s = self.sigma[0] + float(torch.rand(())) * (self.sigma[1] - self.sigma[0])
         if isinstance(img, torch.Tensor):                            # N channels: torchvision's, cut at 3 sigma
             from torchvision.transforms import functional as TF
             return TF.gaussian_blur(img, 2 * math.ceil(3 * s) + 1, s)
+        from PIL import ImageFilter
         return img.filter(ImageFilter.GaussianBlur(radius=s))
 
 
