@@ -13,8 +13,9 @@ annotated frame, background 0 / object 1), a folder with images/<split>/ and mas
 PNG label map per image, same file stem: class ids, 255 ignored; train/ fits, --split is scored),
 or `synthetic` (the shape images: background 0, the shape's class + 1). Reads every file the other
 evaluations read (weights.py). Images are resized to --img-size on the short side (aspect kept:
-a non-square grid goes through the encoder's position-table interpolation) and cropped bottom /
-right to whole patches; labels are resized the same way (nearest) and scored at that size.
+a non-square grid goes through the encoder's position-table interpolation, BEiT's relative
+position bias tables resized alike: weights.grid_bias) and cropped bottom / right to whole
+patches; labels are resized the same way (nearest) and scored at that size.
 
 Differences from DINOv2's linear protocol (mmsegmentation, ADE20k / VOC, 512-px crops): each
 image's tokens are extracted once, with no random resize, crop, flip or photometric augmentation

@@ -42,8 +42,9 @@ ConMIM's BEiT encoder (no absolute position embedding, layer scale, q / v biases
 BEiT's run_class_finetuning does it: the pre-trained shared relative position bias table is copied
 into every block (blocks.i.attn.relative_position_bias_table, layer id i + 1, weight-decayed like
 any 2-d tensor: --disable_weight_decay_on_rel_pos_bias is off by default); gammas and q / v biases
-are 1-d (no decay). It takes only its pre-training image size (BEiT would interpolate the tables):
-another --img-size is a one-line error.
+are 1-d (no decay). At another --img-size the tables stay at the pre-training grid's size and are
+resized bicubically in each forward, as the absolute position tables are (weights.grid_bias; BEiT
+resizes them once at load, its offsets spaced geometrically).
   - Evaluation each epoch on val/ (Resize img*256/224 bicubic + CenterCrop), top-1 / top-5.
 
 The papers' linear probe (`--linear`): the encoder frozen (no gradient, eval mode, no drop path),
@@ -483,7 +484,7 @@ def finetune(args):
         raise C.UserError(f"RandAugment's operations (colour, posterize, equalize, ...) are RGB "
                           f"images'; {args.ckpt} takes {args.in_chans} channel(s): give "
                           "--randaug-magnitude -1")
-    size = weights.check_size(enc, args.img_size or ckpt["vit"]["img_size"])
+    size = args.img_size or ckpt["vit"]["img_size"]
     if size % enc.patch_size:
         raise C.UserError(f"--img-size {size} is not a multiple of the checkpoint's patch size "
                           f"{enc.patch_size}")

@@ -123,9 +123,6 @@ class Pixels(nn.Module):
     normalised image itself (evaluate() centres it by the train split's mean image)."""
     patch_size = 1
 
-    def check_grid(self, gh, gw):
-        pass
-
     def forward(self, x, norm=True):
         return x.flatten(1)
 
@@ -446,7 +443,7 @@ def features(a, enc, ckpt, split, ds, device, tokens=False):
     names and file list), so a dataset changed in place is never served another's features and
     labels."""
     pool = weights.pool_of(ckpt, a.pool)
-    size = weights.check_size(enc, a.img_size or ckpt["vit"]["img_size"])
+    size = a.img_size or ckpt["vit"]["img_size"]
     if a.pixels:
         a = replace(a, cache=False)                  # no checkpoint to cache next to; cheap to redo
     st = os.stat(a.ckpt) if a.ckpt else None

@@ -47,8 +47,8 @@ POOLS = ("cls", "cls-prenorm", "mean")
 
 class Attention(nn.Module):
     """qkv_bias "qkv": one qkv bias (timm ViT); "qv": BEiT's learned q and v biases, k bias 0;
-    "none". rel_pos: this block's own BEiT relative position bias table (fine-tuning expands the
-    shared one)."""
+    "none". rel_pos: this block's own BEiT relative position bias table for a rel_pos x rel_pos
+    patch grid (fine-tuning expands the shared one)."""
 
     def __init__(self, dim, heads, qkv_bias="qkv", rel_pos=None):
         super().__init__()
@@ -59,6 +59,7 @@ class Attention(nn.Module):
             self.q_bias = nn.Parameter(torch.zeros(dim))
             self.v_bias = nn.Parameter(torch.zeros(dim))
         if rel_pos is not None:                                      # timm Beit's per-block names
+            self.grid = rel_pos
             table = torch.zeros((2 * rel_pos - 1) ** 2 + 3, heads)
             self.relative_position_bias_table = nn.Parameter(table)
             self.register_buffer("relative_position_index", relative_position_index(rel_pos),
@@ -70,27 +71,45 @@ class Attention(nn.Module):
             return torch.cat((self.q_bias, torch.zeros_like(self.v_bias), self.v_bias))
         return self.qkv.bias
 
-    def forward(self, x, bias=None):                                 # (B, T, D), bias (heads, T, T)
-        B, T, D = x.shape
+    def forward(self, x, bias=None, hw=None):                        # (B, T, D), bias (heads, T, T)
+        B, T, D = x.shape                                            # hw: the patch grid (own table)
         qkv = F.linear(x, self.qkv.weight, self.qkv_bias())
         q, k, v = qkv.view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
         if hasattr(self, "relative_position_bias_table"):
-            bias = relative_bias(self.relative_position_bias_table, self.relative_position_index)
+            bias = grid_bias(self.relative_position_bias_table, self.relative_position_index,
+                             self.grid, hw)
         mask = None if bias is None else bias.to(q.dtype).unsqueeze(0)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
 
-def relative_position_index(grid):
-    """BEiT's index (1 + N, 1 + N) into the ((2g - 1)^2 + 3)-row table (same as conmim.py's)."""
-    axis = torch.arange(grid)
-    yx = torch.stack(torch.meshgrid(axis, axis, indexing="ij")).flatten(1)
-    rel = (yx[:, :, None] - yx[:, None, :]).permute(1, 2, 0) + (grid - 1)
-    n_rel = (2 * grid - 1) ** 2 + 3
-    index = torch.zeros(grid * grid + 1, grid * grid + 1, dtype=torch.long)
-    index[1:, 1:] = rel[..., 0] * (2 * grid - 1) + rel[..., 1]
+def relative_position_index(grid, gw=None):
+    """BEiT's index (1 + N, 1 + N) into the ((2 gh - 1)(2 gw - 1) + 3)-row table of a grid x gw
+    patch grid (gw: grid; square, the same as conmim.py's)."""
+    gh, gw = grid, gw or grid
+    yx = torch.stack(torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")).flatten(1)
+    rel = (yx[:, :, None] - yx[:, None, :]).permute(1, 2, 0) + torch.tensor([gh - 1, gw - 1])
+    n_rel = (2 * gh - 1) * (2 * gw - 1) + 3
+    index = torch.zeros(gh * gw + 1, gh * gw + 1, dtype=torch.long)
+    index[1:, 1:] = rel[..., 0] * (2 * gw - 1) + rel[..., 1]
     index[0, :], index[:, 0], index[0, 0] = n_rel - 3, n_rel - 2, n_rel - 1
     return index
+
+
+def grid_bias(table, index, grid, hw=None):
+    """(heads, 1 + N, 1 + N) bias for an hw = (gh, gw) patch grid from a table and index made for a
+    grid x grid one (hw None: that one). Another grid: the table's (2 grid - 1)^2 offset rows
+    resized bicubically to (2 gh - 1) x (2 gw - 1), the offsets stretched as the absolute position
+    tables here are (timm's resize_rel_pos_bias_table_simple; BEiT's segmentation code spaces its
+    points geometrically instead), the 3 [CLS] rows kept."""
+    if hw is not None and tuple(hw) != (grid, grid):
+        n, heads = (2 * grid - 1) ** 2, table.shape[1]
+        rows = table[:n].T.reshape(1, heads, 2 * grid - 1, 2 * grid - 1).float()
+        rows = F.interpolate(rows, size=(2 * hw[0] - 1, 2 * hw[1] - 1), mode="bicubic",
+                             align_corners=False)
+        table = torch.cat([rows.reshape(heads, -1).T.to(table.dtype), table[n:]])
+        index = relative_position_index(*hw).to(table.device)
+    return relative_bias(table, index)
 
 
 def relative_bias(table, index):
@@ -103,13 +122,15 @@ def relative_bias(table, index):
 class RelativePositionBias(nn.Module):
     def __init__(self, grid, heads):
         super().__init__()
+        self.grid = grid
         table = torch.zeros((2 * grid - 1) ** 2 + 3, heads)
         self.relative_position_bias_table = nn.Parameter(table)
         self.register_buffer("relative_position_index", relative_position_index(grid),
                              persistent=False)
 
-    def forward(self):                                               # (heads, 1 + N, 1 + N)
-        return relative_bias(self.relative_position_bias_table, self.relative_position_index)
+    def forward(self, hw=None):                                      # (heads, 1 + N, 1 + N)
+        return grid_bias(self.relative_position_bias_table, self.relative_position_index,
+                         self.grid, hw)
 
 
 class Mlp(nn.Module):
@@ -144,8 +165,8 @@ class Block(nn.Module):
             self.gamma_2 = nn.Parameter(torch.full((dim,), float(layer_scale)))
         self.drop_path = drop_path
 
-    def forward(self, x, bias=None):
-        a = self.attn(self.norm1(x), bias)
+    def forward(self, x, bias=None, hw=None):
+        a = self.attn(self.norm1(x), bias, hw)
         if hasattr(self, "gamma_1"):
             a = self.gamma_1 * a
         x = x + drop_path(a, self.drop_path, self.training)
@@ -179,7 +200,7 @@ class ViT(nn.Module):
     (ConMIM): pos_embed "none", rel_pos_bias "shared" (one table, pre-training's layout, key
     rel_pos_bias.*) or "block" (one per block, fine-tuning's: load_encoder(per_block_rel_pos=True)
     copies the shared table into every block, as BEiT's run_class_finetuning), layer_scale, qkv_bias
-    "qv"; such an encoder takes only its training image size (the bias is tied to the patch grid).
+    "qv"; at another patch grid its tables are resized (grid_bias).
     --random-init draws the weights as the method's own ViT does (init "trunc": DeiT / MSN,
     "xavier": MAE / CMAE / CAN / SiamMAE, "beit": ConMIM), in the same order, for the run's seed:
     the run's own initial encoder for MSN, CMAE and ConMIM; CAN's and SiamMAE's training models draw
@@ -236,17 +257,6 @@ class ViT(nn.Module):
                 blk.attn.proj.weight.data.div_(math.sqrt(2.0 * layer))
                 blk.mlp.fc2.weight.data.div_(math.sqrt(2.0 * layer))
 
-    def check_grid(self, gh, gw):
-        """A one-line error where a BEiT encoder gets another patch grid than its training one (its
-        relative position bias is tied to it; BEiT would interpolate the tables, this code does
-        not)."""
-        if not hasattr(self, "pos_embed") and (gh, gw) != (self.grid, self.grid):
-            raise C.UserError(f"this BEiT encoder takes {self.grid * self.patch_size}px images "
-                              "only (its relative position bias is tied to the "
-                              f"{self.grid}x{self.grid} patch grid), got "
-                              f"{gh * self.patch_size}x{gw * self.patch_size}; leave --img-size at "
-                              "the checkpoint's")
-
     @staticmethod
     def init_token(t, init):
         if init == "xavier":
@@ -258,10 +268,9 @@ class ViT(nn.Module):
         gh, gw = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
         x = self.patch_embed(x)
         if not hasattr(self, "pos_embed"):                           # BEiT: no position added to any token
-            self.check_grid(gh, gw)
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
-            bias = self.rel_pos_bias() if hasattr(self, "rel_pos_bias") else None
-            x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False), bias)
+            bias = self.rel_pos_bias((gh, gw)) if hasattr(self, "rel_pos_bias") else None
+            x = C.run_blocks(self.blocks, x, getattr(self, "grad_ckpt", False), bias, (gh, gw))
             return self.norm(x) if norm else x
         x = x + resize_pos_embed(self.pos_embed, gh, gw)[:, 1:].to(x.dtype)
         cls = self.cls_token + self.pos_embed[:, :1]
@@ -281,13 +290,6 @@ def resize_pos_embed(pe, gh, gw):
     grid = F.interpolate(grid, size=(gh, gw), mode="bicubic", align_corners=False)
     rows = grid.permute(0, 2, 3, 1).reshape(1, gh * gw, -1).to(pe.dtype)
     return torch.cat([pe[:, :1], rows], dim=1)
-
-
-def check_size(encoder, size):
-    """size, or at start the one-line error the encoder's forward would give (BEiT: its training
-    size only)."""
-    encoder.check_grid(size // encoder.patch_size, size // encoder.patch_size)
-    return size
 
 
 # ----------------------------------------------------------------------------------------------

@@ -35,15 +35,16 @@ def attention_weights(enc, x):
     """(B, heads, T, T): the softmax weights of the encoder's last block, its q / k as its Attention computes them
     (qkv or BEiT's q / v biases, the relative position bias where there is one)."""
     attn, got = enc.blocks[-1].attn, {}
-    hook = attn.register_forward_pre_hook(lambda m, args: got.update(x=args[0], bias=args[1] if len(args) > 1
-                                                                     else None))
+    hook = attn.register_forward_pre_hook(lambda m, args: got.update(x=args[0], bias=(args + (None,) * 2)[1],
+                                                                     hw=(args + (None,) * 2)[2]))
     enc(x)
     hook.remove()
     h, (B, T, D) = attn.heads, got["x"].shape
     q, k, _ = F.linear(got["x"], attn.qkv.weight, attn.qkv_bias()).view(B, T, 3, h, D // h).permute(2, 0, 3, 1, 4)
     logits = q @ k.transpose(-1, -2) / math.sqrt(D // h)                     # (B, h, T, T)
     if hasattr(attn, "relative_position_bias_table"):                      # BEiT, a table per block
-        logits = logits + weights.relative_bias(attn.relative_position_bias_table, attn.relative_position_index)
+        logits = logits + weights.grid_bias(attn.relative_position_bias_table, attn.relative_position_index,
+                                            attn.grid, got["hw"])
     elif got["bias"] is not None:                                          # BEiT, the shared table
         logits = logits + got["bias"]
     return logits.softmax(-1)

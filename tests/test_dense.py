@@ -88,6 +88,10 @@ def test_a_checkpoint_is_probed_on_its_last_blocks_normed_patch_tokens_and_davis
     res = D.evaluate(D.Args(ckpt=ckpt, data=str(root), device="cpu", epochs=2))
     assert (res["classes"], res["img_size"], res["train_images"], res["val_images"]) == (2, 16, 8, 8)
     assert 0 <= res["miou"] <= 100
+    beit = vit_checkpoint(tmp_path / "b.pth", "conmim", pos_embed="none", rel_pos_bias="shared", qkv_bias="qv",
+                          layer_scale=0.1, init="beit")              # ConMIM's BEiT: its bias table resized
+    res = D.evaluate(D.Args(ckpt=beit, data=str(root), device="cpu", epochs=2))   # to the frames' 4 x 6 grid
+    assert (res["method"], res["img_size"], res["val_images"]) == ("conmim", 16, 8) and 0 <= res["miou"] <= 100
 
 
 @pytest.mark.parametrize("pool", ["mean", "cls", "cls-prenorm"])

@@ -42,9 +42,9 @@ def beit_keys(depth, shared=True):
     return keys
 
 
-def timm_beit(shared=True, layer_scale=0.1):
+def timm_beit(shared=True, layer_scale=0.1, img_size=16):
     from timm.models.beit import Beit
-    return Beit(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=2, num_classes=0, global_pool="token",
+    return Beit(img_size=img_size, patch_size=4, embed_dim=64, depth=2, num_heads=2, num_classes=0, global_pool="token",
                 use_abs_pos_emb=False, use_shared_rel_pos_bias=shared, use_rel_pos_bias=not shared,
                 init_values=layer_scale).eval()
 
@@ -84,12 +84,6 @@ def test_conmim_encoder_is_timm_beit_shared_and_per_block(tmp_path):
     shared, _ = W.load_encoder(str(tmp_path / "c.pth"))
     block, _ = W.load_encoder(str(tmp_path / "c.pth"), per_block_rel_pos=True)
     assert set(block.state_dict()) == beit_keys(2, shared=False)
-    for enc_ in (shared, block):                                    # the bias is tied to the grid: other sizes refused
-        with pytest.raises(C.UserError, match="takes 16px images only"):
-            W.check_size(enc_, 24)                                  # at start (eval_linear, eval_finetune)
-        with pytest.raises(C.UserError, match="got 16x24"):
-            enc_(torch.zeros(1, 3, 16, 24))                         # in forward (a non-square video frame)
-    assert W.check_size(shared, 16) == 16
     with torch.no_grad():
         ref = enc(x)
         torch.testing.assert_close(shared(x), ref, atol=1e-5, rtol=1e-5)
@@ -98,6 +92,16 @@ def test_conmim_encoder_is_timm_beit_shared_and_per_block(tmp_path):
         for sd, tm in ((enc.state_dict(), timm_beit(True)), (block.state_dict(), timm_beit(False))):
             tm.load_state_dict(sd, strict=True)
             torch.testing.assert_close(tm.forward_features(x), ref, atol=1e-5, rtol=1e-5)
+        # another patch grid (a non-square video frame, eval_dense.py): each table resized by timm's own
+        # resize_rel_pos_bias_table_simple into timm's Beit built for that grid gives the same tokens
+        from timm.layers import resize_rel_pos_bias_table_simple
+        x = torch.randn(2, 3, 16, 24)                               # 4 x 6 patches; trained on 4 x 4
+        for enc_, sd, shared_ in ((shared, enc.state_dict(), True), (block, block.state_dict(), False)):
+            tm = timm_beit(shared_, img_size=(16, 24))
+            sd = {k: resize_rel_pos_bias_table_simple(v, (4, 6), tm.state_dict()[k].shape)
+                  if k.endswith("relative_position_bias_table") else v for k, v in sd.items()}
+            tm.load_state_dict(sd, strict=True)
+            torch.testing.assert_close(tm.forward_features(x), enc_(x), atol=1e-5, rtol=1e-5)
 
 
 VITS = ["msn", "cmae", "can", "siammae", "weights"]          # the ViT family (ConMIM's BEiT: above)

@@ -168,19 +168,24 @@ def test_conmim_mask_token_replaces_masked_patches():
 
 
 def test_beit_relative_position_index_against_a_loop():
-    """BEiT's index: token (y1, x1) -> (y2, x2) reads row (y1 - y2 + g - 1) (2g - 1) + (x1 - x2 + g - 1);
-    CLS -> token, token -> CLS, CLS -> CLS the last three rows (conmim.py and weights.py alike)."""
+    """BEiT's index for a gh x gw grid: token (y1, x1) -> (y2, x2) reads row
+    (y1 - y2 + gh - 1) (2 gw - 1) + (x1 - x2 + gw - 1); CLS -> token, token -> CLS, CLS -> CLS the last three
+    rows (conmim.py and weights.py alike on the square grid; weights.py's on a non-square one too)."""
+    def ref(gh, gw):
+        n_rel = (2 * gh - 1) * (2 * gw - 1) + 3
+        out = torch.zeros(gh * gw + 1, gh * gw + 1, dtype=torch.long)
+        for i in range(gh * gw):
+            for j in range(gh * gw):
+                (y1, x1), (y2, x2) = divmod(i, gw), divmod(j, gw)
+                out[1 + i, 1 + j] = (y1 - y2 + gh - 1) * (2 * gw - 1) + (x1 - x2 + gw - 1)
+        out[0, 1:], out[1:, 0], out[0, 0] = n_rel - 3, n_rel - 2, n_rel - 1
+        return out
     g = 3
-    n_rel = (2 * g - 1) ** 2 + 3
-    ref = torch.zeros(g * g + 1, g * g + 1, dtype=torch.long)
-    for i in range(g * g):
-        for j in range(g * g):
-            (y1, x1), (y2, x2) = divmod(i, g), divmod(j, g)
-            ref[1 + i, 1 + j] = (y1 - y2 + g - 1) * (2 * g - 1) + (x1 - x2 + g - 1)
-    ref[0, 1:], ref[1:, 0], ref[0, 0] = n_rel - 3, n_rel - 2, n_rel - 1
-    assert torch.equal(conmim.relative_position_index(g), ref)
-    assert torch.equal(W.relative_position_index(g), ref)
-    assert conmim.ViT(24, 8, 16, 1, 2).rel_pos_bias.relative_position_bias_table.shape == (n_rel, 2)
+    assert torch.equal(conmim.relative_position_index(g), ref(g, g))
+    assert torch.equal(W.relative_position_index(g), ref(g, g))
+    assert torch.equal(W.relative_position_index(3, 5), ref(3, 5))
+    assert torch.equal(W.relative_position_index(4, 2), ref(4, 2))
+    assert conmim.ViT(24, 8, 16, 1, 2).rel_pos_bias.relative_position_bias_table.shape == ((2 * g - 1) ** 2 + 3, 2)
 
 
 @pytest.mark.parametrize("model,scale", [("small", 0.1), ("base", 0.1), ("large", 1e-5), ("micro", 0.1)])
