@@ -20,6 +20,7 @@ refusal naming it: nothing is dropped unsaid.
 Written: export() -> encoder.pth, encoder.safetensors where that package is, config.json (how timm
 rebuilds it, strict, the pooling, the preprocessing); each file whole (temp + rename), no lock file.
 """
+import functools
 import json
 import math
 import os
@@ -108,8 +109,20 @@ def grid_bias(table, index, grid, hw=None):
         rows = F.interpolate(rows, size=(2 * hw[0] - 1, 2 * hw[1] - 1), mode="bicubic",
                              align_corners=False)
         table = torch.cat([rows.reshape(heads, -1).T.to(table.dtype), table[n:]])
-        index = relative_position_index(*hw).to(table.device)
+        if torch.compiler.is_compiling():                           # built in the graph, once
+            index = relative_position_index(*hw).to(table.device)
+        else:
+            index = grid_index(*hw, table.device)
     return relative_bias(table, index)
+
+
+@functools.lru_cache(maxsize=16)
+def grid_index(gh, gw, device):
+    """relative_position_index(gh, gw) on a device, made once per grid (not in every block's
+    forward); a normal tensor even when first asked for under inference_mode, so that a later
+    training forward can save it for backward."""
+    with torch.inference_mode(False):
+        return relative_position_index(gh, gw).to(device)
 
 
 def relative_bias(table, index):

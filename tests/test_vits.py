@@ -188,6 +188,27 @@ def test_beit_relative_position_index_against_a_loop():
     assert conmim.ViT(24, 8, 16, 1, 2).rel_pos_bias.relative_position_bias_table.shape == ((2 * g - 1) ** 2 + 3, 2)
 
 
+@pytest.mark.parametrize("layout", ["shared", "block"])
+def test_beit_index_for_another_grid_is_made_once_and_trains_after_inference(layout, monkeypatch):
+    """At another patch grid (eval_dense.py, eval_finetune.py --img-size) the index is built once per
+    grid and device, not in every block's forward; built first under inference_mode (an evaluation),
+    it still serves a training forward and backward afterwards."""
+    vit = W.ViT(16, 4, 32, 3, 2, pos_embed="none", init="beit", rel_pos_bias=layout,
+                layer_scale=0.1, qkv_bias="qv")
+    made = []
+    monkeypatch.setattr(W, "relative_position_index",
+                        lambda *g, f=W.relative_position_index: made.append(g) or f(*g))
+    W.grid_index.cache_clear()
+    x = torch.randn(2, 3, 16, 24)                                        # 4 x 6 patches; built for 4 x 4
+    with torch.inference_mode():
+        vit(x)
+        vit(x)
+    vit(x).sum().backward()
+    assert made == [(4, 6)]
+    assert vit.blocks[0].attn.qkv.weight.grad is not None
+    W.grid_index.cache_clear()
+
+
 @pytest.mark.parametrize("model,scale", [("small", 0.1), ("base", 0.1), ("large", 1e-5), ("micro", 0.1)])
 def test_conmim_layer_scale_defaults_are_official(model, scale):
     """run_conmim_pretraining.py: --layer_scale_init_value 0.1 ("0.1 for base, 1e-5 for large"; the
